@@ -1,0 +1,195 @@
+"""Byte-level training data with a sampler that ignores the parallel layout.
+
+The default corpus is the Python standard library's own ``.py`` source: it is on every
+machine that runs this code, so the default job needs no download. It is read in sorted
+path order and capped, so it is the same on every run with the same Python install.
+
+``get_batch(corpus, step, ...)`` depends only on ``(step, seed, global_batch, seq_len)``:
+the mini-batch of step ``s`` is the same set of sequences whatever W, D or N are. A
+pipeline takes its micro-batches as row slices of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MAX_BYTES = 4 * 2**20
+VAL_FRACTION = 0.05              # the last 5% of the corpus is held out
+KINDS = ("gpt2", "bert")
+SPLITS = ("train", "val")
+BYTE_VOCAB = 256
+IGNORE_INDEX = -100
+# BERT masking (Devlin et al.): 15% of positions; of those 80% [MASK], 10% random, 10% kept.
+MASK_PROB, MASK_REPLACE, MASK_RANDOM = 0.15, 0.8, 0.1
+_SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
+_SNIFF_BYTES = 8192
+
+
+def derive_seed(*parts) -> int:
+    """A 63-bit seed from a tuple of ints/strings, stable across runs and platforms."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+# ---------------------------------------------------------------------------------------
+# Corpus
+
+def _walk_sorted(root: Path, keep_dir) -> list[Path]:
+    """Files under ``root`` (directories pruned by ``keep_dir``), sorted by relative path."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if keep_dir(d)]
+        found.extend(Path(dirpath, name) for name in filenames)
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's ``.py`` files (no site-packages) in sorted path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = _walk_sorted(root, lambda d: d not in _SKIP_DIRS)
+    return [p for p in files if p.suffix == ".py" and p.is_file()]
+
+
+def _looks_like_text(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(_SNIFF_BYTES)
+
+
+def _text_files(directory: Path) -> list[Path]:
+    """Non-hidden files under ``directory`` that look like text, sorted."""
+    files = _walk_sorted(directory, lambda d: not d.startswith("."))
+    return [p for p in files
+            if not p.name.startswith(".") and p.is_file() and _looks_like_text(p)]
+
+
+def _read_files(files: list[Path], max_bytes: int | None) -> bytes:
+    """Concatenate files (newline-separated), stopping once ``max_bytes`` is reached."""
+    chunks, total = [], 0
+    for p in files:
+        if max_bytes is not None and total >= max_bytes:
+            break
+        data = p.read_bytes() + b"\n"
+        chunks.append(data)
+        total += len(data)
+    joined = b"".join(chunks)
+    return joined if max_bytes is None else joined[:max_bytes]
+
+
+def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int | None = None,
+                seq_len: int | None = None) -> torch.Tensor:
+    """Bytes of a file, of all text files in a directory, or (default) of the stdlib.
+
+    Returns a 1-D uint8 tensor. The stdlib corpus is capped at ``DEFAULT_MAX_BYTES``
+    unless ``max_bytes`` says otherwise; a given path is read whole unless capped.
+    Raises ``ValueError`` for a missing path, empty data, or (when ``seq_len`` is given)
+    data too short for one training sequence.
+    """
+    if path is None:
+        where, files = "the Python standard library", stdlib_sources()
+        max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    else:
+        where, p = str(path), Path(path)
+        if not p.exists():
+            raise ValueError(f"corpus path {where!r} does not exist")
+        files = _text_files(p) if p.is_dir() else [p]
+    data = _read_files(files, max_bytes)
+    if not data.strip():
+        raise ValueError(f"corpus from {where!r} is empty (no text files or no bytes)")
+    if seq_len is not None and len(data) < seq_len + 1:
+        raise ValueError(f"corpus from {where!r} has {len(data)} bytes, fewer than one "
+                         f"sequence of {seq_len} + 1")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def split_corpus(corpus: torch.Tensor, split: str) -> torch.Tensor:
+    """The first 95% (``"train"``) or the last 5% (``"val"``) of the corpus."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    n_val = max(1, int(len(corpus) * VAL_FRACTION))
+    cut = len(corpus) - n_val
+    return corpus[:cut] if split == "train" else corpus[cut:]
+
+
+# ---------------------------------------------------------------------------------------
+# Batches
+
+def _check_batch_args(step: int, global_batch: int, seq_len: int, kind: str,
+                      vocab_size: int) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if vocab_size < BYTE_VOCAB:
+        raise ValueError(f"byte data needs vocab_size >= {BYTE_VOCAB}, got {vocab_size}")
+
+
+def mask_tokens(tokens: torch.Tensor, gen: torch.Generator,
+                vocab_size: int = BYTE_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT masked-LM corruption of ``tokens`` (B, T) -> (inputs, targets).
+
+    The mask token is ``vocab_size - 1`` (byte 0xFF never occurs in UTF-8 text). Each row
+    gets at least one target, so every micro-batch (a slice of rows) has a finite loss.
+    """
+    mask_id = vocab_size - 1
+    r = torch.rand(tokens.shape, generator=gen)                          # (B, T)
+    selected = (r < MASK_PROB) | (r == r.min(dim=1, keepdim=True).values)
+    action = torch.rand(tokens.shape, generator=gen)                     # (B, T)
+    random_ids = torch.randint(0, mask_id, tokens.shape, generator=gen)  # (B, T)
+    replace = selected & (action < MASK_REPLACE)
+    randomize = selected & (action >= MASK_REPLACE) & (action < MASK_REPLACE + MASK_RANDOM)
+    inputs = torch.where(replace, torch.full_like(tokens, mask_id), tokens)
+    inputs = torch.where(randomize, random_ids, inputs)
+    targets = torch.where(selected, tokens, torch.full_like(tokens, IGNORE_INDEX))
+    return inputs, targets
+
+
+def get_batch(corpus: torch.Tensor, step: int, global_batch: int, seq_len: int, seed: int,
+              kind: str = "gpt2", *, split: str = "train",
+              vocab_size: int = BYTE_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mini-batch of ``step``: ``(inputs, targets)``, int64, (global_batch, seq_len).
+
+    GPT-2: targets are the inputs shifted by one. BERT: masked LM, targets are the original
+    bytes at the selected positions and ``IGNORE_INDEX`` elsewhere.
+    """
+    _check_batch_args(step, global_batch, seq_len, kind, vocab_size)
+    data = split_corpus(corpus, split)
+    need = seq_len + 1 if kind == "gpt2" else seq_len
+    if len(data) < need:
+        raise ValueError(f"the {split!r} split has {len(data)} bytes, fewer than one "
+                         f"sequence needs ({need})")
+    gen = torch.Generator().manual_seed(derive_seed(seed, "batch", split, step))
+    starts = torch.randint(0, len(data) - need + 1, (global_batch, 1), generator=gen)
+    windows = data[starts + torch.arange(need)].long()                   # (B, need)
+    if kind == "gpt2":
+        return windows[:, :-1], windows[:, 1:]                           # (B, T) each
+    return mask_tokens(windows, gen, vocab_size)
+
+
+@dataclass(frozen=True, eq=False)
+class Batches:
+    """``batches[step]`` is ``get_batch(corpus, step, ...)`` with the fields below."""
+
+    corpus: torch.Tensor
+    global_batch: int
+    seq_len: int
+    seed: int
+    kind: str = "gpt2"
+    split: str = "train"
+    vocab_size: int = BYTE_VOCAB
+
+    def __post_init__(self) -> None:
+        _check_batch_args(0, self.global_batch, self.seq_len, self.kind, self.vocab_size)
+        split_corpus(self.corpus, self.split)                # validates the split name
+
+    def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return get_batch(self.corpus, step, self.global_batch, self.seq_len, self.seed,
+                         self.kind, split=self.split, vocab_size=self.vocab_size)
