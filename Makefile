@@ -1,0 +1,26 @@
+# Two entry points: `make demo` (set up and run the main job) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-fast clean
+
+$(BIN)/chimera: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(BIN)/chimera
+
+setup: $(BIN)/chimera
+
+demo: setup
+	$(BIN)/chimera demo
+
+test: setup
+	$(BIN)/python -m pytest -q -x --durations=10
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -x -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,3 @@
+from chimera.cli import main
+
+raise SystemExit(main())

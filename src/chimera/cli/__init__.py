@@ -1,0 +1,63 @@
+"""The `chimera` command line: thin argument parsing over the library.
+
+Each sub-command lives in its own module with ``add_parser(subparsers)`` registering it and
+setting ``func``. Bad input exits with code 2 and one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from chimera.cli.common import UsageError, fail
+from chimera.ir import ScheduleError
+
+COMMANDS = ("chimera.cli.schedule_cmds",)
+OPTIONAL_COMMANDS = ("chimera.cli.train_cmd", "chimera.cli.bench_cmd", "chimera.cli.plan_cmd",
+                     "chimera.cli.profile_cmd")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        fail(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = _Parser(
+        prog="chimera",
+        description="Chimera bidirectional pipeline parallelism: build, check, simulate, draw and "
+                    "run pipeline schedules. Try `chimera show` or `chimera demo`.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS:
+        importlib.import_module(name).add_parsers(sub)
+    for name in OPTIONAL_COMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, ScheduleError, ValueError) as exc:
+        fail(f"chimera {args.command}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+             detail=str(exc))
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,76 @@
+"""Shared pieces of the CLI: failing cleanly, schedule options, argument types."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from chimera.ir import Schedule
+from chimera.passes import SYNC_MODES, lower
+from chimera.schedules import build, schemes
+from chimera.schedules.bidirectional import STRATEGIES
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+def fail(message: str, detail: str | None = None) -> None:
+    """Print one line (plus an optional picture for schedule errors) and exit with code 2."""
+    print(message, file=sys.stderr)
+    if detail and "\n" in detail:
+        print("\n".join(detail.splitlines()[1:]), file=sys.stderr)
+    raise SystemExit(2)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0 or math.isnan(value) or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def add_schedule_options(p: argparse.ArgumentParser, default: str = "chimera",
+                         stages: int = 4, micro_batches: int | None = None) -> None:
+    names = [s.name for s in schemes()]
+    g = p.add_argument_group("schedule")
+    g.add_argument("--schedule", "-s", default=default, metavar="NAME",
+                   help=f"scheme: {', '.join(names)} (default: {default}; see `chimera schedules`)")
+    g.add_argument("--stages", "-D", type=positive_int, default=stages,
+                   help=f"pipeline depth D = ranks per pipeline (default: {stages})")
+    g.add_argument("--micro-batches", "-N", type=positive_int, default=micro_batches,
+                   help="micro-batches per iteration N (default: D)")
+    g.add_argument("--pipes", "-Q", type=positive_int, default=None,
+                   help="chimera: number of pipelines Q = 2k (default: 2)")
+    g.add_argument("--chunks", "-v", type=positive_int, default=None,
+                   help="interleaved: virtual stages per rank (default: 2)")
+    g.add_argument("--strategy", choices=STRATEGIES, default=None,
+                   help="chimera with N > D: direct concatenation, forward doubling, or backward "
+                        "halving (default: direct)")
+    g.add_argument("--sync", choices=SYNC_MODES, default="eager",
+                   help="when a stage's gradient allreduce starts: eager (right after its last "
+                        "backward, overlapping bubbles) or end (default: eager)")
+
+
+def schedule_from_args(args: argparse.Namespace) -> Schedule:
+    """Build, lower and validate the schedule the options describe."""
+    from chimera.validate import validate
+
+    n = args.micro_batches or args.stages
+    schedule = build(args.schedule, args.stages, n, pipes=args.pipes, chunks=args.chunks,
+                     strategy=args.strategy)
+    return validate(lower(schedule, args.sync))

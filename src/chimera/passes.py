@@ -1,0 +1,72 @@
+"""Lowering passes: add p2p communication, gradient-sync points and the optimizer step."""
+
+from __future__ import annotations
+
+from chimera.ir import Action, Op, Schedule, ScheduleError
+
+SYNC_MODES = ("eager", "end")
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """Insert SEND/RECV for every dependency that crosses ranks.
+
+    A producer's SEND follows it immediately (sends are asynchronous); a consumer's RECV goes
+    right before it, so the runtime can post the receive early and wait only there.
+    """
+    place = schedule.placement
+    last = place.stages - 1
+    programs = []
+    for rank, prog in enumerate(schedule.programs):
+        out: list[Action] = []
+        for a in prog:
+            p, s, m = a.key
+            if a.op is Op.F and s > 0 and place.rank_of(p, s - 1) != rank:
+                out.append(Action(Op.RECV_F, p, s, m))
+            if a.op in (Op.B, Op.I) and s < last and place.rank_of(p, s + 1) != rank:
+                out.append(Action(Op.RECV_B, p, s, m))
+            out.append(a)
+            if a.op is Op.F and s < last and place.rank_of(p, s + 1) != rank:
+                out.append(Action(Op.SEND_F, p, s, m))
+            if a.op in (Op.B, Op.I) and s > 0 and place.rank_of(p, s - 1) != rank:
+                out.append(Action(Op.SEND_B, p, s, m))
+        programs.append(out)
+    return schedule.with_programs(programs)
+
+
+def add_sync(schedule: Schedule, mode: str = "eager") -> Schedule:
+    """Insert one SYNC per stage replica and a final STEP on every rank.
+
+    ``eager``: right after the replica's last gradient-producing action on the rank (B, or W
+    when backward is split), so the allreduce overlaps the remaining bubbles. ``end``: after
+    all of the rank's actions.
+    """
+    if mode not in SYNC_MODES:
+        raise ScheduleError(f"unknown sync mode {mode!r}; choose one of {', '.join(SYNC_MODES)}")
+    grad_op = Op.W if schedule.split_backward else Op.B
+    programs = []
+    for prog in schedule.programs:
+        last_grad: dict[tuple[int, int], int] = {}
+        for i, a in enumerate(prog):
+            if a.op is grad_op:
+                last_grad[(a.pipe, a.stage)] = i
+        syncs = sorted((i, Action(Op.SYNC, p, s)) for (p, s), i in last_grad.items())
+        out = list(prog)
+        if mode == "eager":
+            for i, sync in reversed(syncs):
+                # after the SEND that follows the gradient action, so the peer is not delayed
+                j = i + 1
+                while j < len(out) and out[j].op in (Op.SEND_B, Op.SEND_F):
+                    j += 1
+                out.insert(j, sync)
+        else:
+            out += [sync for _, sync in syncs]
+        out.append(Action(Op.STEP))
+        programs.append(out)
+    return schedule.with_programs(programs)
+
+
+def lower(schedule: Schedule, sync: str = "eager") -> Schedule:
+    """The full lowering the runtime and the simulator consume."""
+    if schedule.lowered:
+        raise ScheduleError("schedule is already lowered")
+    return add_sync(add_communication(schedule), sync)

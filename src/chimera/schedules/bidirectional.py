@@ -1,0 +1,78 @@
+"""Bidirectional schedules on the Chimera placement: Chimera itself and GEMS."""
+
+from __future__ import annotations
+
+from chimera.ir import Op, Placement, Schedule, ScheduleError
+from chimera.schedules.engine import Costs, build_tasks, list_schedule
+from chimera.schedules.registry import register
+
+STRATEGIES = ("direct", "doubling", "halving")
+
+
+def chimera_micro_pipes(stages: int, micro_batches: int, pipes: int) -> tuple[int, ...]:
+    """Pipe of each micro-batch: each unit of D micro-batches is cut into Q equal runs.
+
+    In the paper's D=4 figure micro-batches 0, 1 go down and 2, 3 go up. When N is not a
+    multiple of D the last, partial unit is cut the same way (as evenly as possible).
+    """
+    out = []
+    for start in range(0, micro_batches, stages):
+        size = min(stages, micro_batches - start)
+        out += [j * pipes // size for j in range(size)]
+    return tuple(out)
+
+
+@register("chimera", "Chimera (Li & Hoefler SC'21): Q=2k pipelines in opposite directions over the "
+                     "same ranks; D-2 bubbles per unit of N=D; strategy direct|doubling|halving")
+def chimera(stages: int, micro_batches: int, pipes: int = 2, strategy: str = "direct") -> Schedule:
+    """Chimera on D ranks with N micro-batches.
+
+    - ``direct``: units of D micro-batches concatenated; the next unit's first forwards fill
+      the previous unit's tail. With F = B this keeps D-2 bubbles for any N = k*D. N that is
+      not a multiple of D gets a partial last unit (more bubbles; the simulator says how many).
+    - ``doubling``: two micro-batches share each forward slot, so with B = 2F a forward slot
+      is as long as a backward slot; holds twice the activations (pair it with recompute).
+      Needs N a multiple of 2Q.
+    - ``halving``: each micro-batch is split in two halves (``micro_scale = 0.5``, 2N schedule
+      micro-batches) run in the doubling shape: the same balance without recomputation.
+    """
+    if strategy not in STRATEGIES:
+        raise ScheduleError(f"unknown chimera strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    placement = Placement.chimera(stages, pipes)  # validates D even, Q even, Q | D
+    scale, n = (0.5, micro_batches * 2) if strategy == "halving" else (1.0, micro_batches)
+    doubled = strategy != "direct"
+    if n % (pipes * (2 if doubled else 1)):
+        raise ScheduleError(f"chimera {strategy} with {pipes} pipes needs micro-batches to be a "
+                            f"multiple of {pipes * (2 if doubled and scale == 1 else 1)}, got {micro_batches}")
+    per_unit = stages // pipes  # micro-batches per pipe per basic unit
+    if doubled:
+        micro_pipe = chimera_micro_pipes(stages, n // 2, pipes)
+        micro_pipe = tuple(p for p in micro_pipe for _ in (0, 1))  # pairs share a pipe
+        groups = [(m, m + 1) for m in range(0, n, 2)]
+        costs, window = Costs(f=1, b=2), lambda p, s: 2 * min(stages - s, per_unit)
+    else:
+        micro_pipe = chimera_micro_pipes(stages, n, pipes)
+        groups = None
+        costs, window = Costs(f=1, b=1), lambda p, s: min(stages - s, per_unit)
+    tasks = build_tasks(placement, micro_pipe, costs, forward_groups=groups)
+    progs = list_schedule(tasks, stages, _chimera_priority, window)
+    return Schedule("chimera", placement, micro_pipe, tuple(map(tuple, progs)), scale,
+                    params={"stages": stages, "micro_batches": micro_batches, "pipes": pipes,
+                            "strategy": strategy})
+
+
+def _chimera_priority(task) -> tuple:
+    # 1F1B on each pipe: backwards first (they free memory and unblock the previous stage),
+    # then the forward nearest to its turn (highest stage), which keeps the merge conflict-free
+    return (0 if task.op is Op.B else 1, -task.stage, task.micros[0])
+
+
+@register("gems", "GEMS: two model replicas in opposite directions, one micro-batch in flight "
+                  "per replica; little memory, many bubbles")
+def gems(stages: int, micro_batches: int) -> Schedule:
+    placement = Placement.chimera(stages, 2)
+    micro_pipe = tuple(m % 2 for m in range(micro_batches))
+    tasks = build_tasks(placement, micro_pipe, Costs(f=1, b=1))
+    progs = list_schedule(tasks, stages, _chimera_priority, lambda p, s: 1)
+    return Schedule("gems", placement, micro_pipe, tuple(map(tuple, progs)),
+                    params={"stages": stages, "micro_batches": micro_batches})

@@ -1,0 +1,60 @@
+"""Name -> generator registry. A generator is a pure function of integers returning a Schedule."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+from chimera.ir import Schedule, ScheduleError
+
+Generator = Callable[..., Schedule]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    description: str
+    fn: Generator
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """Keyword options beyond (stages, micro_batches)."""
+        params = inspect.signature(self.fn).parameters
+        return tuple(p for p in params if p not in ("stages", "micro_batches"))
+
+
+_REGISTRY: dict[str, Scheme] = {}
+
+
+def register(name: str, description: str) -> Callable[[Generator], Generator]:
+    def deco(fn: Generator) -> Generator:
+        _REGISTRY[name] = Scheme(name, description, fn)
+        return fn
+    return deco
+
+
+def schemes() -> list[Scheme]:
+    return list(_REGISTRY.values())
+
+
+def get_scheme(name: str) -> Scheme:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(_REGISTRY)
+        raise ScheduleError(f"unknown schedule {name!r}; known: {known}") from None
+
+
+def build(name: str, stages: int, micro_batches: int, **options) -> Schedule:
+    """Build schedule ``name``. Options the scheme does not take must be None (unset)."""
+    scheme = get_scheme(name)
+    for arg, value in (("stages", stages), ("micro_batches", micro_batches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{arg} must be a positive integer, got {value!r}")
+    given = {k: v for k, v in options.items() if v is not None}
+    unknown = [k for k in given if k not in scheme.options]
+    if unknown:
+        raise ScheduleError(f"schedule {name!r} does not take option(s) {', '.join(unknown)} "
+                            f"(it takes: {', '.join(scheme.options) or 'none'})")
+    return scheme.fn(stages, micro_batches, **given)

@@ -1,0 +1,107 @@
+"""Cost model: how long each action takes and how much memory it holds (no torch).
+
+Times are per full-size micro-batch on one stage. ``unit(...)`` gives the paper's unit-time
+model where one forward of one micro-batch on one D-th of the model takes ``f``; placements
+that cut the model into S > D stages (interleaved, V) scale per-stage times by D / S.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from chimera.ir import Op, ScheduleError
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta link: a message of n bytes takes ``alpha + n / beta`` seconds (or units)."""
+
+    alpha: float = 0.0
+    beta: float = math.inf  # bytes per time unit
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + (nbytes / self.beta if self.beta != math.inf else 0.0)
+
+    def allreduce(self, nbytes: float, group: int) -> float:
+        """Ring allreduce: 2(n-1) steps, each moving nbytes/n."""
+        if group <= 1:
+            return 0.0
+        steps = 2 * (group - 1)
+        return steps * self.alpha + (steps * nbytes / group / self.beta if self.beta != math.inf else 0.0)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage compute times, p2p and allreduce links, and byte sizes.
+
+    ``f, b, i, w``: lists of per-stage times (one entry per stage of the placement, or one
+    entry for all). ``b`` defaults to ``i + w``; split ops default to half of ``b``.
+    ``p2p_time`` is a fixed time per hop added to ``p2p.time(act_bytes)``.
+    ``overlap_allreduce``: when False, an allreduce blocks its rank's compute stream.
+    """
+
+    f: tuple[float, ...] = (1.0,)
+    b: tuple[float, ...] = (1.0,)
+    i: tuple[float, ...] = ()
+    w: tuple[float, ...] = ()
+    p2p_time: float = 0.0
+    p2p: Link = field(default_factory=Link)
+    allreduce: Link = field(default_factory=Link)
+    allreduce_time: float = 0.0  # fixed extra time per allreduce
+    act_bytes: tuple[float, ...] = (0.0,)  # activation sent per micro-batch per stage boundary
+    weight_bytes: tuple[float, ...] = (0.0,)  # gradient bytes per stage
+    overlap_allreduce: bool = True
+    data_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "i", "w", "act_bytes", "weight_bytes"):
+            values = getattr(self, name)
+            if any((not isinstance(v, (int, float))) or v < 0 or math.isnan(v) for v in values):
+                raise ScheduleError(f"cost {name} must be non-negative numbers, got {values}")
+        if not self.i and not self.w:
+            object.__setattr__(self, "i", tuple(x / 2 for x in self.b))
+            object.__setattr__(self, "w", tuple(x / 2 for x in self.b))
+
+    @classmethod
+    def unit(cls, f: float = 1.0, b: float = 1.0, i: float | None = None, w: float | None = None,
+             **kw) -> "CostModel":
+        if i is not None and w is not None:
+            return cls(f=(f,), b=(i + w,), i=(i,), w=(w,), **kw)
+        return cls(f=(f,), b=(b,), **kw)
+
+    @classmethod
+    def parse(cls, text: str, **kw) -> "CostModel":
+        """``"F:B"`` (e.g. ``1:2``) or ``"F:I:W"`` (e.g. ``1:1:1``)."""
+        try:
+            parts = [float(x) for x in text.split(":")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (2, 3) or any(p <= 0 or math.isnan(p) or math.isinf(p) for p in parts):
+            raise ScheduleError(f"--cost must be F:B or F:I:W with positive numbers, got {text!r}")
+        if len(parts) == 2:
+            return cls.unit(parts[0], parts[1], **kw)
+        return cls.unit(parts[0], i=parts[1], w=parts[2], **kw)
+
+    def _at(self, values: tuple[float, ...], stage: int, stages: int) -> float:
+        if len(values) == 1:
+            return values[0]
+        if len(values) != stages:
+            raise ScheduleError(f"cost model has {len(values)} per-stage values for {stages} stages")
+        return values[stage]
+
+    def compute(self, op: Op, stage: int, stages: int, ranks: int, scale: float = 1.0) -> float:
+        table = {Op.F: self.f, Op.B: self.b, Op.I: self.i, Op.W: self.w}[op]
+        # one entry = unit time for a D-th of the model; S > D stages are proportionally smaller
+        size = ranks / stages if len(table) == 1 else 1.0
+        return self._at(table, stage, stages) * size * scale
+
+    def hop(self, stage: int, stages: int, scale: float = 1.0) -> float:
+        nbytes = self._at(self.act_bytes, stage, stages) * scale
+        return self.p2p_time + (self.p2p.time(nbytes) if nbytes or self.p2p.alpha else 0.0)
+
+    def sync(self, stage: int, stages: int, group: int) -> float:
+        nbytes = self._at(self.weight_bytes, stage, stages)
+        if group <= 1:
+            return 0.0
+        return self.allreduce_time + self.allreduce.allreduce(nbytes, group)

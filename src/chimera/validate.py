@@ -1,0 +1,133 @@
+"""Validator: counts, per-rank dependency order, matched communication, and a deadlock dry run.
+
+Every failure raises :class:`ValidationError` whose message ends with the rank-by-slot grid
+of the schedule, the offending action marked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from chimera.ir import Action, Op, Schedule, ScheduleError
+
+
+class ValidationError(ScheduleError):
+    def __init__(self, problem: str, schedule: Schedule, rank: int | None = None,
+                 index: int | None = None):
+        self.problem, self.rank, self.index = problem, rank, index
+        picture = _picture(schedule, rank, index)
+        super().__init__(f"{problem}\n{picture}" if picture else problem)
+
+
+def _picture(schedule: Schedule, rank: int | None, index: int | None) -> str:
+    try:
+        from chimera.viz.grid import render_programs
+    except ImportError:  # pragma: no cover - viz is part of the package
+        return schedule.to_text()
+    mark = schedule.programs[rank][index] if rank is not None and index is not None else None
+    return render_programs(schedule, mark=mark)
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Check ``schedule`` (lowered or not); return it unchanged if it is valid."""
+    _check_placement(schedule)
+    _check_counts(schedule)
+    _check_order(schedule)
+    if schedule.lowered:
+        _check_comm(schedule)
+    _dry_run(schedule)
+    return schedule
+
+
+def _check_placement(s: Schedule) -> None:
+    for rank, i, a in s.actions():
+        if a.op is Op.STEP:
+            continue
+        if not (0 <= a.pipe < s.placement.pipes and 0 <= a.stage < s.stages):
+            raise ValidationError(f"rank {rank}: {a} names a pipe or stage that does not exist", s, rank, i)
+        if s.placement.rank_of(a.pipe, a.stage) != rank:
+            raise ValidationError(f"rank {rank}: {a} belongs on rank "
+                                  f"{s.placement.rank_of(a.pipe, a.stage)}", s, rank, i)
+        if a.op is not Op.SYNC and not (0 <= a.micro < s.micro_batches):
+            raise ValidationError(f"rank {rank}: {a} names micro-batch outside 0..{s.micro_batches - 1}",
+                                  s, rank, i)
+        if a.op is not Op.SYNC and a.micro >= 0 and s.micro_pipe[a.micro] != a.pipe:
+            raise ValidationError(f"rank {rank}: micro-batch {a.micro} belongs to pipe "
+                                  f"{s.micro_pipe[a.micro]}, not {a.pipe}", s, rank, i)
+
+
+def _check_counts(s: Schedule) -> None:
+    ops = (Op.F, Op.I, Op.W) if s.split_backward else (Op.F, Op.B)
+    seen = Counter((a.op, a.pipe, a.stage, a.micro) for _, _, a in s.actions() if a.op.is_compute)
+    for m, p in enumerate(s.micro_pipe):
+        for stage in range(s.stages):
+            for op in ops:
+                n = seen.pop((op, p, stage, m), 0)
+                if n != 1:
+                    rank = s.placement.rank_of(p, stage)
+                    raise ValidationError(f"rank {rank}: {Action(op, p, stage, m)} appears {n} times "
+                                          f"(expected once)", s, rank, None)
+    if seen:
+        (op, p, stage, m), _ = next(iter(seen.items()))
+        raise ValidationError(f"unexpected action {Action(op, p, stage, m)} (mixed B and I/W, "
+                              f"or a stray action)", s)
+
+
+def _check_order(s: Schedule) -> None:
+    for rank, prog in enumerate(s.programs):
+        done: set[tuple] = set()
+        for i, a in enumerate(prog):
+            need = {Op.B: Op.F, Op.I: Op.F, Op.W: Op.I}.get(a.op)
+            if need is not None and (need, a.key) not in done:
+                raise ValidationError(f"rank {rank}: {a} comes before its {need.value}", s, rank, i)
+            done.add((a.op, a.key))
+
+
+def _check_comm(s: Schedule) -> None:
+    """Every SEND has exactly one RECV on the peer, and every cross-rank input is received."""
+    sends = Counter((a.op, a.key) for _, _, a in s.actions() if a.op in (Op.SEND_F, Op.SEND_B))
+    recvs = Counter((a.op, a.key) for _, _, a in s.actions() if a.op in (Op.RECV_F, Op.RECV_B))
+    for rank, i, a in s.actions():
+        if a.op is Op.RECV_F:
+            src = (Op.SEND_F, (a.pipe, a.stage - 1, a.micro))
+        elif a.op is Op.RECV_B:
+            src = (Op.SEND_B, (a.pipe, a.stage + 1, a.micro))
+        else:
+            continue
+        if sends.get(src, 0) != 1 or recvs[(a.op, a.key)] != 1:
+            raise ValidationError(f"rank {rank}: {a} has no matching send (or is duplicated)", s, rank, i)
+    for (op, key), n in sends.items():
+        want = (Op.RECV_F, (key[0], key[1] + 1, key[2])) if op is Op.SEND_F \
+            else (Op.RECV_B, (key[0], key[1] - 1, key[2]))
+        if recvs.get(want, 0) != n:
+            raise ValidationError(f"{Action(op, *key)} is never received", s)
+    _check_received_before_use(s)
+
+
+def _check_received_before_use(s: Schedule) -> None:
+    place, last = s.placement, s.stages - 1
+    for rank, prog in enumerate(s.programs):
+        got: set[tuple] = set()
+        for i, a in enumerate(prog):
+            if a.op in (Op.RECV_F, Op.RECV_B):
+                got.add((a.op, a.key))
+            need = None
+            if a.op is Op.F and a.stage > 0 and place.rank_of(a.pipe, a.stage - 1) != rank:
+                need = Op.RECV_F
+            if a.op in (Op.B, Op.I) and a.stage < last and place.rank_of(a.pipe, a.stage + 1) != rank:
+                need = Op.RECV_B
+            if need is not None and (need, a.key) not in got:
+                raise ValidationError(f"rank {rank}: {a} runs before its {need.value} input arrives",
+                                      s, rank, i)
+
+
+def _dry_run(s: Schedule) -> None:
+    from chimera.sim.engine import Deadlock, simulate
+
+    try:
+        simulate(s)
+    except Deadlock as exc:
+        rank = min(exc.blocked)
+        index, action = exc.blocked[rank]
+        waits = "; ".join(f"rank {r} at {a}" for r, (_, a) in sorted(exc.blocked.items()))
+        raise ValidationError(f"deadlock: no rank can proceed ({waits})", s, rank, index) from None

@@ -1,0 +1,82 @@
+"""Simulator: hand-checked timelines, costs, communication and allreduce overlap."""
+
+import pytest
+
+from chimera.ir import Op, ScheduleError
+from chimera.passes import lower
+from chimera.schedules import build
+from chimera.sim import CostModel, Deadlock, simulate
+
+
+def starts(t, rank):
+    return [(str(e.action), e.start, e.end) for e in t.compute_events(rank)]
+
+
+def test_1f1b_two_stages_by_hand():
+    t = simulate(lower(build("1f1b", 2, 2)), CostModel.unit(1, 2))
+    assert starts(t, 0) == [("p0s0F0", 0, 1), ("p0s0F1", 1, 2), ("p0s0B0", 4, 6), ("p0s0B1", 7, 9)]
+    assert starts(t, 1) == [("p0s1F0", 1, 2), ("p0s1B0", 2, 4), ("p0s1F1", 4, 5), ("p0s1B1", 5, 7)]
+    assert t.makespan == 9
+    assert t.bubble_ratio == pytest.approx(1 - 12 / 18)
+
+
+def test_p2p_hop_delays_the_consumer():
+    t = simulate(lower(build("gpipe", 2, 1)), CostModel.unit(1, 1, p2p_time=0.5))
+    assert starts(t, 1)[0] == ("p0s1F0", 1.5, 2.5)
+    assert t.makespan == 1 + 0.5 + 1 + 1 + 0.5 + 1
+
+
+def test_lowered_and_unlowered_agree():
+    s = build("chimera", 8, 16)
+    cost = CostModel.unit(1, 2, p2p_time=0.25)
+    assert simulate(s, cost).makespan == simulate(lower(s), cost).makespan
+
+
+def test_eager_sync_overlaps_allreduce_end_sync_does_not():
+    s = build("chimera", 8, 8)
+    cost = CostModel.unit(1, 1, allreduce_time=3.0)
+    base = simulate(lower(s), CostModel.unit(1, 1)).makespan
+    eager = simulate(lower(s, "eager"), cost).makespan
+    end = simulate(lower(s, "end"), cost).makespan
+    assert end == base + 2 * 3.0  # each rank holds two stages: two allreduces in a row
+    assert base < eager < end  # outer stages finish early and hide their allreduce
+    blocking = simulate(lower(s, "eager"), CostModel.unit(1, 1, allreduce_time=3.0,
+                                                       overlap_allreduce=False)).makespan
+    assert blocking >= eager
+
+
+def test_allreduce_needs_replicas_or_data_parallel():
+    s = lower(build("1f1b", 4, 4))
+    base = simulate(s, CostModel.unit(1, 1, allreduce_time=5.0)).makespan
+    assert base == simulate(s).makespan  # one replica per stage, W=1: no allreduce
+    dp = simulate(s, CostModel.unit(1, 1, allreduce_time=5.0, data_parallel=2))
+    assert dp.makespan > base and dp.collectives
+
+
+def test_halving_scales_times():
+    t = simulate(build("chimera", 4, 4, strategy="halving"), CostModel.unit(1, 2))
+    assert {e.duration for e in t.compute_events() if e.action.op is Op.F} == {0.5}
+
+
+def test_interleaved_virtual_stage_is_smaller():
+    t = simulate(build("interleaved", 2, 2, chunks=2))
+    assert {e.duration for e in t.compute_events()} == {0.5}
+
+
+def test_deadlock_is_reported():
+    from chimera.ir import Action
+    s = build("gpipe", 2, 1)
+    bad = s.with_programs([[Action.parse("p0s0B0"), Action.parse("p0s0F0")], list(s.programs[1])])
+    with pytest.raises(Deadlock):
+        simulate(bad)
+
+
+@pytest.mark.parametrize("text", ["1", "1:0", "a:b", "1:2:3:4", "-1:2", "nan:1"])
+def test_cost_parse_rejects(text):
+    with pytest.raises(ScheduleError):
+        CostModel.parse(text)
+
+
+def test_cost_parse_split():
+    c = CostModel.parse("1:1:1")
+    assert (c.f, c.b, c.i, c.w) == ((1.0,), (2.0,), (1.0,), (1.0,))
