@@ -1,0 +1,147 @@
+"""Executes one rank's lowered program for one iteration: one small handler per action kind.
+
+Tensors are keyed by (pipe, stage, micro). A forward keeps its input (a leaf that requires
+grad, so backward leaves the input gradient in ``.grad``) and its output (or, on the last
+stage, the weighted loss); the backward pops both. Recomputation wraps a stage in
+non-reentrant activation checkpointing, which keeps only the stage input (and RNG state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from chimera.ir import Action, Op, Schedule
+
+
+@dataclass
+class MicroData:
+    """What one iteration feeds this rank: stage-0 inputs, last-stage targets, loss weights."""
+
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    targets: dict[int, torch.Tensor] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class ActionRecord:
+    action: Action
+    start: float  # wall seconds since the iteration started
+    end: float
+    cpu: float  # thread CPU seconds spent in the action
+
+
+class Executor:
+    def __init__(self, schedule: Schedule, modules: dict[tuple[int, int], nn.Module], loss_fn,
+                 mailbox, sync, recompute: bool = False, autocast: torch.dtype | None = None,
+                 device: torch.device = torch.device("cpu")):
+        self.schedule, self.modules, self.loss_fn = schedule, modules, loss_fn
+        self.mailbox, self.sync = mailbox, sync
+        self.recompute, self.autocast, self.device = recompute, autocast, device
+        self.last = schedule.stages - 1
+        self.handlers = {
+            Op.F: self._forward, Op.B: self._backward, Op.I: self._backward_input,
+            Op.W: self._backward_weight, Op.SEND_F: self._send_f, Op.SEND_B: self._send_b,
+            Op.RECV_F: self._recv, Op.RECV_B: self._recv, Op.SYNC: self._sync, Op.STEP: self._step,
+        }
+
+    def run(self, program, data: MicroData, record: list[ActionRecord] | None = None) -> float:
+        """Run ``program``; return the sum of the (weighted) losses computed on this rank."""
+        self.data, self.loss_sum = data, 0.0
+        self.inp: dict[tuple, torch.Tensor] = {}
+        self.out: dict[tuple, torch.Tensor] = {}
+        self.recv: dict[tuple, torch.Tensor] = {}
+        self.mailbox.start_iteration()
+        t0 = time.perf_counter()
+        for action in program:
+            if record is None:
+                self.handlers[action.op](action)
+                continue
+            c, s = time.thread_time(), time.perf_counter()
+            self.handlers[action.op](action)
+            record.append(ActionRecord(action, s - t0, time.perf_counter() - t0, time.thread_time() - c))
+        return self.loss_sum
+
+    # -- compute ------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def _stage_input(self, a: Action) -> torch.Tensor:
+        p, s, m = a.key
+        if s == 0:
+            return self.data.inputs[m]
+        if (Op.RECV_F, p, s, m) in self.recv:
+            x = self.recv.pop((Op.RECV_F, p, s, m))
+        else:  # previous stage on this rank (V placement): hand the output over directly
+            x = self.out[(p, s - 1, m)]
+        return x.detach().requires_grad_()
+
+    def _forward(self, a: Action) -> None:
+        x = self._stage_input(a)
+        module = self.modules[(a.pipe, a.stage)]
+        with self._autocast():
+            if self.recompute and a.stage != self.last:
+                y = checkpoint(module, x, use_reentrant=False)
+            else:
+                y = module(x)
+            if a.stage == self.last:
+                y = self.loss_fn(y, self.data.targets[a.micro]) * self.data.weights[a.micro]
+                self.loss_sum += float(y.detach())
+        if a.stage > 0:
+            self.inp[a.key] = x
+        self.out[a.key] = y
+
+    def _output_grad(self, a: Action) -> torch.Tensor | None:
+        p, s, m = a.key
+        if s == self.last:
+            return None
+        if (Op.RECV_B, p, s, m) in self.recv:
+            g = self.recv.pop((Op.RECV_B, p, s, m))
+        else:  # next stage on this rank
+            g = self.inp.pop((p, s + 1, m)).grad
+        return g
+
+    def _backward(self, a: Action) -> None:
+        y, g = self.out.pop(a.key), self._output_grad(a)
+        torch.autograd.backward(y, None if g is None else g.to(y.dtype))
+
+    def _backward_input(self, a: Action) -> None:
+        """I: the input gradient only (what the previous stage waits for); keeps the graph."""
+        y = self.out[a.key]
+        g = self._output_grad(a)
+        g = None if g is None else g.to(y.dtype)
+        self.out[a.key] = (y, g)  # W needs both
+        if a.stage > 0:
+            x = self.inp[a.key]
+            (x.grad,) = torch.autograd.grad(y, (x,), g, retain_graph=True)
+
+    def _backward_weight(self, a: Action) -> None:
+        """W: the weight gradients, from the graph I kept."""
+        y, g = self.out.pop(a.key)
+        params = [p for p in self.modules[(a.pipe, a.stage)].parameters() if p.requires_grad]
+        torch.autograd.backward(y, g, inputs=params)
+
+    # -- communication ------------------------------------------------------------
+    def _send_f(self, a: Action) -> None:
+        self.mailbox.send(a, self.out[a.key])
+
+    def _send_b(self, a: Action) -> None:
+        self.mailbox.send(a, self.inp.pop(a.key).grad)
+
+    def _recv(self, a: Action) -> None:
+        self.recv[(a.op, a.pipe, a.stage, a.micro)] = self.mailbox.receive(a)
+
+    def _sync(self, a: Action) -> None:
+        self.sync.start(a.pipe, a.stage)
+
+    def _step(self, a: Action) -> None:
+        """End of the iteration's communication; the optimizer step is the trainer's."""
+        self.mailbox.finish_iteration()
+        self.sync.wait_all()

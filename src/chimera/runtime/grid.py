@@ -1,0 +1,66 @@
+"""The process grid: P = W·D ranks, global rank = w·D + d, and one group per stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from chimera.ir import Placement
+
+
+@dataclass
+class ProcessGrid:
+    """Where this process sits: data-parallel replica ``w`` of pipeline rank ``d``.
+
+    ``stage_groups[s]`` is the process group over every replica of stage s (one per pipe on
+    each of the W pipeline copies); None where that is a single rank (nothing to reduce).
+    """
+
+    placement: Placement
+    data_parallel: int
+    rank: int  # global
+    stage_groups: dict[int, object] = field(default_factory=dict)
+    stage_ranks: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def depth(self) -> int:
+        return self.placement.ranks
+
+    @property
+    def world(self) -> int:
+        return self.depth * self.data_parallel
+
+    @property
+    def w(self) -> int:
+        return self.rank // self.depth
+
+    @property
+    def d(self) -> int:
+        return self.rank % self.depth
+
+    def global_rank(self, d: int, w: int | None = None) -> int:
+        """Global rank of pipeline rank ``d`` in data-parallel replica ``w`` (default: ours)."""
+        return (self.w if w is None else w) * self.depth + d
+
+    def peer(self, pipe: int, stage: int) -> int:
+        """Global rank holding (pipe, stage) in our pipeline copy."""
+        return self.global_rank(self.placement.rank_of(pipe, stage))
+
+    def held(self) -> list[tuple[int, int]]:
+        return self.placement.held(self.d)
+
+    def build_groups(self) -> None:
+        """Create one group per stage; every rank calls new_group for every stage, in order."""
+        for stage in range(self.placement.stages):
+            ranks = sorted({self.global_rank(d, w) for w in range(self.data_parallel)
+                            for d in self.placement.replicas(stage)})
+            self.stage_ranks[stage] = ranks
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                self.stage_groups[stage] = group
+
+    def owns(self, pipe: int, stage: int) -> bool:
+        """True on exactly one replica of each stage: the one counted in global norms."""
+        return self.stage_ranks[stage][0] == self.rank and \
+            min(p for p, s in self.held() if s == stage) == pipe

@@ -1,0 +1,102 @@
+"""PipelineRuntime: build what one rank holds for a lowered schedule and run iterations."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from chimera.ir import Schedule, ScheduleError
+from chimera.runtime.executor import ActionRecord, Executor, MicroData
+from chimera.runtime.grid import ProcessGrid
+from chimera.runtime.p2p import Mailbox, Message
+from chimera.runtime.sync import GradSync, ReplicaGrads
+
+
+def _meta_forward(module: nn.Module, shape: tuple, dtype: torch.dtype) -> tuple[tuple, torch.dtype]:
+    """Output (shape, dtype) of ``module`` for an input of ``shape``, computed on the meta device."""
+    state = {n: torch.empty_like(t, device="meta") for n, t in
+             list(module.named_parameters()) + list(module.named_buffers())}
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    with torch.no_grad():
+        y = torch.func.functional_call(module, state, (x,))
+    return tuple(y.shape), y.dtype
+
+
+def infer_boundary_shapes(grid: ProcessGrid, modules: dict, input_shape: tuple,
+                          input_dtype: torch.dtype) -> list[tuple[tuple, torch.dtype]]:
+    """Per stage, the (per-row shape, dtype) of its output, agreed on by every rank.
+
+    Stage s is evaluated on the meta device by the rank holding its pipe-0 replica in data
+    replica 0, which broadcasts the result; shapes exclude the leading batch dimension.
+    """
+    shape, dtype = (2,) + tuple(input_shape), input_dtype
+    out = []
+    for stage in range(grid.placement.stages):
+        owner = grid.global_rank(grid.placement.rank_of(0, stage), 0)
+        box: list = [None]
+        if grid.rank == owner:
+            y_shape, y_dtype = _meta_forward(modules[(0, stage)], shape, dtype)
+            box = [(y_shape[1:], str(y_dtype).replace("torch.", ""))]
+        dist.broadcast_object_list(box, src=owner)
+        row_shape, dtype_name = box[0]
+        dtype = getattr(torch, dtype_name)
+        shape = (2,) + tuple(row_shape)
+        out.append((tuple(row_shape), dtype))
+    return out
+
+
+class PipelineRuntime:
+    """One rank's share of a pipelined model, running a lowered schedule.
+
+    ``stage_factory(stage)`` builds stage ``stage`` (identical weights on every replica);
+    ``loss_fn(output, targets)`` turns the last stage's output into a loss.
+    """
+
+    def __init__(self, schedule: Schedule, grid: ProcessGrid,
+                 stage_factory: Callable[[int], nn.Module], loss_fn, input_shape: tuple,
+                 input_dtype: torch.dtype, rows: int, recompute: bool = False,
+                 autocast: torch.dtype | None = None, device: torch.device | None = None,
+                 comm_timeout: float = 300.0):
+        if not schedule.lowered:
+            raise ScheduleError("the runtime needs a lowered schedule (chimera.passes.lower)")
+        self.schedule, self.grid = schedule, grid
+        self.device = device or torch.device("cpu")
+        self.rows = rows  # rows of one schedule micro-batch
+        self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
+        self.grads = {key: ReplicaGrads(m) for key, m in self.modules.items()}
+        grid.build_groups()
+        self.shapes = infer_boundary_shapes(grid, self.modules, input_shape, input_dtype)
+        wire = next(iter(self.modules.values())).parameters().__next__().dtype
+        self.mailbox = Mailbox(schedule, grid, self._message_shape, wire, self.device,
+                               prepost=dist.get_backend() == "gloo", timeout_s=comm_timeout)
+        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, comm_timeout)
+        self.executor = Executor(schedule, self.modules, loss_fn, self.mailbox, self.sync,
+                                 recompute, autocast, self.device)
+        self.program = schedule.programs[grid.d]
+
+    def _message_shape(self, msg: Message) -> tuple:
+        # an activation into stage s is stage s-1's output; a gradient into s is s's output's
+        stage = msg.stage - 1 if msg.kind.name == "RECV_F" else msg.stage
+        return (self.rows,) + self.shapes[stage][0]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules.values() for p in m.parameters()]
+
+    def zero_grad(self) -> None:
+        for g in self.grads.values():
+            g.zero()
+
+    def run(self, data: MicroData, record: list[ActionRecord] | None = None) -> float:
+        """One iteration's forwards, backwards and gradient sync (not the optimizer step)."""
+        return self.executor.run(self.program, data, record)
+
+    def owned_sq_norm(self) -> torch.Tensor:
+        """Sum of squared gradients over the replicas this rank counts (each stage once)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for (p, s), g in self.grads.items():
+            if self.grid.owns(p, s):
+                total += g.flat.double().pow(2).sum()
+        return total

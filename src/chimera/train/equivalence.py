@@ -1,0 +1,98 @@
+"""Check a layout against single-process training: gradients, losses, replica agreement.
+
+``check_equivalence(configs)`` spawns W·D gloo processes once and, for each config (all of
+the same world size), compares every replica's gradient after one iteration with the
+single-process reference of the same mini-batch, runs a few more AdamW steps, and checks
+that the losses match the reference run and that all replicas of a stage are bit-identical.
+Used by the test suite; handy for checking a new schedule too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from chimera.train.config import TrainConfig
+from chimera.train.launch import free_port
+from chimera.train.loop import Trainer
+
+
+def _reference(cfg: TrainConfig) -> TrainConfig:
+    return dataclasses.replace(cfg, schedule="none", stages=1, data_parallel=1, pipes=None,
+                               chunks=None, strategy=None, micro_batches=1,
+                               micro_batch_size=cfg.global_batch, recompute=False, partition=None)
+
+
+def _grads(trainer: Trainer) -> list[tuple[str, int, torch.Tensor]]:
+    return [(n, pipe, p.grad.detach().clone()) for n, pipe, p in trainer.replica_parameters()]
+
+
+def _one(rank: int, cfg: TrainConfig) -> dict | None:
+    trainer = Trainer(cfg, rank)
+    box: dict = {}
+    losses = [trainer.step(0, on_grads=lambda t: box.setdefault("g", _grads(t))).loss]
+    losses += [trainer.step(s).loss for s in range(1, cfg.steps)]
+    mine = {"grads": box["g"], "params": [(n, pipe, p.detach().clone())
+                                          for n, pipe, p in trainer.replica_parameters()]}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None
+    return _compare(cfg, gathered, losses)
+
+
+def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float]) -> dict:
+    ref = Trainer(_reference(cfg), 0)
+    box: dict = {}
+    ref_losses = [ref.step(0, on_grads=lambda t: box.setdefault("g", _grads(t))).loss]
+    ref_losses += [ref.step(s).loss for s in range(1, cfg.steps)]
+    ref_grad = {n: g for n, _, g in box["g"]}
+    worst, seen = 0.0, set()
+    params: dict[str, list[torch.Tensor]] = {}
+    for rank, got in enumerate(gathered):
+        for name, pipe, g in got["grads"]:
+            r = ref_grad[name]
+            err = float((g - r).norm() / max(r.norm(), 1e-30))
+            worst = max(worst, err)
+            seen.add(name)
+        for name, pipe, p in got["params"]:
+            params.setdefault(name, []).append(p)
+    identical = all(all(torch.equal(ps[0], q) for q in ps[1:]) for ps in params.values())
+    replicas = {n: len(ps) for n, ps in params.items()}
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    return {"config": cfg.to_dict(), "max_grad_rel_err": worst, "missing": sorted(set(ref_grad) - seen),
+            "replicas_identical": identical, "min_replicas": min(replicas.values()),
+            "max_replicas": max(replicas.values()), "losses": losses, "ref_losses": ref_losses,
+            "max_loss_rel_err": loss_err}
+
+
+def _worker(rank: int, world: int, configs: list[TrainConfig], port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = [_one(rank, cfg) for cfg in configs]
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_equivalence(configs: list[TrainConfig]) -> list[dict]:
+    """Run every config (same W·D) in one spawned gloo group; return rank 0's reports."""
+    worlds = {c.world for c in configs}
+    if len(worlds) != 1:
+        raise ValueError(f"configs must share one world size, got {sorted(worlds)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "equivalence.json")
+        mp.start_processes(_worker, args=(worlds.pop(), configs, free_port(), out),
+                           nprocs=configs[0].world, start_method="spawn")
+        with open(out) as f:
+            return json.load(f)

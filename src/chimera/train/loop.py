@@ -1,0 +1,221 @@
+"""The training loop of one rank: data, optimizer, clipping, logging, measured timeline."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from chimera.data import IGNORE_INDEX, get_batch, load_corpus
+from chimera.models import build_layers, get_config, layer_costs, loss_fn, parse_partition, partition
+from chimera.runtime.executor import ActionRecord, MicroData
+from chimera.runtime.grid import ProcessGrid
+from chimera.runtime.pipeline import PipelineRuntime
+from chimera.train.config import TrainConfig
+
+DTYPE = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
+
+
+@dataclass
+class StepLog:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    seconds: float
+    tokens: int
+
+
+@dataclass
+class RunResult:
+    """What rank 0 reports at the end of a run."""
+
+    config: dict
+    steps: list[StepLog] = field(default_factory=list)
+    records: list[list[tuple]] = field(default_factory=list)  # per rank: (action, start, end, cpu)
+    peak_rss_mb: list[float] = field(default_factory=list)
+    final_params: dict | None = None  # model-wide name -> tensor, when asked for
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
+    warm = cfg.warmup_steps
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, biases and norms do not (as nanoGPT)."""
+    params = list(params)
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95),
+                             foreach=False)
+
+
+def stage_ranges(cfg: TrainConfig, n_stages: int) -> list[range]:
+    model = get_config(cfg.model)
+    if cfg.partition:
+        ranges = parse_partition(cfg.partition, model.n_layers_total)
+        if len(ranges) != n_stages:
+            raise ValueError(f"--partition gives {len(ranges)} stages, the schedule needs {n_stages}")
+        return ranges
+    return partition(layer_costs(model), n_stages)
+
+
+def loss_weights(cfg: TrainConfig, targets: torch.Tensor, rows: int, n: int) -> tuple[dict, str]:
+    """Per schedule micro-batch: the factor that makes the sum of losses the mini-batch mean."""
+    model = get_config(cfg.model)
+    if model.kind == "bert":  # masked tokens differ per micro-batch: sum / global count
+        count = int((targets != IGNORE_INDEX).sum())
+        return {m: 1.0 / count for m in range(n)}, "sum"
+    return {m: rows / targets.shape[0] for m in range(n)}, "mean"
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Trainer:
+    """One rank of a pipelined run (or the single-process reference)."""
+
+    def __init__(self, cfg: TrainConfig, rank: int = 0, device: torch.device | None = None):
+        self.cfg, self.rank = cfg, rank
+        self.device = device or torch.device("cpu")
+        self.model_cfg = get_config(cfg.model)
+        self.corpus = load_corpus(cfg.data, seq_len=self.model_cfg.seq_len)
+        self.dtype = DTYPE[cfg.dtype]
+        self.autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
+        if cfg.reference:
+            self._build_reference()
+        else:
+            self._build_pipeline()
+
+    # -- construction -----------------------------------------------------------------
+    def _build_reference(self) -> None:
+        layers = build_layers(self.model_cfg, self.cfg.seed)
+        self.model = torch.nn.Sequential(*layers).to(self.device, self.dtype)
+        self.optimizer = make_optimizer(self.model.parameters(), self.cfg)
+        self.params = list(self.model.parameters())
+
+    def _build_pipeline(self) -> None:
+        cfg = self.cfg
+        schedule = cfg.build_schedule()
+        self.schedule = schedule
+        self.grid = ProcessGrid(schedule.placement, cfg.data_parallel, self.rank)
+        self.ranges = stage_ranges(cfg, schedule.stages)
+        self.rows = int(cfg.micro_batch_size * schedule.micro_scale)
+        kind = "sum" if self.model_cfg.kind == "bert" else "mean"
+        self.runtime = PipelineRuntime(
+            schedule, self.grid, self._stage_factory, loss_fn(self.model_cfg, kind),
+            input_shape=(self.model_cfg.seq_len,), input_dtype=torch.long, rows=self.rows,
+            recompute=cfg.recompute, autocast=self.autocast, device=self.device,
+            comm_timeout=cfg.comm_timeout)
+        self.params = self.runtime.parameters()
+        self.optimizer = make_optimizer(self.params, cfg)
+
+    def _stage_factory(self, stage: int) -> torch.nn.Module:
+        layers = build_layers(self.model_cfg, self.cfg.seed, self.ranges[stage])
+        return torch.nn.Sequential(*layers).to(self.dtype)
+
+    # -- one step -------------------------------------------------------------------------
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return get_batch(self.corpus, step, self.cfg.global_batch, self.model_cfg.seq_len,
+                         self.cfg.seed, self.model_cfg.kind)
+
+    def step(self, step: int, record: list[ActionRecord] | None = None, on_grads=None) -> StepLog:
+        """Forward, backward, gradient sync, clipping and the optimizer step of ``step``.
+
+        ``on_grads(trainer)``, if given, sees the synchronized gradients before clipping.
+        """
+        start = time.perf_counter()
+        inputs, targets = self.batch(step)
+        if self.cfg.reference:
+            loss = self._reference_backward(inputs, targets)
+        else:
+            loss = self._pipeline_backward(inputs, targets, record)
+        if on_grads is not None:
+            on_grads(self)
+        norm = self._clip()
+        lr = lr_at(self.cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        tokens = inputs.numel()
+        return StepLog(step, loss, lr, norm, time.perf_counter() - start, tokens)
+
+    def _reference_backward(self, inputs, targets) -> float:
+        self.optimizer.zero_grad(set_to_none=False)
+        kind = "sum" if self.model_cfg.kind == "bert" else "mean"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast is not None):
+            out = self.model(inputs.to(self.device))
+            loss = loss_fn(self.model_cfg, kind)(out, targets.to(self.device))
+        if kind == "sum":
+            loss = loss / int((targets != IGNORE_INDEX).sum())
+        loss.backward()
+        return float(loss.detach())
+
+    def _pipeline_backward(self, inputs, targets, record) -> float:
+        data = self._micro_data(inputs, targets)
+        self.runtime.zero_grad()
+        local = self.runtime.run(data, record)
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total.item())
+
+    def _micro_data(self, inputs, targets) -> MicroData:
+        s, grid, rows = self.schedule, self.grid, self.rows
+        per_replica = s.micro_batches * rows
+        lo = grid.w * per_replica
+        inputs, mine = inputs[lo:lo + per_replica], targets[lo:lo + per_replica]
+        weights, _ = loss_weights(self.cfg, targets, rows, s.micro_batches)
+        data = MicroData(weights=weights)
+        held = set(grid.held())
+        for m, pipe in enumerate(s.micro_pipe):
+            if (pipe, 0) in held:
+                data.inputs[m] = inputs[m * rows:(m + 1) * rows].to(self.device)
+            if (pipe, s.stages - 1) in held:
+                data.targets[m] = mine[m * rows:(m + 1) * rows].to(self.device)
+        return data
+
+    def _clip(self) -> float:
+        """Clip by the global norm, each stage counted once (not once per replica)."""
+        if self.cfg.reference:
+            sq = sum(p.grad.double().pow(2).sum() for p in self.params if p.grad is not None)
+            sq = torch.as_tensor(sq, dtype=torch.float64)
+        else:
+            sq = self.runtime.owned_sq_norm().cpu()
+            dist.all_reduce(sq)
+        norm = float(sq.sqrt())
+        if self.cfg.clip > 0 and norm > self.cfg.clip:
+            coef = self.cfg.clip / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def replica_parameters(self) -> list[tuple[str, int, torch.Tensor]]:
+        """(model-wide name, pipe, parameter) for every replica this rank holds."""
+        from chimera.models import stage_param_names
+
+        if self.cfg.reference:
+            names = stage_param_names(self.model_cfg, range(self.model_cfg.n_layers_total))
+            return [(names[n], 0, p) for n, p in self.model.named_parameters()]
+        out = []
+        for (pipe, stage), module in sorted(self.runtime.modules.items()):
+            names = stage_param_names(self.model_cfg, self.ranges[stage])
+            out += [(names[n], pipe, p) for n, p in module.named_parameters()]
+        return out
+
+
+def log_line(log: StepLog) -> str:
+    return json.dumps({"step": log.step, "loss": log.loss, "lr": log.lr, "grad_norm": log.grad_norm,
+                       "step_s": log.seconds, "tokens": log.tokens})
