@@ -14,7 +14,8 @@ $(BIN)/chimera: pyproject.toml
 setup: $(BIN)/chimera
 
 demo: setup
-	$(BIN)/chimera demo
+	$(BIN)/chimera train
+	$(BIN)/chimera show --stages 4 --micro-batches 4 --png out/chimera-D4-N4.png
 
 test: setup
 	$(BIN)/python -m pytest -q -x --durations=10

@@ -131,17 +131,20 @@ def _headline(t: Timeline) -> str:
             f"weights {max(r.weights for r in t.ranks):g} Mθ per rank")
 
 
-def _write_pictures(timeline: Timeline, png: str | None, trace: str | None) -> None:
+def _write_pictures(timeline: Timeline, png: str | None, trace: str | None,
+                    quiet: bool = False) -> None:
     from chimera.viz import save_gantt_png, save_trace
 
     if png:
         os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
         save_gantt_png(timeline, png)
-        print(f"wrote {png}")
+        if not quiet:
+            print(f"wrote {png}")
     if trace:
         os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)
         save_trace(timeline, trace)
-        print(f"wrote {trace}")
+        if not quiet:
+            print(f"wrote {trace}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

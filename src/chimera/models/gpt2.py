@@ -147,12 +147,13 @@ def init_weights(layer: nn.Module, cfg: ModelConfig, gen: torch.Generator) -> No
 def make_layer(cls: type, cfg: ModelConfig, seed: int, index: int) -> nn.Module:
     """Build layer ``index`` of the flat list with weights drawn from ``(seed, index)``.
 
-    Built on the meta device first so the default init neither costs time nor touches
-    torch's global RNG; every parameter is then written by ``init_weights``.
+    The default init runs under ``fork_rng`` so torch's global RNG is left untouched (the
+    meta device would avoid that work, but its first use imports torch's compiler stack,
+    seconds per process); every parameter is then written by ``init_weights``.
     """
-    with torch.device("meta"):
+    with torch.random.fork_rng(devices=[]):
         layer = cls(cfg)
-    layer = layer.to_empty(device="cpu").float()               # whatever the default dtype
+    layer = layer.float()                                       # whatever the default dtype
     gen = torch.Generator().manual_seed(derive_seed(seed, "layer", index))
     init_weights(layer, cfg, gen)
     return layer

@@ -15,13 +15,15 @@ from chimera.runtime.p2p import Mailbox, Message
 from chimera.runtime.sync import GradSync, ReplicaGrads
 
 
-def _meta_forward(module: nn.Module, shape: tuple, dtype: torch.dtype) -> tuple[tuple, torch.dtype]:
-    """Output (shape, dtype) of ``module`` for an input of ``shape``, computed on the meta device."""
-    state = {n: torch.empty_like(t, device="meta") for n, t in
-             list(module.named_parameters()) + list(module.named_buffers())}
-    x = torch.empty(shape, dtype=dtype, device="meta")
+def _probe_forward(module: nn.Module, shape: tuple, dtype: torch.dtype) -> tuple[tuple, torch.dtype]:
+    """Output (shape, dtype) of ``module`` for a zero input of ``shape`` (one or two rows).
+
+    A real forward rather than the meta device: meta's first use imports torch's compiler
+    stack (seconds per process), and a two-row forward costs little.
+    """
+    device = next(module.parameters()).device
     with torch.no_grad():
-        y = torch.func.functional_call(module, state, (x,))
+        y = module(torch.zeros(shape, dtype=dtype, device=device))
     return tuple(y.shape), y.dtype
 
 
@@ -29,8 +31,8 @@ def infer_boundary_shapes(grid: ProcessGrid, modules: dict, input_shape: tuple,
                           input_dtype: torch.dtype) -> list[tuple[tuple, torch.dtype]]:
     """Per stage, the (per-row shape, dtype) of its output, agreed on by every rank.
 
-    Stage s is evaluated on the meta device by the rank holding its pipe-0 replica in data
-    replica 0, which broadcasts the result; shapes exclude the leading batch dimension.
+    Stage s is probed by the rank holding its pipe-0 replica in data replica 0, which
+    broadcasts the result; shapes exclude the leading batch dimension.
     """
     shape, dtype = (2,) + tuple(input_shape), input_dtype
     out = []
@@ -38,7 +40,7 @@ def infer_boundary_shapes(grid: ProcessGrid, modules: dict, input_shape: tuple,
         owner = grid.global_rank(grid.placement.rank_of(0, stage), 0)
         box: list = [None]
         if grid.rank == owner:
-            y_shape, y_dtype = _meta_forward(modules[(0, stage)], shape, dtype)
+            y_shape, y_dtype = _probe_forward(modules[(0, stage)], shape, dtype)
             box = [(y_shape[1:], str(y_dtype).replace("torch.", ""))]
         dist.broadcast_object_list(box, src=owner)
         row_shape, dtype_name = box[0]

@@ -21,7 +21,7 @@ class TrainConfig:
     model: str = "gpt2-tiny"
     schedule: str = "chimera"  # or "none" for plain single-process training (the reference)
     stages: int = 2
-    micro_batches: int | None = None  # default: D (chimera's basic unit)
+    micro_batches: int | None = None  # default: 2D (two of chimera's basic units)
     micro_batch_size: int = 4
     data_parallel: int = 1
     steps: int = 40
@@ -100,7 +100,7 @@ class TrainConfig:
 
     @property
     def n_micro(self) -> int:
-        return self.micro_batches or (1 if self.reference else self.stages)
+        return self.micro_batches or (1 if self.reference else 2 * self.stages)
 
     @property
     def global_batch(self) -> int:

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from chimera.data import IGNORE_INDEX, get_batch, load_corpus
-from chimera.models import build_layers, get_config, layer_costs, loss_fn, parse_partition, partition
+from chimera.models import (build_layers, get_config, layer_costs, layer_names, loss_fn,
+                            parse_partition, partition)
 from chimera.runtime.executor import ActionRecord, MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.pipeline import PipelineRuntime
@@ -204,16 +205,17 @@ class Trainer:
 
     def replica_parameters(self) -> list[tuple[str, int, torch.Tensor]]:
         """(model-wide name, pipe, parameter) for every replica this rank holds."""
-        from chimera.models import stage_param_names
-
         if self.cfg.reference:
-            names = stage_param_names(self.model_cfg, range(self.model_cfg.n_layers_total))
-            return [(names[n], 0, p) for n, p in self.model.named_parameters()]
-        out = []
-        for (pipe, stage), module in sorted(self.runtime.modules.items()):
-            names = stage_param_names(self.model_cfg, self.ranges[stage])
-            out += [(names[n], pipe, p) for n, p in module.named_parameters()]
-        return out
+            return [(self._global_name(n, range(self.model_cfg.n_layers_total)), 0, p)
+                    for n, p in self.model.named_parameters()]
+        return [(self._global_name(n, self.ranges[stage]), pipe, p)
+                for (pipe, stage), module in sorted(self.runtime.modules.items())
+                for n, p in module.named_parameters()]
+
+    def _global_name(self, local: str, rng: range) -> str:
+        """``"3.attn.qkv.weight"`` of a stage holding layers ``rng`` -> ``"blocks.k.attn..."``."""
+        index, rest = local.split(".", 1)
+        return f"{layer_names(self.model_cfg)[rng[int(index)]]}.{rest}"
 
 
 def log_line(log: StepLog) -> str:

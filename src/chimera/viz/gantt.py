@@ -142,9 +142,12 @@ def _style_axes(ax, timeline: Timeline, title: str) -> None:
 
 
 def _pipe_name(timeline: Timeline, pipe: int) -> str:
-    table = timeline.schedule.placement.table
+    placement = timeline.schedule.placement
+    table = placement.table
     if len(table) < 2 or len(table[pipe]) < 2:
         return f"pipe {pipe}"
+    if placement.style == "chimera":  # down and up pipes alternate (shifted copies when Q > 2)
+        return f"pipe {pipe} ({'down' if pipe % 2 == 0 else 'up'})"
     step = (table[pipe][1] - table[pipe][0]) % timeline.schedule.ranks
     direction = {1: " (down)", timeline.schedule.ranks - 1: " (up)"}.get(step, "")
     return f"pipe {pipe}{direction}"

@@ -1,0 +1,111 @@
+"""`chimera train`: train a model with any schedule on local processes or under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from chimera.cli.common import nonneg_float, positive_int
+from chimera.passes import SYNC_MODES
+from chimera.schedules import schemes
+from chimera.schedules.bidirectional import STRATEGIES
+
+MODELS = ("gpt2-tiny", "gpt2-bench", "gpt2-small", "gpt2-medium", "gpt2-paper", "bert-tiny", "bert-48")
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train GPT-2 / BERT with a pipeline schedule (default: a short Chimera run)",
+        description="Train a model with any schedule on torch.distributed. With no arguments: "
+                    "gpt2-tiny with Chimera on D=2 local processes for a short run, then a summary "
+                    "and a PNG timeline plus a Perfetto trace of a measured step. Under torchrun "
+                    "(RANK/WORLD_SIZE set) each process is one rank; otherwise the W*D ranks are "
+                    "spawned locally and rendezvous on 127.0.0.1.")
+    names = ", ".join(["none"] + [s.name for s in schemes()])
+    m = p.add_argument_group("model and data")
+    m.add_argument("--model", default="gpt2-tiny", help=f"preset: {', '.join(MODELS)} (default: gpt2-tiny)")
+    m.add_argument("--data", metavar="FILE|DIR", help="text to train on, as byte tokens "
+                   "(default: the Python standard library's source files, on every machine)")
+    m.add_argument("--dtype", choices=("float32", "float64", "bf16"), default="float32",
+                   help="parameter precision; bf16 = float32 weights with bf16 autocast")
+    m.add_argument("--partition", metavar="RANGES", help="layer ranges per stage, e.g. 0-3,4-7 "
+                   "(default: balanced by estimated cost; embedding and head count as layers)")
+    s = p.add_argument_group("layout and schedule")
+    s.add_argument("--schedule", default="chimera", help=f"{names} (default: chimera; "
+                   "'none' with --stages 1 is plain single-process training, the reference)")
+    s.add_argument("--stages", "-D", type=positive_int, default=2, help="pipeline depth D (default: 2)")
+    s.add_argument("--micro-batches", "-N", type=positive_int, help="micro-batches per step N (default: 2D)")
+    s.add_argument("--micro-batch-size", "-B", type=positive_int, default=4, help="sequences per micro-batch")
+    s.add_argument("--data-parallel", "-W", type=positive_int, default=1, help="pipeline copies W (default: 1)")
+    s.add_argument("--pipes", "-Q", type=positive_int, help="chimera: pipelines Q = 2k (default: 2)")
+    s.add_argument("--chunks", type=positive_int, help="interleaved: virtual stages per rank")
+    s.add_argument("--strategy", choices=STRATEGIES, help="chimera with N > D (default: direct)")
+    s.add_argument("--sync", choices=SYNC_MODES, default="eager", help="gradient allreduce start")
+    s.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+    o = p.add_argument_group("optimization")
+    o.add_argument("--steps", type=positive_int, default=40, help="optimizer steps (default: 40)")
+    o.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default: 3e-3)")
+    o.add_argument("--warmup", type=int, help="warm-up steps (default: 10%% of the steps)")
+    o.add_argument("--weight-decay", type=nonneg_float, default=0.1)
+    o.add_argument("--clip", type=nonneg_float, default=1.0, help="global grad-norm clip (0: off)")
+    o.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("running and output")
+    r.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default: 1)")
+    r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    r.add_argument("--comm-timeout", type=float, default=300.0, help="seconds before a p2p or "
+                   "collective wait becomes an error naming the rank, action and peer")
+    r.add_argument("--log-json", metavar="FILE", help="one JSON object per step: step, loss, ...")
+    r.add_argument("--trace", metavar="FILE", default=os.path.join("out", "train-trace.json"),
+                   help="Perfetto trace of the measured step (default: out/train-trace.json)")
+    r.add_argument("--png", metavar="FILE", default=os.path.join("out", "train-timeline.png"),
+                   help="Gantt chart of the measured step (default: out/train-timeline.png)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--json", action="store_true", help="print the run's result as one JSON object")
+    p.set_defaults(func=cmd_train)
+
+
+def config_from_args(args: argparse.Namespace):
+    from chimera.train.config import TrainConfig
+
+    return TrainConfig(
+        model=args.model, schedule=args.schedule, stages=args.stages,
+        micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+        data_parallel=args.data_parallel, steps=args.steps, lr=args.lr, warmup=args.warmup,
+        weight_decay=args.weight_decay, clip=args.clip, seed=args.seed, recompute=args.recompute,
+        strategy=args.strategy, pipes=args.pipes, chunks=args.chunks, sync=args.sync,
+        partition=args.partition, data=args.data, dtype=args.dtype, threads=args.threads,
+        comm_timeout=args.comm_timeout, device=args.device, log_json=args.log_json,
+        trace=args.trace, png=args.png, progress=not args.no_progress)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import json
+
+    from chimera.train import launch
+    from chimera.train.report import measured_timeline, summary
+
+    cfg = config_from_args(args)  # every check happens here, before any process starts
+    if args.data is not None:
+        _check_data(cfg)
+    result = launch(cfg)
+    if not result:  # a non-zero rank under torchrun
+        return 0
+    schedule = None if cfg.reference else cfg.build_schedule()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(summary(result, schedule))
+    timeline = measured_timeline(schedule, result) if schedule is not None else None
+    if timeline is not None:
+        from chimera.cli.schedule_cmds import _write_pictures
+
+        _write_pictures(timeline, cfg.png, cfg.trace, quiet=args.json)
+    return 0
+
+
+def _check_data(cfg) -> None:
+    """Missing, empty or too-short data fails here, not inside a spawned process."""
+    from chimera.data import load_corpus
+    from chimera.models import get_config
+
+    load_corpus(cfg.data, seq_len=get_config(cfg.model).seq_len)

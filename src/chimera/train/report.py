@@ -1,0 +1,58 @@
+"""Turn a run's result (rank 0's JSON) into figures, a measured timeline and a summary."""
+
+from __future__ import annotations
+
+import statistics
+
+from chimera.ir import Action, Schedule
+from chimera.sim import RankStats, Timeline
+from chimera.sim.timeline import Event
+
+
+def measured_timeline(schedule: Schedule, result: dict) -> Timeline | None:
+    """The traced step as a Timeline in seconds, from every rank's recorded actions."""
+    ranks = result.get("ranks") or []
+    if not ranks or not any(r["records"] for r in ranks):
+        return None
+    events, stats = [], []
+    for rank, data in enumerate(ranks[:schedule.ranks]):  # data replica 0 is drawn
+        busy = 0.0
+        for text, start, end, _cpu in data["records"]:
+            action = Action.parse(text)
+            events.append(Event(rank, action, start, end))
+            if action.op.is_compute:
+                busy += end - start
+        stats.append(RankStats(rank, busy, 0.0, float(len(schedule.placement.held(rank)))))
+    makespan = max(e.end for e in events)
+    return Timeline(schedule, events, makespan, stats, unit="s")
+
+
+def throughput(result: dict, skip: int = 2) -> tuple[float, float]:
+    """(median tokens/s, median step seconds) over the steps after ``skip`` warm-up steps."""
+    steps = result["steps"][skip:] or result["steps"]
+    secs = statistics.median(s["seconds"] for s in steps)
+    return steps[0]["tokens"] / secs, secs
+
+
+def summary(result: dict, schedule: Schedule | None) -> str:
+    cfg = result["config"]
+    tok_s, step_s = throughput(result)
+    losses = [s["loss"] for s in result["steps"]]
+    lines = [
+        f"trained {cfg['model']} with {cfg['schedule']} on D={cfg['stages']} x W={cfg['data_parallel']} "
+        f"process(es) for {len(losses)} steps",
+        f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}",
+        f"  throughput {tok_s:,.0f} tokens/s (median step {step_s * 1000:.1f} ms after warm-up)",
+    ]
+    if schedule is not None:
+        t = measured_timeline(schedule, result)
+        if t is not None:
+            lines.append(f"  measured bubble ratio {t.bubble_ratio:.1%} of step "
+                         f"{cfg['trace_step'] if cfg['trace_step'] is not None else cfg['steps'] - 1} "
+                         f"(1 - compute time / (ranks x step time))")
+    rss = ", ".join(f"{r['peak_rss_mb']:.0f}" for r in result["ranks"])
+    lines.append(f"  peak memory per rank (RSS, MB): {rss}")
+    cuda = [r.get("peak_cuda_mb") for r in result["ranks"] if r.get("peak_cuda_mb") is not None]
+    if cuda:
+        lines.append("  peak CUDA memory per rank (MB): " + ", ".join(f"{c:.0f}" for c in cuda))
+    return "\n".join(lines)
