@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from chimera.ir import Action, Op, Schedule
+from chimera.runtime.split_backward import backward_input, backward_weight
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Executor:
         self.mailbox, self.sync = mailbox, sync
         self.recompute, self.autocast, self.device = recompute, autocast, device
         self.last = schedule.stages - 1
+        self.params = {k: [p for p in m.parameters() if p.requires_grad] for k, m in modules.items()}
         self.handlers = {
             Op.F: self._forward, Op.B: self._backward, Op.I: self._backward_input,
             Op.W: self._backward_weight, Op.SEND_F: self._send_f, Op.SEND_B: self._send_b,
@@ -113,20 +115,17 @@ class Executor:
         torch.autograd.backward(y, None if g is None else g.to(y.dtype))
 
     def _backward_input(self, a: Action) -> None:
-        """I: the input gradient only (what the previous stage waits for); keeps the graph."""
-        y = self.out[a.key]
-        g = self._output_grad(a)
-        g = None if g is None else g.to(y.dtype)
-        self.out[a.key] = (y, g)  # W needs both
-        if a.stage > 0:
-            x = self.inp[a.key]
-            (x.grad,) = torch.autograd.grad(y, (x,), g, retain_graph=True)
+        """I: the input gradient only (what the previous stage waits for)."""
+        y, g = self.out.pop(a.key), self._output_grad(a)
+        x = self.inp.get(a.key)
+        dx, pending = backward_input(y, x, None if g is None else g.to(y.dtype), self.params[(a.pipe, a.stage)])
+        if x is not None:
+            x.grad = dx
+        self.out[a.key] = pending  # W finishes it
 
     def _backward_weight(self, a: Action) -> None:
-        """W: the weight gradients, from the graph I kept."""
-        y, g = self.out.pop(a.key)
-        params = [p for p in self.modules[(a.pipe, a.stage)].parameters() if p.requires_grad]
-        torch.autograd.backward(y, g, inputs=params)
+        """W: the weight gradients, from what I kept; frees the graph."""
+        backward_weight(self.out.pop(a.key))
 
     # -- communication ------------------------------------------------------------
     def _send_f(self, a: Action) -> None:

@@ -1,0 +1,128 @@
+"""Split backward through plain autograd: I (input gradient) now, W (weight gradients) later.
+
+I runs ``autograd.grad`` towards the stage input only. Autograd then evaluates each node
+for just the outputs that lead to the input, so where a node also feeds a weight (a
+Linear's addmm, a LayerNorm) only its input-gradient half runs. A pre-hook on each such
+*boundary* node keeps the gradient that flowed into it. W later restarts autograd at each
+boundary node (``GradientEdge``) with the kept gradient, towards the weights right below
+that node only: one engine call per boundary, because a call that asked for every weight
+would also walk down the input path into deeper boundaries and count their weights twice.
+Each node's weight half runs once, and the graph is freed as W finishes. No custom layers
+are needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+
+@dataclass
+class Boundary:
+    """One boundary node: its output edges, the gradients that reached them, its weights."""
+
+    params: list[torch.nn.Parameter]
+    edges: list[GradientEdge] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class PendingWeightGrad:
+    """What W needs: the boundaries (or, on a first stage, the plain output and gradient)."""
+
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    boundaries: list[Boundary] = field(default_factory=list)
+    # when there is no input gradient to split off (first stage), W is a plain backward
+    output: torch.Tensor | None = None
+    output_grad: torch.Tensor | None = None
+
+
+def _graph(root) -> list:
+    """Nodes reachable from ``root``, children before parents (post-order)."""
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((child, False) for child, _ in node.next_functions if child is not None)
+    return order
+
+
+def _boundaries(root, x: torch.Tensor, params: list[torch.nn.Parameter]) -> list[tuple]:
+    """(node, weights below it) for nodes on the input's path with a weight-only child."""
+    order = _graph(root)
+    param_ids = {id(p) for p in params}
+    to_x, below = set(), {}  # below[node] = ids of the parameters a node leads to
+    for node in order:  # children first, so their flags are known
+        var = getattr(node, "variable", None)
+        if var is not None:
+            if var is x:
+                to_x.add(node)
+            below[node] = {id(var)} & param_ids
+            continue
+        children = [c for c, _ in node.next_functions if c is not None]
+        if any(c in to_x for c in children):
+            to_x.add(node)
+        below[node] = set().union(*(below[c] for c in children)) if children else set()
+    by_id = {id(p): p for p in params}
+    out = []
+    for node in order:
+        if node not in to_x:
+            continue
+        weights = set().union(*(below[c] for c, _ in node.next_functions
+                                if c is not None and c not in to_x))
+        if weights:
+            out.append((node, [by_id[i] for i in sorted(weights)]))
+    return out
+
+
+def backward_input(y: torch.Tensor, x: torch.Tensor | None, grad: torch.Tensor | None,
+                   params: list[torch.nn.Parameter]) -> tuple[torch.Tensor | None, PendingWeightGrad]:
+    """I: return dL/dx and what W needs. ``grad`` is dL/dy (None when y is the loss)."""
+    pending = PendingWeightGrad(params=[p for p in params if p.requires_grad])
+    if x is None or y.grad_fn is None:
+        pending.output, pending.output_grad = y, grad
+        return None, pending
+    handles = []
+    for node, weights in _boundaries(y.grad_fn, x, pending.params):
+        boundary = Boundary(weights)
+        pending.boundaries.append(boundary)
+
+        def keep(grad_outputs, node=node, boundary=boundary):
+            for i, g in enumerate(grad_outputs):
+                if g is not None:
+                    boundary.edges.append(GradientEdge(node, i))
+                    boundary.grads.append(g)
+        handles.append(node.register_prehook(keep))
+    try:
+        (dx,) = torch.autograd.grad(y, (x,), grad, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return dx, pending
+
+
+def backward_weight(pending: PendingWeightGrad) -> None:
+    """W: accumulate the weight gradients into ``.grad`` and free the graph."""
+    if pending.output is not None:
+        torch.autograd.backward(pending.output, pending.output_grad, inputs=pending.params)
+        return
+    for b in pending.boundaries:
+        if not b.edges:
+            continue
+        grads = torch.autograd.grad(b.edges, b.params, b.grads, allow_unused=True)
+        for p, g in zip(b.params, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+    pending.boundaries.clear()

@@ -1,0 +1,71 @@
+"""Split backward (I then W) gives exactly the gradients of one full backward."""
+
+import pytest
+import torch
+from torch import nn
+
+from chimera.models import build_layers, get_config, loss_fn
+from chimera.runtime.split_backward import backward_input, backward_weight
+
+
+def _stage(name, rng):
+    return nn.Sequential(*build_layers(get_config(name), 0, rng)).double()
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny"])
+def test_middle_stage_split_equals_full(name):
+    cfg = get_config(name)
+    stage = _stage(name, range(1, 4))
+    params = list(stage.parameters())
+    x0 = torch.randn(3, cfg.seq_len, cfg.d_model, dtype=torch.float64)
+    g = torch.randn(3, cfg.seq_len, cfg.d_model, dtype=torch.float64)
+    x = x0.clone().requires_grad_()
+    torch.autograd.backward(stage(x), g)
+    ref_dx, ref = x.grad, [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    x = x0.clone().requires_grad_()
+    dx, pending = backward_input(stage(x), x, g, params)
+    assert torch.allclose(dx, ref_dx, rtol=1e-12, atol=1e-14)
+    assert all(p.grad is None for p in params)  # I computed no weight gradient
+    backward_weight(pending)
+    for p, r in zip(params, ref):
+        assert torch.allclose(p.grad, r, rtol=1e-12, atol=1e-14)
+
+
+def test_last_stage_with_loss_and_accumulation():
+    cfg = get_config("gpt2-tiny")
+    stage = _stage("gpt2-tiny", range(5, cfg.n_layers_total))
+    params = list(stage.parameters())
+    x0 = torch.randn(2, cfg.seq_len, cfg.d_model, dtype=torch.float64)
+    t = torch.randint(0, 256, (2, cfg.seq_len))
+    loss = loss_fn(cfg)
+    for p in params:
+        p.grad = torch.ones_like(p)  # accumulates on top, like micro-batches do
+    x = x0.clone().requires_grad_()
+    loss(stage(x), t).backward()
+    ref = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    x = x0.clone().requires_grad_()
+    _, pending = backward_input(loss(stage(x), t), x, None, params)
+    backward_weight(pending)
+    for p, r in zip(params, ref):
+        assert torch.allclose(p.grad, r, rtol=1e-12, atol=1e-14)
+
+
+def test_first_stage_has_no_input_gradient():
+    cfg = get_config("gpt2-tiny")
+    stage = _stage("gpt2-tiny", range(0, 2))
+    params = list(stage.parameters())
+    tokens = torch.randint(0, 256, (2, cfg.seq_len))
+    g = torch.randn(2, cfg.seq_len, cfg.d_model, dtype=torch.float64)
+    torch.autograd.backward(stage(tokens), g)
+    ref = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    dx, pending = backward_input(stage(tokens), None, g, params)
+    assert dx is None
+    backward_weight(pending)
+    for p, r in zip(params, ref):
+        assert torch.equal(p.grad, r)
