@@ -69,6 +69,7 @@ class Mailbox:
         self.index_of = {m: i for msgs in self.order.values() for i, m in enumerate(msgs)}
         self.buffers = {m: torch.empty(shape_of(m), dtype=dtype, device=device) for m in self.src_of}
         self.prepost, self.timeout = prepost, datetime.timedelta(seconds=timeout_s)
+        self.dtype = dtype
         self.pending: dict[Message, object] = {}
         self.next_index: dict[int, int] = {}
         self.sends: list[tuple[object, torch.Tensor, Action, int]] = []
@@ -98,7 +99,7 @@ class Mailbox:
     def send(self, action: Action, tensor: torch.Tensor) -> None:
         msg = message_of_send(action)
         peer = self.grid.peer(msg.pipe, msg.stage)
-        tensor = tensor.detach().contiguous()
+        tensor = tensor.detach().to(self.dtype).contiguous()  # bf16 autocast may change it
         work = dist.isend(tensor, dst=peer, tag=msg.tag(self.schedule))
         self.sends.append((work, tensor, action, peer))
 
