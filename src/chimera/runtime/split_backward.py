@@ -39,45 +39,49 @@ class PendingWeightGrad:
     output_grad: torch.Tensor | None = None
 
 
-def _graph(root) -> list:
-    """Nodes reachable from ``root``, children before parents (post-order)."""
-    order, seen, stack = [], set(), [(root, False)]
+def _graph(root) -> tuple[list, dict]:
+    """Nodes reachable from ``root`` children first (post-order), and each node's children."""
+    order, kids, done, stack = [], {}, set(), [root]
     while stack:
-        node, done = stack.pop()
-        if done:
-            order.append(node)
+        node = stack[-1]
+        if node in done:
+            stack.pop()
             continue
-        if node is None or node in seen:
+        if node not in kids:
+            kids[node] = [c for c, _ in node.next_functions if c is not None]
+        todo = [c for c in kids[node] if c not in done]
+        if todo:
+            stack.extend(todo)
             continue
-        seen.add(node)
-        stack.append((node, True))
-        stack.extend((child, False) for child, _ in node.next_functions if child is not None)
-    return order
+        stack.pop()
+        done.add(node)
+        order.append(node)
+    return order, kids
 
 
 def _boundaries(root, x: torch.Tensor, params: list[torch.nn.Parameter]) -> list[tuple]:
     """(node, weights below it) for nodes on the input's path with a weight-only child."""
-    order = _graph(root)
+    order, kids = _graph(root)
     param_ids = {id(p) for p in params}
     to_x, below = set(), {}  # below[node] = ids of the parameters a node leads to
+    empty: frozenset = frozenset()
     for node in order:  # children first, so their flags are known
         var = getattr(node, "variable", None)
         if var is not None:
             if var is x:
                 to_x.add(node)
-            below[node] = {id(var)} & param_ids
+            below[node] = frozenset((id(var),)) if id(var) in param_ids else empty
             continue
-        children = [c for c, _ in node.next_functions if c is not None]
+        children = kids[node]
         if any(c in to_x for c in children):
             to_x.add(node)
-        below[node] = set().union(*(below[c] for c in children)) if children else set()
+        below[node] = empty.union(*(below[c] for c in children)) if children else empty
     by_id = {id(p): p for p in params}
     out = []
     for node in order:
         if node not in to_x:
             continue
-        weights = set().union(*(below[c] for c, _ in node.next_functions
-                                if c is not None and c not in to_x))
+        weights = empty.union(*(below[c] for c in kids[node] if c not in to_x))
         if weights:
             out.append((node, [by_id[i] for i in sorted(weights)]))
     return out
