@@ -91,7 +91,8 @@ GRID = [(name, d, n, kw)
         for name, kw in [("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("gems", {}),
                          ("interleaved", {"chunks": 2}), ("chimera", {}),
                          ("chimera", {"strategy": "doubling"}), ("chimera", {"strategy": "halving"}),
-                         ("chimera", {"pipes": 4})]
+                         ("chimera", {"pipes": 4}), ("zb-v", {}), ("dualpipev", {}), ("dualpipe", {}),
+                         ("chimera-zb", {}), ("chimera-zb", {"pipes": 4})]
         if not (kw.get("pipes") == 4 and d % 4) and not (kw.get("strategy") == "doubling" and n % 4)]
 
 
@@ -133,7 +134,8 @@ def test_build_rejects_unknown_names_and_options():
 
 def test_every_scheme_is_registered_with_a_description():
     names = {s.name for s in schemes()}
-    assert {"gpipe", "1f1b", "gems", "interleaved", "zb-h1", "chimera"} <= names
+    assert {"gpipe", "1f1b", "gems", "interleaved", "zb-h1", "chimera",
+            "zb-v", "dualpipev", "dualpipe", "chimera-zb"} <= names
     assert all(s.description for s in schemes())
 
 

@@ -18,6 +18,10 @@ ROWS = [
     ("chimera doubling", "chimera", {"strategy": "doubling"}),
     ("chimera halving", "chimera", {"strategy": "halving"}),
     ("chimera Q=4", "chimera", {"pipes": 4}),
+    ("zb-v", "zb-v", {}),
+    ("dualpipev", "dualpipev", {}),
+    ("dualpipe", "dualpipe", {}),
+    ("chimera-zb", "chimera-zb", {}),
 ]
 
 

@@ -8,7 +8,7 @@ import sys
 
 from chimera.ir import Schedule
 from chimera.passes import SYNC_MODES, lower
-from chimera.schedules import build, schemes
+from chimera.schedules import build, get_scheme, schemes
 from chimera.schedules.bidirectional import STRATEGIES
 
 
@@ -61,6 +61,8 @@ def add_schedule_options(p: argparse.ArgumentParser, default: str = "chimera",
     g.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="chimera with N > D: direct concatenation, forward doubling, or backward "
                         "halving (default: direct)")
+    g.add_argument("--cap", type=positive_int, default=None, metavar="MA",
+                   help="chimera-zb: activation memory cap per rank in Ma (default: D)")
     g.add_argument("--sync", choices=SYNC_MODES, default="eager",
                    help="when a stage's gradient allreduce starts: eager (right after its last "
                         "backward, overlapping bubbles) or end (default: eager)")
@@ -71,6 +73,8 @@ def schedule_from_args(args: argparse.Namespace) -> Schedule:
     from chimera.validate import validate
 
     n = args.micro_batches or args.stages
+    # time-aware schemes (chimera-zb) are built for the costs they will be simulated with
+    timed = {"cost": getattr(args, "cost", None)} if "cost" in get_scheme(args.schedule).options else {}
     schedule = build(args.schedule, args.stages, n, pipes=args.pipes, chunks=args.chunks,
-                     strategy=args.strategy)
+                     strategy=args.strategy, cap=getattr(args, "cap", None), **timed)
     return validate(lower(schedule, args.sync))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -34,6 +35,9 @@ def add_parsers(sub) -> None:
     add_schedule_options(p)
     add_cost_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--bound", action="store_true",
+                   help="also report the lower bound of makespan and bubble for this placement and "
+                        "these costs (no schedule on the placement can beat it)")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("demo", help="the main job on a built-in default (what `make demo` runs)",
@@ -87,8 +91,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     schedule = schedule_from_args(args)
-    timeline = simulate(schedule, cost_from_args(args))
+    cost = cost_from_args(args)
+    timeline = simulate(schedule, cost)
     result = timeline_summary(timeline)
+    if args.bound:
+        result["bound"] = _bound_summary(schedule, cost)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -99,7 +106,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     form = closed_form(schedule.name, schedule.ranks, len(schedule.micro_pipe), **_form_opts(schedule))
     if form and form.bubble is not None and args.cost == form.cost:
         print(f"paper closed form: bubble {form.bubble_text} = {form.bubble:.4f}")
+    if args.bound:
+        b = result["bound"]
+        print(f"lower bound: makespan {b['makespan']:g}, bubble {b['bubble']:.1%} (rank {b['rank']}: "
+              f"first input at {b['head']:g}, {b['work']:g} of work, tail {b['tail']:g})")
     return 0
+
+
+def _bound_summary(schedule, cost: CostModel) -> dict:
+    from chimera.bounds import schedule_bound
+
+    return dataclasses.asdict(schedule_bound(schedule, cost))
 
 
 def timeline_summary(timeline: Timeline) -> dict:
