@@ -8,6 +8,7 @@ import json
 import os
 
 from chimera.cli.common import add_schedule_options, nonneg_float, positive_int, schedule_from_args
+from chimera.cli.measured import add_measured_options, cmd_replay, profile_cost
 from chimera.formulas import closed_form
 from chimera.schedules import schemes
 from chimera.sim import CostModel, Timeline, simulate
@@ -38,6 +39,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--bound", action="store_true",
                    help="also report the lower bound of makespan and bubble for this placement and "
                         "these costs (no schedule on the placement can beat it)")
+    add_measured_options(p)
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("demo", help="the main job on a built-in default (what `make demo` runs)",
@@ -90,8 +92,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.from_trace:
+        return cmd_replay(args)
     schedule = schedule_from_args(args)
-    cost = cost_from_args(args)
+    cost = profile_cost(args, schedule) if args.profile else cost_from_args(args)
     timeline = simulate(schedule, cost)
     result = timeline_summary(timeline)
     if args.bound:

@@ -45,6 +45,7 @@ class Executor:
         self.mailbox, self.sync = mailbox, sync
         self.recompute, self.autocast, self.device = recompute, autocast, device
         self.last = schedule.stages - 1
+        self.record_epoch: float | None = None  # wall-clock time of the recorded run's t0
         self.params = {k: [p for p in m.parameters() if p.requires_grad] for k, m in modules.items()}
         self.handlers = {
             Op.F: self._forward, Op.B: self._backward, Op.I: self._backward_input,
@@ -60,6 +61,8 @@ class Executor:
         self.recv: dict[tuple, torch.Tensor] = {}
         self.mailbox.start_iteration()
         t0 = time.perf_counter()
+        if record is not None:  # t0 on the wall clock: aligns the ranks' records with each other
+            self.record_epoch = time.time()
         for action in program:
             if record is None:
                 self.handlers[action.op](action)

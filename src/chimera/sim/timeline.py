@@ -15,6 +15,7 @@ class Event:
     action: Action
     start: float
     end: float
+    cpu: float | None = None  # measured thread CPU seconds, when the event comes from a real run
 
     @property
     def duration(self) -> float:
@@ -40,6 +41,7 @@ class Timeline:
     unit: str = "unit"
     # allreduce intervals per rank: (rank, stage, start, end); drawn as a separate lane
     collectives: list[tuple[int, int, float, float]] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # e.g. the measured step time; kept in traces
 
     @property
     def busy(self) -> float:

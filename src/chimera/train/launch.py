@@ -99,6 +99,8 @@ def _progress(cfg: TrainConfig):
 def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> dict | None:
     mine = {"records": [(str(r.action), r.start, r.end, r.cpu) for r in record],
             "peak_rss_mb": peak_rss_mb()}
+    if record and not cfg.reference:  # wall-clock start of the records: aligns the ranks
+        mine["t0"] = trainer.runtime.executor.record_epoch
     if torch.cuda.is_available() and trainer.device.type == "cuda":
         mine["peak_cuda_mb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**20
     if cfg.reference:

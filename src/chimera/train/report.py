@@ -10,21 +10,40 @@ from chimera.sim.timeline import Event
 
 
 def measured_timeline(schedule: Schedule, result: dict) -> Timeline | None:
-    """The traced step as a Timeline in seconds, from every rank's recorded actions."""
-    ranks = result.get("ranks") or []
+    """The traced step as a Timeline in seconds, from every rank's recorded actions.
+
+    Each rank records times from its own start of the step; where the ranks also sent that
+    start on the wall clock (``t0``), their events are shifted onto one time axis. ``meta``
+    keeps the measured step time, so a trace of it can be replayed against it.
+    """
+    ranks = (result.get("ranks") or [])[:schedule.ranks]  # data replica 0 is drawn
     if not ranks or not any(r["records"] for r in ranks):
         return None
+    starts = [r.get("t0") for r in ranks]
+    base = min(starts) if None not in starts else None
     events, stats = [], []
-    for rank, data in enumerate(ranks[:schedule.ranks]):  # data replica 0 is drawn
+    for rank, data in enumerate(ranks):
+        shift = 0.0 if base is None else starts[rank] - base
         busy = 0.0
-        for text, start, end, _cpu in data["records"]:
+        for text, start, end, cpu in data["records"]:
             action = Action.parse(text)
-            events.append(Event(rank, action, start, end))
+            events.append(Event(rank, action, start + shift, end + shift, cpu))
             if action.op.is_compute:
                 busy += end - start
         stats.append(RankStats(rank, busy, 0.0, float(len(schedule.placement.held(rank)))))
     makespan = max(e.end for e in events)
-    return Timeline(schedule, events, makespan, stats, unit="s")
+    meta = {"source": "measured", "aligned": base is not None}
+    traced = _traced_step(result)
+    if traced is not None:
+        meta.update(step=traced["step"], step_s=traced["seconds"])
+    return Timeline(schedule, events, makespan, stats, unit="s", meta=meta)
+
+
+def _traced_step(result: dict) -> dict | None:
+    cfg, steps = result.get("config", {}), result.get("steps") or []
+    want = cfg.get("trace_step")
+    want = cfg.get("steps", len(steps)) - 1 if want is None else want
+    return next((s for s in steps if s.get("step") == want), None)
 
 
 def throughput(result: dict, skip: int = 2) -> tuple[float, float]:

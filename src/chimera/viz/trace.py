@@ -4,7 +4,10 @@ One process per rank (``pid = rank``, named ``rank 0`` ...); threads: tid 0 comp
 tid 1 p2p communication, tid 2 allreduces. Complete events (``"ph": "X"``) carry ``ts`` and
 ``dur`` in microseconds: seconds are scaled by 1e6, and one simulated ``unit`` is shown as
 1000 us (1 ms) so unit-time timelines read naturally in the viewer. The timeline's unit is
-stored under ``otherData`` so :func:`load_trace_events` can undo the scaling.
+stored under ``otherData`` so :func:`load_trace_events` can undo the scaling; so is the
+lowered schedule itself (``otherData.lowered_schedule``) and the timeline's ``meta``, and a
+measured event carries its thread CPU time (``args.cpu_s``): what :func:`load_trace` needs to
+replay a real run in the simulator (``chimera simulate --from-trace``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from chimera.ir import Action, ScheduleError
+from chimera.ir import Action, Schedule, ScheduleError
 from chimera.sim.timeline import Event, Timeline
 
 US_PER = {"s": 1e6, "ms": 1e3, "us": 1.0, "unit": 1e3}  # microseconds per timeline unit
@@ -33,7 +36,8 @@ def chrome_trace(timeline: Timeline) -> dict:
             "pid": rank, "tid": TID_COLLECTIVE, "args": {"stage": stage},
         })
     other = {"schedule": timeline.schedule.name, "unit": timeline.unit,
-             "makespan": timeline.makespan, "bubble_ratio": timeline.bubble_ratio}
+             "makespan": timeline.makespan, "bubble_ratio": timeline.bubble_ratio,
+             **timeline.meta, "lowered_schedule": timeline.schedule.to_json()}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
@@ -63,6 +67,23 @@ def load_trace_events(path, unit: str | None = None) -> list[Event]:
     return sorted(events, key=lambda e: (e.rank, e.start, e.end))
 
 
+def load_trace(path) -> tuple[Schedule | None, list[Event], dict]:
+    """(schedule, events, otherData) of a trace written by :func:`save_trace`.
+
+    The schedule is None for traces written before it was stored. Allreduce intervals (tid 2)
+    come back in ``otherData["collectives"]`` as ``(rank, stage, start, end)`` tuples.
+    """
+    data = json.loads(Path(path).read_text())
+    other = data.get("otherData") if isinstance(data, dict) and isinstance(data.get("otherData"), dict) else {}
+    schedule = Schedule.from_json(other["lowered_schedule"]) if "lowered_schedule" in other else None
+    scale = _scale(other.get("unit", "s"))
+    other = dict(other, collectives=[
+        (int(e["pid"]), int(e["args"]["stage"]), e["ts"] / scale, (e["ts"] + e["dur"]) / scale)
+        for e in data["traceEvents"] if isinstance(e, dict) and e.get("tid") == TID_COLLECTIVE
+        and e.get("ph") == "X" and "stage" in e.get("args", {})])
+    return schedule, load_trace_events(path), other
+
+
 # -- helpers ------------------------------------------------------------------------------
 def _scale(unit: str) -> float:
     if unit not in US_PER:
@@ -85,11 +106,14 @@ def _metadata(ranks: int) -> list[dict]:
 
 def _complete(event: Event, scale: float) -> dict:
     action = event.action
+    args = {"pipe": action.pipe, "stage": action.stage, "micro": action.micro}
+    if event.cpu is not None:
+        args["cpu_s"] = event.cpu
     return {
         "name": str(action), "cat": action.op.value, "ph": "X",
         "ts": event.start * scale, "dur": event.duration * scale,
         "pid": event.rank, "tid": TID_COMPUTE if action.op.is_compute else TID_COMM,
-        "args": {"pipe": action.pipe, "stage": action.stage, "micro": action.micro},
+        "args": args,
     }
 
 
@@ -100,6 +124,8 @@ def _to_event(raw, scale: float) -> Event | None:
     try:
         action = Action.parse(str(raw["name"]))
         start, dur = float(raw["ts"]) / scale, float(raw.get("dur", 0.0)) / scale
-        return Event(int(raw["pid"]), action, start, start + dur)
+        cpu = (raw.get("args") or {}).get("cpu_s")
+        return Event(int(raw["pid"]), action, start, start + dur,
+                     None if cpu is None else float(cpu))
     except (KeyError, TypeError, ValueError, ScheduleError):
         return None

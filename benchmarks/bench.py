@@ -1,0 +1,11 @@
+"""Our runtime against torch.distributed.pipelining: `python benchmarks/bench.py [--quick]`.
+
+The same as `chimera bench`; results go to benchmarks/results/bench.{json,md,png}.
+"""
+
+import sys
+
+from chimera.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", *sys.argv[1:]]))

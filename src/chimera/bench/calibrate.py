@@ -1,0 +1,279 @@
+"""Cost models from measurements (no torch): a cost profile, or the trace of a real run.
+
+- :func:`cost_from_profile`: a ``chimera.profile/1`` file (``chimera profile``; the schema
+  ``chimera plan`` reads) priced for one schedule: the model cut as the runtime cuts it,
+  per-stage sums of the layers' F, B (and I/W) times, boundary and gradient bytes, and the
+  measured alpha-beta links.
+- :func:`replay`: a trace of a real step (``chimera train --trace``) replayed through the
+  simulator with the costs measured in it: per (op, stage) median compute times, the p2p
+  latency of the receives that waited, the allreduce time the STEP waited for. With
+  ``clock="cpu"`` compute is priced by thread CPU time instead of wall time: what the step
+  would take with one dedicated core (device) per rank when the run shared fewer cores.
+
+Every cost a replay uses is named in :attr:`Replay.sources`, so a prediction can be checked.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+
+from chimera.ir import COMPUTE_OPS, Op, Schedule, ScheduleError
+from chimera.sim import CostModel, Link, Timeline, simulate
+from chimera.sim.timeline import Event
+
+PROFILE_SCHEMA = "chimera.profile/1"
+CLOCKS = ("wall", "cpu")
+_WAITED_S = 50e-6  # a receive whose wall time exceeds its CPU time by this much waited
+
+
+# -- profiles -------------------------------------------------------------------------------
+def load_profile(path: str) -> dict:
+    """Read and check a profile JSON file (exits the CLI with one line when it is not one)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ScheduleError(f"cannot read profile {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(f"profile {path!r} is not JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
+        raise ScheduleError(f"{path}: not a profile (expected \"schema\": \"{PROFILE_SCHEMA}\")")
+    layers = data.get("layers")
+    if not isinstance(layers, list) or not layers or not all(
+            isinstance(x, dict) and _num(x.get("forward_s")) and _num(x.get("backward_s")) for x in layers):
+        raise ScheduleError(f"{path}: profile layers must be objects with forward_s and backward_s")
+    for key in ("p2p", "allreduce"):
+        part = data.get(key)
+        if not isinstance(part, dict) or not _num(part.get("alpha_s")) or not _num(part.get("beta_bytes_per_s")):
+            raise ScheduleError(f"{path}: profile needs {key}.alpha_s and {key}.beta_bytes_per_s")
+    return data
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+
+
+def profile_link(profile: dict, key: str) -> Link:
+    part = profile[key]
+    return Link(float(part["alpha_s"]), float(part["beta_bytes_per_s"]))
+
+
+def stage_cut(profile: dict, stages: int, model: str | None = None) -> list[range]:
+    """The layers of each stage: the runtime's default cut of the profiled model (balanced by
+    FLOPs), or, for a model this package does not know, balanced by the measured times."""
+    from chimera.modelcfg import PRESETS, layer_costs, partition
+
+    layers = profile["layers"]
+    cfg = PRESETS.get(model or profile.get("model", ""))
+    if cfg is not None and cfg.n_layers_total == len(layers):
+        costs = layer_costs(cfg)
+    else:
+        costs = [x["forward_s"] + x["backward_s"] for x in layers]
+    if stages > len(layers):
+        raise ScheduleError(f"cannot cut the profile's {len(layers)} layers into {stages} stages")
+    return partition(costs, stages)
+
+
+def cost_from_profile(profile: dict, schedule: Schedule, data_parallel: int = 1,
+                      overlap: bool = True) -> CostModel:
+    """The profile priced for ``schedule`` (times per micro-batch of ``profile["micro_batch"]``)."""
+    layers, ranges = profile["layers"], stage_cut(profile, schedule.stages)
+
+    def per_stage(key: str) -> tuple[float, ...]:
+        return tuple(sum(float(layers[i].get(key, 0.0)) for i in r) for r in ranges)
+
+    split = all("input_backward_s" in x and "weight_backward_s" in x for x in layers)
+    return CostModel(
+        f=per_stage("forward_s"), b=per_stage("backward_s"),
+        i=per_stage("input_backward_s") if split else (),
+        w=per_stage("weight_backward_s") if split else (),
+        p2p=profile_link(profile, "p2p"), allreduce=profile_link(profile, "allreduce"),
+        act_bytes=tuple(float(layers[r.stop - 1].get("output_bytes", 0.0)) for r in ranges),
+        weight_bytes=per_stage("param_bytes"), overlap_allreduce=overlap,
+        data_parallel=data_parallel)
+
+
+# -- trace replay ---------------------------------------------------------------------------
+@dataclass
+class Replay:
+    schedule: Schedule
+    cost: CostModel
+    predicted: Timeline
+    measured_makespan: float
+    measured_step_s: float | None
+    clock: str
+    sources: dict = field(default_factory=dict)
+
+    @property
+    def outside_s(self) -> float | None:
+        """Measured time of the step outside the schedule (optimizer, clipping, loss sum)."""
+        if self.measured_step_s is None:
+            return None
+        return max(0.0, self.measured_step_s - self.measured_makespan)
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        extra = self.outside_s
+        return None if extra is None else self.predicted.makespan + extra
+
+    def to_json(self) -> dict:
+        c = self.cost
+        return {"schedule": self.schedule.name, "stages": self.schedule.ranks,
+                "micro_batches": self.schedule.micro_batches, "clock": self.clock,
+                "predicted_makespan_s": self.predicted.makespan,
+                "measured_makespan_s": self.measured_makespan,
+                "predicted_step_s": self.predicted_step_s, "measured_step_s": self.measured_step_s,
+                "outside_schedule_s": self.outside_s, "bubble_ratio": self.predicted.bubble_ratio,
+                "cost": {"f": c.f, "b": c.b, "i": c.i, "w": c.w, "p2p_s": c.p2p_time,
+                         "allreduce_s": c.allreduce_time}, "sources": self.sources}
+
+
+def replay(path: str, clock: str = "wall", profile: dict | None = None) -> Replay:
+    """Replay the step recorded in trace ``path`` with the costs measured in it."""
+    from chimera.viz.trace import load_trace
+
+    if clock not in CLOCKS:
+        raise ScheduleError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    try:
+        schedule, events, other = load_trace(path)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ScheduleError(f"cannot read trace {path!r}: {exc}") from None
+    if schedule is None:
+        raise ScheduleError(f"{path}: the trace does not carry its schedule; record it again "
+                            "(chimera train --trace FILE)")
+    cost, sources = cost_from_trace(schedule, events, other, clock, profile)
+    measured = max(e.end for e in events) - min(e.start for e in events)
+    return Replay(schedule, cost, simulate(schedule, cost), measured, other.get("step_s"), clock, sources)
+
+
+def cost_from_trace(schedule: Schedule, events: list[Event], other: dict, clock: str = "wall",
+                    profile: dict | None = None) -> tuple[CostModel, dict]:
+    """The cost model measured in a trace, and where each of its numbers came from."""
+    per_rank = _programs(schedule, events)
+    times = _compute_costs(schedule, per_rank, clock)
+    sources = {"compute": f"median per (op, stage) of {clock} time, with the receives', sends', "
+                          f"syncs' {'CPU' if clock == 'cpu' else 'wall'} time folded in"}
+    aligned = other.get("aligned", True)
+    kw: dict = {}
+    if profile is not None:
+        base = cost_from_profile(profile, schedule)
+        kw.update(p2p=base.p2p, allreduce=base.allreduce, act_bytes=base.act_bytes,
+                  weight_bytes=base.weight_bytes)
+        sources["p2p"] = sources["allreduce"] = "alpha-beta links of the profile"
+    else:
+        hop, sources["p2p"] = _p2p_latency(per_rank, aligned)
+        reduce_s, sources["allreduce"] = _allreduce_time(schedule, per_rank, other, aligned)
+        kw.update(p2p_time=hop, allreduce_time=reduce_s)
+    return CostModel(**times, **kw), sources
+
+
+def _programs(schedule: Schedule, events: list[Event]) -> list[list[Event]]:
+    """Each rank's events in program order, checked against the schedule."""
+    out = []
+    for rank, prog in enumerate(schedule.programs):
+        mine = sorted((e for e in events if e.rank == rank), key=lambda e: (e.start, e.end))
+        if [e.action for e in mine] != list(prog):
+            raise ScheduleError(f"trace events of rank {rank} do not follow the schedule it carries "
+                                f"({len(mine)} events for {len(prog)} actions)")
+        out.append(mine)
+    return out
+
+
+def _compute_costs(schedule: Schedule, per_rank: list[list[Event]], clock: str) -> dict:
+    """f/b/i/w per stage: medians of each compute action's time plus what is folded into it."""
+    samples: dict[tuple[Op, int], list[float]] = {}
+    for prog in per_rank:
+        for (op, stage), cost in _folded(prog, clock):
+            samples.setdefault((op, stage), []).append(cost)
+    table = {op: tuple(statistics.median(samples[(op, s)]) if (op, s) in samples else 0.0
+                       for s in range(schedule.stages)) for op in COMPUTE_OPS}
+    present = {op for op, _ in samples}
+    if Op.B not in present and {Op.I, Op.W} <= present:
+        table[Op.B] = tuple(x + y for x, y in zip(table[Op.I], table[Op.W]))
+    if not {Op.I, Op.W} <= present:
+        table[Op.I] = table[Op.W] = tuple(x / 2 for x in table[Op.B])
+    return {"f": table[Op.F], "b": table[Op.B], "i": table[Op.I], "w": table[Op.W]}
+
+
+def _own(e: Event, clock: str) -> float:
+    if e.action.op in (Op.RECV_F, Op.RECV_B):  # only its work: the wait is the simulator's
+        return e.cpu or 0.0
+    if clock == "cpu" and e.cpu is not None:
+        return e.cpu
+    return e.end - e.start
+
+
+def _folded(prog: list[Event], clock: str):
+    """(op, stage), cost for each compute action: its own time, the receives before it, the
+    sends and syncs after it and, on the wall clock, the gaps between them (dispatch)."""
+    pending, last, prev_end = 0.0, None, None
+    out: list[list] = []
+    for e in prog:
+        gap = 0.0 if prev_end is None or clock == "cpu" else max(0.0, e.start - prev_end)
+        prev_end = e.end
+        op = e.action.op
+        if op.is_compute:
+            last = [(op, e.action.stage), pending + gap + _own(e, clock)]
+            out.append(last)
+            pending = 0.0
+        elif op in (Op.RECV_F, Op.RECV_B) or last is None:
+            pending += gap + _own(e, clock)
+        elif op is Op.STEP:
+            last[1] += gap
+        else:  # SEND, SYNC: issued right after the action that produced their data
+            last[1] += gap + _own(e, clock)
+    return [tuple(x) for x in out]
+
+
+def _sent(per_rank: list[list[Event]]) -> dict:
+    return {(e.action.op, e.action.pipe, e.action.stage, e.action.micro): e
+            for prog in per_rank for e in prog if e.action.op in (Op.SEND_F, Op.SEND_B)}
+
+
+def _p2p_latency(per_rank: list[list[Event]], aligned: bool) -> tuple[float, str]:
+    """Median of (receive end - send end) over the receives that waited for their message."""
+    if not aligned:
+        return 0.0, "none: the ranks' clocks of this trace are not aligned (p2p taken as free)"
+    sent, lat = _sent(per_rank), []
+    for prog in per_rank:
+        for e in prog:
+            a = e.action
+            if a.op not in (Op.RECV_F, Op.RECV_B):
+                continue
+            key = (Op.SEND_F, a.pipe, a.stage - 1, a.micro) if a.op is Op.RECV_F \
+                else (Op.SEND_B, a.pipe, a.stage + 1, a.micro)
+            waited = (e.end - e.start) - (e.cpu or 0.0) > (_WAITED_S if e.cpu is not None else 0.0)
+            if key in sent and waited:
+                lat.append(max(0.0, e.end - sent[key].end))
+    if not lat:
+        return 0.0, "none: no receive waited for its message (p2p hidden)"
+    return statistics.median(lat), f"median latency of the {len(lat)} receives that waited"
+
+
+def _allreduce_time(schedule: Schedule, per_rank: list[list[Event]], other: dict,
+                    aligned: bool) -> tuple[float, str]:
+    """Per-stage allreduce time: from the trace's allreduce lane if it has one (simulated
+    traces), else how long each rank's STEP still waited after its last stage was ready."""
+    lanes = other.get("collectives") or []
+    if lanes:
+        return statistics.median(end - start for _, _, start, end in lanes), \
+            f"median of the trace's {len(lanes)} allreduce intervals"
+    if not aligned:
+        return 0.0, "none: the ranks' clocks of this trace are not aligned"
+    shared = {s for s in range(schedule.stages) if len(set(schedule.placement.replicas(s))) > 1}
+    ready: dict[int, float] = {}
+    for prog in per_rank:
+        for e in prog:
+            if e.action.op is Op.SYNC and e.action.stage in shared:
+                ready[e.action.stage] = max(ready.get(e.action.stage, 0.0), e.end)
+    waits = []
+    for rank, prog in enumerate(per_rank):
+        mine = [ready[s] for _, s in schedule.placement.held(rank) if s in ready]
+        step = prog[-1]
+        if mine and step.action.op is Op.STEP:
+            waits.append(max(0.0, step.end - max(step.start, max(mine))))
+    if not waits:
+        return 0.0, "none: no stage has more than one replica"
+    return statistics.median(waits), "median over ranks of the STEP's wait after the last stage was ready"

@@ -1,0 +1,165 @@
+"""Run benchmark rows interleaved in time, in one group of spawned gloo processes.
+
+Every row's runtime is built once in one spawned group of D ranks; then each round runs one
+full optimizer step of every row (A B C A B C ...; each round starts one row later), so slow
+drift of a shared, noisy machine hits all rows alike. A step is timed from a barrier to its
+end on every rank; the row's time is the slowest rank's. Rows of one process run on rank 0
+while the others wait at the next barrier (blocked, not spinning). Peak activations come
+from one more, instrumented step per row; peak RSS from a fresh process group per row (a
+process's high-water mark cannot be split between rows that share it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from chimera.bench.rows import BenchConfig, Row
+from chimera.bench.runners import make_runner, peak_activation_bytes
+from chimera.train.launch import free_port
+
+
+def _init(rank: int, world: int, port: int, cfg: BenchConfig) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(cfg.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.comm_timeout))
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _build(cfg: BenchConfig, rows: list[Row], rank: int) -> tuple[list, dict[str, str]]:
+    """Runners of every row, in the same order on every rank; rows that fail are skipped."""
+    runners, failed = [], {}
+    for row in rows:
+        try:
+            runners.append(make_runner(cfg, row, rank))
+        except Exception as exc:  # a scheme that cannot run this layout: report, go on
+            runners.append(None)
+            failed[row.id] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failed)
+    for other in everyone:
+        failed.update(other)
+    return [None if row.id in failed else r for row, r in zip(rows, runners)], failed
+
+
+def _rounds(cfg: BenchConfig, rows: list[Row], runners: list, rank: int) -> tuple[list, list]:
+    """Step times of every row and round, and each row's loss of the first step (rank 0's)."""
+    live = [k for k, r in enumerate(runners) if r is not None]
+    times: list[list[float]] = [[] for _ in rows]
+    losses: list[float | None] = [None] * len(rows)
+    for rnd in range(cfg.rounds):
+        start = time.perf_counter()
+        for j in range(len(live)):
+            k = live[(rnd + j) % len(live)]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = runners[k].step(rnd)
+            times[k].append(time.perf_counter() - t0)
+            if rnd == 0:
+                losses[k] = loss
+        what = "warm-up" if rnd < cfg.warmup else "measured"
+        _say(rank, f"bench: round {rnd + 1}/{cfg.rounds} ({what}) {time.perf_counter() - start:.1f} s")
+    return times, losses
+
+
+def _slowest(values: list[list[float]]) -> list[list[float]]:
+    """Element-wise maximum over ranks (rows of different lengths are padded with zeros)."""
+    width = max((len(v) for v in values), default=0)
+    t = torch.tensor([v + [0.0] * (width - len(v)) for v in values], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [t[k, :len(v)].tolist() for k, v in enumerate(values)]
+
+
+def _activations(cfg: BenchConfig, runners: list) -> list[float | None]:
+    peaks = []
+    for r in runners:
+        dist.barrier()
+        peaks.append(None if r is None else peak_activation_bytes(r, cfg.rounds) / 2**20)
+    merged = _slowest([[p or 0.0] for p in peaks])
+    return [None if r is None else m[0] for r, m in zip(runners, merged)]
+
+
+def _timing_worker(rank: int, world: int, cfg: BenchConfig, rows: list[Row], port: int,
+                   out: str) -> None:
+    _init(rank, world, port, cfg)
+    try:
+        _say(rank, f"bench: building {len(rows)} rows on {world} ranks")
+        runners, failed = _build(cfg, rows, rank)
+        for row_id, why in failed.items():
+            _say(rank, f"bench: skipping {row_id}: {why}")
+        times, losses = _rounds(cfg, rows, runners, rank)
+        times = _slowest(times)
+        acts = _activations(cfg, runners)
+        if rank == 0:  # every row trains the same model on the same data: same first loss
+            with open(out, "w") as f:
+                json.dump({"times": times, "activation_mb": acts, "failed": failed,
+                           "first_loss": losses}, f)
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _memory_worker(rank: int, world: int, cfg: BenchConfig, row: Row, port: int, out: str) -> None:
+    _init(rank, world, port, cfg)
+    try:
+        runner = make_runner(cfg, row, rank)
+        for i in range(2):
+            dist.barrier()
+            runner.step(i)
+        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"peak_rss_mb": float(peak)}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, world: int, args: tuple) -> None:
+    mp.start_processes(fn, args=(world, *args), nprocs=world, start_method="spawn")
+
+
+def measure_memory(cfg: BenchConfig, row: Row, tmp: str) -> float | None:
+    """Peak RSS (MB, the largest over ranks) of a fresh process group running only ``row``."""
+    out = os.path.join(tmp, "memory.json")
+    world = 1 if row.impl == "single" else cfg.stages
+    try:
+        _spawn(_memory_worker, world, (cfg, row, free_port(), out))
+        with open(out) as f:
+            return json.load(f)["peak_rss_mb"]
+    except Exception as exc:  # memory is a side figure: never lose the timings for it
+        print(f"bench: peak RSS of {row.id} not measured: {exc}", file=sys.stderr)
+        return None
+
+
+def measure(cfg: BenchConfig, rows: list[Row]) -> dict:
+    """Raw measurements: per row step times (every round), peak activation and RSS (MB)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "timing.json")
+        _spawn(_timing_worker, cfg.stages, (cfg, rows, free_port(), out))
+        with open(out) as f:
+            raw = json.load(f)
+        raw["rss_mb"] = [None] * len(rows)
+        if cfg.memory:
+            for k, row in enumerate(rows):
+                if row.id not in raw["failed"]:
+                    print(f"bench: peak RSS of {row.id} (fresh processes)", file=sys.stderr, flush=True)
+                    raw["rss_mb"][k] = measure_memory(cfg, row, tmp)
+    return raw

@@ -1,0 +1,128 @@
+"""What a benchmark runs: its configuration and its rows (no torch).
+
+A row is one way of training the same model on the same mini-batch: ``single`` (one process,
+the whole batch at once), ``chimera`` (our runtime with one of our schedules) or ``torch``
+(``torch.distributed.pipelining`` with the same stage modules, cut and data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from chimera.ir import ScheduleError
+
+# Ours, in the order the table shows them; any other runnable scheme is appended unless it is
+# in SKIPPED_SCHEMES (GEMS idles 75% of the time by design: it would only slow the run down).
+OUR_ORDER = ("chimera", "1f1b", "gpipe", "interleaved", "zb-h1", "chimera-zb", "zb-v",
+             "dualpipev", "dualpipe")
+SKIPPED_SCHEMES = ("gems",)
+# torch.distributed.pipelining: row name -> (schedule class, placement style, stages per rank)
+TORCH_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "linear", 1),
+    "1f1b": ("Schedule1F1B", "linear", 1),
+    "interleaved": ("ScheduleInterleaved1F1B", "loop", 2),
+    "dualpipev": ("ScheduleDualPipeV", "v", 2),
+    "zbv": ("ScheduleZBVZeroBubble", "v", 2),
+}
+IMPLS = ("single", "chimera", "torch")
+
+
+@dataclass(frozen=True)
+class Row:
+    impl: str  # single | chimera | torch
+    schedule: str  # "none" for single
+    options: tuple[tuple[str, object], ...] = ()  # e.g. (("chunks", 2),) or (("threads", 2),)
+
+    @property
+    def id(self) -> str:
+        """``impl:schedule`` plus options, e.g. ``single:none:threads=2``, ``chimera:interleaved``."""
+        opts = "".join(f":{k}={v}" for k, v in self.options if k != "chunks")
+        return f"{self.impl}:{self.schedule}{opts}"
+
+    @property
+    def opts(self) -> dict:
+        return dict(self.options)
+
+    @property
+    def threads(self) -> int | None:
+        return self.opts.get("threads")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Every knob of a benchmark run; the defaults are the issue's configuration."""
+
+    model: str = "gpt2-bench"
+    stages: int = 2  # D ranks, one process each
+    micro_batches: int = 8  # N
+    micro_batch_size: int = 2  # B: the mini-batch is N*B sequences
+    threads: int = 1  # torch threads per rank
+    warmup: int = 2  # rounds not counted
+    steps: int = 9  # measured rounds: the median of these is reported
+    seed: int = 0
+    rows: tuple[str, ...] | None = None  # row ids (or prefixes) to keep; None: all
+    memory: bool = True  # measure peak RSS per row in fresh processes
+    comm_timeout: float = 300.0
+    quick: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "micro_batches", "micro_batch_size", "threads", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"bench {name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"bench warmup must be a non-negative integer, got {self.warmup!r}")
+
+    @classmethod
+    def quick_config(cls, **kw) -> "BenchConfig":
+        """About 10 minutes on a 2-core machine: one warm-up round, median of 5."""
+        return cls(**{"warmup": 1, "steps": 5, "quick": True, **kw})
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batches * self.micro_batch_size
+
+    @property
+    def rounds(self) -> int:
+        return self.warmup + self.steps
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "stages": self.stages, "micro_batches": self.micro_batches,
+                "micro_batch_size": self.micro_batch_size, "global_batch": self.global_batch,
+                "threads_per_rank": self.threads, "warmup": self.warmup, "steps": self.steps,
+                "seed": self.seed, "backend": "gloo", "quick": self.quick, **self.extra}
+
+
+def our_schemes() -> list[str]:
+    """Runnable schemes of ours in table order (whatever the registry holds right now)."""
+    from chimera.schedules import schemes
+
+    names = [s.name for s in schemes() if getattr(s, "runnable", True)]
+    ordered = [n for n in OUR_ORDER if n in names]
+    return ordered + [n for n in names if n not in ordered and n not in SKIPPED_SCHEMES]
+
+
+def all_rows(cfg: BenchConfig) -> list[Row]:
+    """Every row the benchmark knows, before filtering."""
+    rows = [Row("single", "none", (("threads", 1),)), Row("single", "none", (("threads", 2),))]
+    for name in our_schemes():
+        rows.append(Row("chimera", name, (("chunks", 2),) if name == "interleaved" else ()))
+    rows += [Row("torch", name) for name in TORCH_SCHEDULES]
+    return rows
+
+
+def _matches(row: Row, want: str) -> bool:
+    return row.id == want or row.id.startswith(want + ":")
+
+
+def select_rows(cfg: BenchConfig) -> list[Row]:
+    """The rows ``cfg.rows`` asks for: exact ids, or prefixes such as ``torch`` or ``single``."""
+    rows = all_rows(cfg)
+    if cfg.rows is None:
+        return rows
+    unknown = [w for w in cfg.rows if not any(_matches(r, w) for r in rows)]
+    if unknown:
+        raise ScheduleError(f"unknown bench row(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(r.id for r in rows)}")
+    return [r for r in rows if any(_matches(r, w) for w in cfg.rows)]

@@ -1,0 +1,134 @@
+"""One object per benchmark row and rank, each with ``step(i)``: a full optimizer step.
+
+Every row trains the same model on the same mini-batch ``get_batch(step i)``: forward,
+backward, gradient sync, global-norm clipping and an AdamW step (the same optimizer settings
+everywhere), so their step times compare like with like.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from chimera.bench.rows import BenchConfig, Row
+from chimera.train.config import TrainConfig
+from chimera.train.loop import Trainer
+
+
+class SingleRunner:
+    """The whole mini-batch at once in one process (rank 0); other ranks sit it out."""
+
+    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+        self.rank, self.threads, self.base = rank, row.threads or 1, cfg.threads
+        self.trainer = None
+        if rank == 0:
+            tc = TrainConfig(model=cfg.model, schedule="none", stages=1, micro_batches=1,
+                             micro_batch_size=cfg.global_batch, steps=cfg.rounds + 2,
+                             seed=cfg.seed, progress=False)
+            self.trainer = Trainer(tc, 0)
+
+    def step(self, i: int) -> float | None:
+        if self.trainer is None:
+            return None
+        torch.set_num_threads(self.threads)
+        try:
+            return self.trainer.step(i).loss
+        finally:
+            torch.set_num_threads(self.base)
+
+
+class OursRunner:
+    """Our runtime (``chimera.train.Trainer``) with one of our schedules."""
+
+    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+        opts = row.opts
+        tc = TrainConfig(model=cfg.model, schedule=row.schedule, stages=cfg.stages,
+                         micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
+                         steps=cfg.rounds + 2, seed=cfg.seed, chunks=opts.get("chunks"),
+                         pipes=opts.get("pipes"), strategy=opts.get("strategy"),
+                         threads=cfg.threads, comm_timeout=cfg.comm_timeout, progress=False)
+        self.trainer = Trainer(tc, rank)
+
+    def step(self, i: int) -> float:
+        return self.trainer.step(i).loss
+
+
+def make_runner(cfg: BenchConfig, row: Row, rank: int):
+    if row.impl == "single":
+        return SingleRunner(cfg, row, rank)
+    if row.impl == "chimera":
+        return OursRunner(cfg, row, rank)
+    from chimera.bench.torchpp import TorchRunner
+
+    return TorchRunner(cfg, row, rank)
+
+
+class ActivationMeter:
+    """Peak bytes of tensors saved for backward (activations), parameters excluded.
+
+    A saved-tensor hook wraps each saved tensor in a holder whose finalizer runs when autograd
+    frees it; storages shared by several saved tensors count once. The same measure applies
+    to every row, whoever wrote the schedule.
+    """
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.params or t.device.type == "meta":
+            return t
+        if self.refs.get(key, 0) == 0:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        return _Held(self, key, storage.nbytes(), t)
+
+    def release(self, key: int, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= nbytes
+
+
+class _Held:
+    __slots__ = ("meter", "key", "nbytes", "tensor")
+
+    def __init__(self, meter: ActivationMeter, key: int, nbytes: int, tensor: torch.Tensor):
+        self.meter, self.key, self.nbytes, self.tensor = meter, key, nbytes, tensor
+
+    def __del__(self):
+        self.meter.release(self.key, self.nbytes)
+
+
+def _unpack(x):
+    return x.tensor if isinstance(x, _Held) else x
+
+
+def runner_params(runner) -> list:
+    if isinstance(runner, (SingleRunner, OursRunner)):
+        return [] if runner.trainer is None else list(runner.trainer.params)
+    return list(runner.params)
+
+
+def peak_activation_bytes(runner, i: int) -> int:
+    """One step of ``runner`` under an :class:`ActivationMeter`; returns its peak bytes."""
+    meter = ActivationMeter(runner_params(runner))
+    with meter.hooks():
+        runner.step(i)
+    return meter.peak
+
+
+def global_clip_(params, local_sq: torch.Tensor, clip: float) -> float:
+    """Clip ``params``' gradients by the global norm, given this rank's sum of squares."""
+    dist.all_reduce(local_sq)
+    norm = float(local_sq.sqrt())
+    if clip > 0 and norm > clip:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], clip / (norm + 1e-6))
+    return norm

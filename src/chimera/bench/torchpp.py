@@ -1,0 +1,79 @@
+"""A benchmark row on ``torch.distributed.pipelining``: the same stage modules, cut and data.
+
+The model is cut exactly as our runtime cuts it for the same number of stages
+(``chimera.train.loop.stage_ranges``), every stage is built from the same seeded layers, the
+loss is the same mean cross entropy per micro-batch (torch scales gradients by 1/N, which
+makes it the mini-batch mean, as ours), and the step ends with the same global-norm clipping
+and AdamW step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import pipelining
+
+from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row
+from chimera.bench.runners import global_clip_
+from chimera.data import get_batch, load_corpus
+from chimera.models import build_layers, get_config, loss_fn
+from chimera.train.config import TrainConfig
+from chimera.train.loop import make_optimizer, stage_ranges
+
+
+def stages_of(style: str, rank: int, ranks: int, per_rank: int) -> list[int]:
+    """The stage indices ``rank`` holds under torch's placement ``style``."""
+    if style == "linear":
+        return [rank]
+    if style == "loop":
+        return [rank + k * ranks for k in range(per_rank)]
+    return [rank, 2 * ranks - 1 - rank]  # "v"
+
+
+class TorchRunner:
+    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+        cls_name, style, per_rank = TORCH_SCHEDULES[row.schedule]
+        cls = getattr(pipelining, cls_name, None)
+        if cls is None:
+            raise RuntimeError(f"torch {torch.__version__} has no pipelining.{cls_name}")
+        self.cfg, self.model = cfg, get_config(cfg.model)
+        self.tc = TrainConfig(model=cfg.model, schedule="none", stages=1, micro_batches=1,
+                              micro_batch_size=cfg.global_batch, steps=cfg.rounds + 2,
+                              seed=cfg.seed, progress=False)
+        n = cfg.stages * per_rank
+        ranges = stage_ranges(self.tc, n)
+        self.indices = stages_of(style, rank, cfg.stages, per_rank)
+        self.modules = [torch.nn.Sequential(*build_layers(self.model, cfg.seed, ranges[i]))
+                        for i in self.indices]
+        stages = [pipelining.PipelineStage(m, i, n, torch.device("cpu"))
+                  for m, i in zip(self.modules, self.indices)]
+        lf = loss_fn(self.model, "mean")
+        if per_rank == 1:
+            self.schedule = cls(stages[0], n_microbatches=cfg.micro_batches, loss_fn=lf)
+        else:
+            self.schedule = cls(stages, n_microbatches=cfg.micro_batches, loss_fn=lf)
+        self.first, self.last = 0 in self.indices, n - 1 in self.indices
+        self.params = [p for m in self.modules for p in m.parameters()]
+        self.optimizer = make_optimizer(self.params, self.tc)
+        self.corpus = load_corpus(None, seq_len=self.model.seq_len)
+
+    def step(self, i: int) -> float:
+        inputs, targets = get_batch(self.corpus, i, self.cfg.global_batch, self.model.seq_len,
+                                    self.cfg.seed, self.model.kind)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: list = []
+        args = (inputs,) if self.first else ()
+        self.schedule.step(*args, target=targets if self.last else None,
+                           losses=losses if self.last else None, return_outputs=False)
+        total = torch.tensor([sum(float(l.detach()) for l in losses) / self.cfg.micro_batches],
+                             dtype=torch.float64)
+        dist.all_reduce(total)
+        self._clip()
+        self.optimizer.step()
+        return float(total.item())
+
+    def _clip(self) -> float:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norms = torch._foreach_norm(grads) if grads else []
+        local = torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
+        return global_clip_(self.params, local.reshape(()), self.tc.clip)

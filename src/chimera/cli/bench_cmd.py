@@ -1,0 +1,85 @@
+"""`chimera bench`: our runtime against torch.distributed.pipelining on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from chimera.cli.common import positive_int
+
+DEFAULT_OUT = os.path.join("benchmarks", "results")
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="time every schedule, ours and torch.distributed.pipelining's, side by side",
+        description="Train the same model on the same mini-batches with one process (1 and 2 "
+                    "threads), with our runtime under every runnable schedule, and with "
+                    "torch.distributed.pipelining's schedules on the same stage modules; rows run "
+                    "interleaved in time (one step of each per round) so machine noise hits all "
+                    "alike. Prints a table (or --json) and writes JSON, markdown and a PNG chart.")
+    p.add_argument("--quick", action="store_true", help="1 warm-up round and the median of 5 "
+                   "(about 10 minutes on 2 cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object {config, results}")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"folder for bench.json / bench.md / bench.png (default: {DEFAULT_OUT})")
+    p.add_argument("--model", default="gpt2-bench", help="model preset (default: gpt2-bench)")
+    p.add_argument("--stages", "-D", type=positive_int, default=2, help="ranks D (default: 2)")
+    p.add_argument("--micro-batches", "-N", type=positive_int, default=8, help="N (default: 8)")
+    p.add_argument("--micro-batch-size", "-B", type=positive_int, default=2, help="B (default: 2)")
+    p.add_argument("--steps", type=positive_int, help="measured rounds (default: 9, --quick: 5)")
+    p.add_argument("--warmup", type=int, help="warm-up rounds (default: 2, --quick: 1)")
+    p.add_argument("--rows", metavar="IDS", help="comma-separated rows or prefixes to run, e.g. "
+                   "single,chimera:chimera,torch (default: all)")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the peak-RSS pass (one fresh process group per row)")
+    p.set_defaults(func=cmd_bench)
+
+
+def config_from_args(args: argparse.Namespace):
+    from chimera.bench.rows import BenchConfig
+
+    kw = dict(model=args.model, stages=args.stages, micro_batches=args.micro_batches,
+              micro_batch_size=args.micro_batch_size, memory=not args.no_memory,
+              rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()) if args.rows else None,
+              extra={"command": _command(args)})
+    if args.steps is not None:
+        kw["steps"] = args.steps
+    if args.warmup is not None:
+        kw["warmup"] = args.warmup
+    return BenchConfig.quick_config(**kw) if args.quick else BenchConfig(**kw)
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (options left at their default omitted)."""
+    words = ["chimera", "bench"] + (["--quick"] if args.quick else [])
+    for flag, value, default in (("--model", args.model, "gpt2-bench"), ("-D", args.stages, 2),
+                                 ("-N", args.micro_batches, 8), ("-B", args.micro_batch_size, 2),
+                                 ("--steps", args.steps, None), ("--warmup", args.warmup, None),
+                                 ("--rows", args.rows, None)):
+        if value != default:
+            words += [flag, str(value)]
+    return " ".join(words + (["--no-memory"] if args.no_memory else []))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from chimera.bench import report
+    from chimera.bench.harness import measure
+    from chimera.bench.rows import select_rows
+    from chimera.models import get_config
+
+    cfg = config_from_args(args)
+    get_config(cfg.model)  # unknown model: one line, exit 2, before any process starts
+    rows = select_rows(cfg)
+    started, load = time.time(), os.getloadavg()
+    raw = measure(cfg, rows)
+    data = report.assemble(cfg, rows, raw, started, (load, os.getloadavg()))
+    paths = report.save(data, args.out)
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(report.markdown(data))
+        print("wrote " + ", ".join(paths))
+    return 0

@@ -1,0 +1,138 @@
+"""Benchmarks, profiles and trace replay: the mechanics (never wall-clock figures).
+
+- the bench harness runs a few rows of every kind for one step on a tiny model, and every row
+  trains the same model on the same data (same first loss);
+- a measured profile is valid for `chimera simulate --profile` (and `chimera plan`'s parser);
+- replaying a trace reproduces the recorded makespan exactly when the recording is a
+  simulation (so every cost is recovered), and loads and compares for a real run.
+"""
+
+import json
+import math
+
+import pytest
+
+from chimera.bench.calibrate import cost_from_profile, replay
+from chimera.bench.rows import BenchConfig, all_rows, select_rows
+from chimera.cli import main
+from chimera.ir import ScheduleError
+from chimera.passes import lower
+from chimera.schedules import build
+from chimera.sim import CostModel, simulate
+from chimera.viz import save_trace
+
+ROWS = ("single:none:threads=1", "chimera:chimera", "chimera:1f1b", "torch:1f1b", "torch:zbv")
+
+
+@pytest.fixture(scope="module")
+def tiny_bench():
+    from chimera.bench.harness import measure
+    from chimera.bench.report import assemble
+
+    cfg = BenchConfig(model="gpt2-tiny", micro_batches=4, warmup=0, steps=2, rows=ROWS, memory=False)
+    rows = select_rows(cfg)
+    raw = measure(cfg, rows)
+    return cfg, rows, assemble(cfg, rows, raw, 0.0, ((0, 0, 0), (0, 0, 0)))
+
+
+def test_rows_cover_the_issue():
+    ids = [r.id for r in all_rows(BenchConfig())]
+    for want in ("single:none:threads=1", "single:none:threads=2", "chimera:chimera", "chimera:1f1b",
+                 "chimera:gpipe", "chimera:interleaved", "torch:gpipe", "torch:1f1b",
+                 "torch:interleaved", "torch:dualpipev", "torch:zbv"):
+        assert want in ids
+    assert [r.id for r in select_rows(BenchConfig(rows=("torch",)))] == [i for i in ids if i.startswith("torch:")]
+    with pytest.raises(ScheduleError):
+        select_rows(BenchConfig(rows=("nope",)))
+
+
+def test_bench_runs_every_kind_of_row(tiny_bench, tmp_path):
+    from chimera.bench.report import markdown, save
+
+    cfg, rows, data = tiny_bench
+    assert not data["skipped"]
+    assert [(r["impl"], r["schedule"]) for r in data["results"]] == [(r.impl, r.schedule) for r in rows]
+    for r in data["results"]:
+        for key in ("impl", "schedule", "stages", "median_step_s", "min_step_s", "max_step_s",
+                    "peak_rss_mb", "peak_activation_mb"):
+            assert key in r
+        assert len(r["steps_s"]) == cfg.steps and r["min_step_s"] <= r["median_step_s"] <= r["max_step_s"]
+        assert r["peak_activation_mb"] > 0
+    losses = [r["first_loss"] for r in data["results"]]
+    assert all(math.isclose(x, losses[0], rel_tol=1e-4) for x in losses), losses
+    assert set(data["summary"]["met"]) and "| torch | 1f1b |" in markdown(data)
+    paths = save(data, str(tmp_path))
+    assert json.loads(open(paths[0]).read())["results"]
+    assert open(paths[2], "rb").read()[:4] == b"\x89PNG"
+
+
+def test_a_pipeline_rank_holds_fewer_activations_than_one_process(tiny_bench):
+    res = {(r["impl"], r["schedule"]): r for r in tiny_bench[2]["results"]}
+    single = res[("single", "none")]["peak_activation_mb"]
+    assert res[("chimera", "1f1b")]["peak_activation_mb"] < single
+
+
+def test_profile_prices_a_schedule(tmp_path, capsys):
+    from chimera.bench.profiler import build_profile
+
+    data = build_profile("gpt2-tiny", 2, repeat=1, link_repeat=1)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    assert len(data["layers"]) == 8 and all(x["forward_s"] > 0 for x in data["layers"])
+    assert main(["simulate", "-s", "chimera", "-D", "2", "-N", "4", "--profile", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cost = cost_from_profile(data, lower(build("chimera", 2, 4)))
+    assert out["makespan"] >= 4 * (sum(cost.f) + sum(cost.b)) / 2 > 0
+    try:
+        from chimera.plan.hardware import parse_profile
+    except ImportError:
+        return
+    assert len(parse_profile(data).layers) == 8
+
+
+@pytest.mark.parametrize("name,kw,costs", [
+    ("chimera", {}, dict(f=(1.0, 1.2, 0.9, 1.1), b=(2.0, 2.1, 1.9, 2.3))),
+    ("1f1b", {}, dict(f=(1.0,), b=(2.0,))),
+    ("interleaved", {"chunks": 2}, dict(f=(1.0,), b=(2.0,))),
+    ("zb-v", {}, dict(f=(1.0,), b=(2.0,))),
+])
+def test_replay_of_a_simulated_trace_is_exact(tmp_path, name, kw, costs):
+    schedule = lower(build(name, 4, 8, **kw))
+    timeline = simulate(schedule, CostModel(**costs, p2p_time=0.25, allreduce_time=1.5))
+    path = tmp_path / "sim.json"
+    save_trace(timeline, path)
+    r = replay(str(path))
+    assert r.predicted.makespan == pytest.approx(timeline.makespan, rel=1e-9)
+    assert r.cost.p2p_time == pytest.approx(0.25)
+
+
+def test_simulate_from_trace_cli(tmp_path, capsys):
+    timeline = simulate(lower(build("chimera", 4, 4)), CostModel.unit(1, 2, p2p_time=0.1))
+    save_trace(timeline, tmp_path / "t.json")
+    assert main(["simulate", "--from-trace", str(tmp_path / "t.json"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["predicted_makespan_s"] == pytest.approx(out["measured_makespan_s"])
+    old = json.loads((tmp_path / "t.json").read_text())
+    del old["otherData"]["lowered_schedule"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit):
+        main(["simulate", "--from-trace", str(tmp_path / "old.json")])
+
+
+def test_replay_of_a_recorded_run(tmp_path):
+    from chimera.train import TrainConfig
+    from chimera.train.launch import launch
+    from chimera.train.report import measured_timeline
+
+    cfg = TrainConfig(schedule="chimera", stages=2, micro_batches=4, steps=2, progress=False)
+    result = launch(cfg)
+    timeline = measured_timeline(cfg.build_schedule(), result)
+    assert timeline.meta["aligned"] and timeline.meta["step_s"] > 0
+    assert all(e.cpu is not None for e in timeline.events)
+    save_trace(timeline, tmp_path / "run.json")
+    for clock in ("wall", "cpu"):
+        r = replay(str(tmp_path / "run.json"), clock)
+        assert r.measured_makespan == pytest.approx(timeline.makespan, rel=1e-2)
+        # the same costs, replayed: close to what was measured (loose: a shared machine)
+        assert 0.5 < r.predicted.makespan / r.measured_makespan < 1.5
+        assert r.predicted_step_s >= r.predicted.makespan
