@@ -153,3 +153,5 @@ def test_exact_refinement_never_worse_than_the_list_schedule():
     t = simulate(validate(lower(schedule)), cost)
     assert t.makespan <= exact_span + 1e-9 <= span + 1e-9
     assert max(r.peak_activations for r in t.ranks) <= 4
+    refined = build("chimera-zb", 4, 5, cost="1:1.5:0.5", exact=5)
+    assert simulate(validate(lower(refined)), cost).makespan <= span + 1e-9

@@ -312,13 +312,14 @@ def play(placement: Placement, micro_pipe, times: OpTimes, cap: float, variant: 
 @register("chimera-zb", "Chimera placement with B split into I and W, list-scheduled by time under "
                         "a per-rank activation cap (default D Ma); any N")
 def chimera_zb(stages: int, micro_batches: int, pipes: int = 2, cost: str | None = None,
-               cap: int | None = None, rule: str = "auto") -> Schedule:
+               cap: int | None = None, rule: str = "auto", exact: int = 0) -> Schedule:
     """Chimera's Q pipes (micro-batch m on pipe m mod Q), ordered by ``rule`` under ``cap``.
 
     ``cost``: ``"F:I:W"`` or ``"F:B"`` unit times (default ``1:1:1``), or from Python a
     :class:`chimera.sim.CostModel` (per-stage times and p2p). ``cap``: activation memory per
     rank in Ma (default D). ``rule``: a :func:`play` variant, or ``auto`` to play each of
-    :data:`AUTO` and keep the shortest.
+    :data:`AUTO` and keep the shortest. ``exact``: seconds of CP-SAT refinement
+    (:mod:`chimera.schedules.exact`, needs OR-Tools; small D and N), 0 for none.
     """
     if micro_batches < 1:
         raise ScheduleError(f"chimera-zb needs micro-batches >= 1, got {micro_batches}")
@@ -328,7 +329,13 @@ def chimera_zb(stages: int, micro_batches: int, pipes: int = 2, cost: str | None
     limit = stages if cap is None else cap
     variants = AUTO if rule == "auto" else (rule,)
     plays = [(*play(placement, micro_pipe, times, limit, v), v) for v in variants]
-    programs, _, chosen = min(plays, key=lambda x: x[1])
+    programs, span, chosen = min(plays, key=lambda x: x[1])
+    if exact > 0:
+        from chimera.schedules.exact import refine
+
+        refined, refined_span, _ = refine(placement, micro_pipe, times, limit, programs, exact)
+        if refined_span < span:
+            programs, chosen = refined, f"{chosen}+cpsat"
     return Schedule("chimera-zb", placement, micro_pipe, tuple(map(tuple, programs)),
                     params={"stages": stages, "micro_batches": micro_batches, "pipes": pipes,
                             "cost": cost if isinstance(cost, str) or cost is None else "custom",

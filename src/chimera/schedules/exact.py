@@ -60,7 +60,9 @@ def refine(placement: Placement, micro_pipe, times: OpTimes, cap: float, hint: l
     programs: list[list[Action]] = [[] for _ in range(placement.ranks)]
     for t in order:
         programs[dag.rank[t]].append(Action(dag.op[t], dag.pipe[t], dag.stage[t], dag.micro[t]))
-    return programs, solver.Value(makespan) / _SCALE, status == cp_model.OPTIMAL
+    starts = _asap(dag, programs, dur, hop)  # the solver need not start everything early
+    span = max(starts[t] + dur[t] for t in starts)
+    return programs, span / _SCALE, status == cp_model.OPTIMAL
 
 
 def _precedences(model, dag: Dag, start, end, hop: int) -> None:
@@ -96,14 +98,20 @@ def _symmetry(model, dag: Dag, start) -> None:
 
 
 def _hint(model, dag: Dag, start, hint: list[list[Action]], dur: list[int], hop: int) -> None:
-    """Time the hint's order ASAP (as the simulator would) and give those starts to the solver."""
+    """Give the solver the hint's order timed as soon as possible (as the simulator would)."""
+    for t, begin in _asap(dag, hint, dur, hop).items():
+        model.AddHint(start[t], begin)
+
+
+def _asap(dag: Dag, programs: list[list[Action]], dur: list[int], hop: int) -> dict[int, int]:
+    """Start of every task when each rank runs its program in order, each as early as it can."""
     index = {(dag.op[t], dag.pipe[t], dag.stage[t], dag.micro[t]): t for t in range(len(dag))}
-    progs = [[index[(a.op, a.pipe, a.stage, a.micro)] for a in prog] for prog in hint]
+    progs = [[index[(a.op, a.pipe, a.stage, a.micro)] for a in prog] for prog in programs]
     preds: list[list[int]] = [[] for _ in range(len(dag))]
     for t in range(len(dag)):
         for u in dag.succs[t]:
             preds[u].append(t)
-    ends: dict[int, int] = {}
+    starts, ends = {}, {}
     pos, clock = [0] * len(progs), [0] * len(progs)
     moved = True
     while moved:
@@ -111,8 +119,9 @@ def _hint(model, dag: Dag, start, hint: list[list[Action]], dur: list[int], hop:
         for r, prog in enumerate(progs):
             while pos[r] < len(prog) and all(p in ends for p in preds[prog[pos[r]]]):
                 t = prog[pos[r]]
-                ready = max([clock[r]] + [ends[p] + (hop if dag.rank[p] != r else 0) for p in preds[t]])
-                ends[t], clock[r] = ready + dur[t], ready + dur[t]
-                model.AddHint(start[t], ready)
+                arrive = [ends[p] + (hop if dag.rank[p] != r else 0) for p in preds[t]]
+                starts[t] = max([clock[r]] + arrive)
+                ends[t] = clock[r] = starts[t] + dur[t]
                 pos[r] += 1
                 moved = True
+    return starts
