@@ -1,7 +1,7 @@
 """Schedule generators, one per scheme, registered by name (no torch)."""
 
 from chimera.schedules import (  # noqa: F401  (registers the schemes)
-    bidirectional, chimera_zb, classic, dualpipe, zero_bubble)
+    asynchronous, bidirectional, chimera_zb, classic, dualpipe, zero_bubble)
 from chimera.schedules.registry import Scheme, build, get_scheme, register, schemes
 
 __all__ = ["Scheme", "build", "get_scheme", "register", "schemes"]

@@ -13,9 +13,12 @@ Generator = Callable[..., Schedule]
 
 @dataclass(frozen=True)
 class Scheme:
+    """``runnable=False``: simulation only (e.g. asynchronous PipeDream); the runtime refuses it."""
+
     name: str
     description: str
     fn: Generator
+    runnable: bool = True
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -27,15 +30,16 @@ class Scheme:
 _REGISTRY: dict[str, Scheme] = {}
 
 
-def register(name: str, description: str) -> Callable[[Generator], Generator]:
+def register(name: str, description: str, runnable: bool = True) -> Callable[[Generator], Generator]:
     def deco(fn: Generator) -> Generator:
-        _REGISTRY[name] = Scheme(name, description, fn)
+        _REGISTRY[name] = Scheme(name, description, fn, runnable)
         return fn
     return deco
 
 
-def schemes() -> list[Scheme]:
-    return list(_REGISTRY.values())
+def schemes(runnable: bool | None = None) -> list[Scheme]:
+    """Every registered scheme, or only the runnable (True) / simulation-only (False) ones."""
+    return [s for s in _REGISTRY.values() if runnable is None or s.runnable == runnable]
 
 
 def get_scheme(name: str) -> Scheme:

@@ -7,17 +7,35 @@ the next stage and its own forward, W needs its I. A cross-rank input arrives on
 after its producer ended. In a lowered program the hop is paid by the RECV action (the
 runtime waits there); SEND is asynchronous. SYNC starts the allreduce of one replica's
 gradients once every replica of that stage has issued it; STEP waits for all of the rank's
-allreduces. Because programs are fixed, the simulation is a longest-path computation; a
-sweep that makes no progress is a deadlock.
+allreduces.
+
+Because programs are fixed, the simulation is a longest-path computation in two parts.
+Whether an action may run depends only on *which* actions ran before, never on *when*, so
+:func:`compile_schedule` sweeps the ranks once to find an execution order and each action's
+producers (a sweep that makes no progress is a deadlock); :meth:`CompiledSchedule.run` then
+times that order under a cost model in one linear pass. A planner that prices one schedule
+under many cost models compiles it once.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
 
 from chimera.ir import Action, Op, Schedule, ScheduleError
 from chimera.sim.cost import CostModel
 from chimera.sim.timeline import Event, RankStats, Timeline
 
-_DONE_KEY = {Op.F: Op.F, Op.B: Op.B, Op.I: Op.B, Op.W: Op.W}
+_COMPUTE, _SEND, _RECV, _SYNC, _STEP = range(5)
+_KIND = {Op.F: _COMPUTE, Op.B: _COMPUTE, Op.I: _COMPUTE, Op.W: _COMPUTE,
+         Op.SEND_F: _SEND, Op.SEND_B: _SEND, Op.RECV_F: _RECV, Op.RECV_B: _RECV,
+         Op.SYNC: _SYNC, Op.STEP: _STEP}
+# Hot loops key dicts by these ints: an Enum member hashes in Python (slow), id() does not.
+_CODE = {id(op): i for i, op in enumerate(Op)}
+_KIND_OF = [_KIND[op] for op in Op]  # by code
+_DONE_CODE = [_CODE[id({Op.I: Op.B}.get(op, op))] for op in Op]  # I finishes what B would
+_F, _B = _CODE[id(Op.F)], _CODE[id(Op.B)]
+_SEND_F, _SEND_B = _CODE[id(Op.SEND_F)], _CODE[id(Op.SEND_B)]
 
 
 class Deadlock(ScheduleError):
@@ -31,151 +49,309 @@ class Deadlock(ScheduleError):
                          f"action {idx} ({action})")
 
 
-class _State:
-    def __init__(self, schedule: Schedule, cost: CostModel):
-        self.s, self.cost = schedule, cost
-        self.ends: dict[tuple, float] = {}  # (op, pipe, stage, micro) -> end time
-        self.sent: dict[tuple, float] = {}  # (op, pipe, stage, micro) -> send time
-        self.issued: dict[int, list[float]] = {}  # stage -> SYNC issue times
-        self.clock = [0.0] * schedule.ranks
-        self.pos = [0] * schedule.ranks
-        self.events: list[Event] = []
-        self.collectives: list[tuple[int, int, float, float]] = []
-        self.lowered = schedule.lowered
-        self.total_syncs = sum(a.op is Op.SYNC for _, _, a in schedule.actions())
-        self.reduced: dict[int, float] | None = None  # stage -> allreduce end, once all issued
+@dataclass(frozen=True)
+class Times:
+    """What one timed pass produced; ``start[i]``/``end[i]`` follow ``CompiledSchedule.order``."""
 
-    def rank_of(self, pipe: int, stage: int) -> int:
-        return self.s.placement.rank_of(pipe, stage)
-
-    def input_ready(self, rank: int, a: Action) -> float | None:
-        """When a compute action's inputs are available on ``rank``, or None if not yet."""
-        s, stages = self.s, self.s.stages
-        deps: list[tuple[Op, int]] = []  # (done-key op, stage)
-        if a.op is Op.F and a.stage > 0:
-            deps.append((Op.F, a.stage - 1))
-        elif a.op in (Op.B, Op.I):
-            deps.append((Op.F, a.stage))
-            if a.stage < stages - 1:
-                deps.append((Op.B, a.stage + 1))
-        elif a.op is Op.W:
-            deps.append((Op.B, a.stage))
-        t = 0.0
-        for op, stage in deps:
-            end = self.ends.get((op, a.pipe, stage, a.micro))
-            if end is None:
-                return None
-            if not self.lowered and self.rank_of(a.pipe, stage) != rank:
-                end += self.cost.hop(min(stage, a.stage), stages, s.micro_scale)
-            t = max(t, end)
-        return t
+    start: list[float]
+    end: list[float]
+    makespan: float
+    busy: list[float]  # compute time per rank
+    compute_end: float  # end of the last compute action (what follows is gradient sync)
+    collectives: list[tuple[int, int, float, float]]
 
 
 def simulate(schedule: Schedule, cost: CostModel | None = None) -> Timeline:
     """Run ``schedule`` under ``cost`` (unit times 1:1 by default) and return its Timeline."""
     cost = cost or CostModel.unit()
-    st = _State(schedule, cost)
-    progs = schedule.programs
-    remaining = sum(len(p) for p in progs)
-    while remaining:
-        progressed = 0
-        for rank in range(schedule.ranks):
-            while st.pos[rank] < len(progs[rank]):
-                if not _step(st, rank, progs[rank][st.pos[rank]]):
+    return compile_schedule(schedule, blocking_sync=not cost.overlap_allreduce).run(cost)
+
+
+def compile_schedule(schedule: Schedule, blocking_sync: bool = False) -> "CompiledSchedule":
+    """Find the cost-independent execution order of ``schedule`` (raises :class:`Deadlock`).
+
+    ``blocking_sync``: a SYNC holds its rank until every replica of the stage has issued
+    (the order for ``CostModel(overlap_allreduce=False)``).
+    """
+    return CompiledSchedule(schedule, blocking_sync)
+
+
+class CompiledSchedule:
+    """A schedule's actions in a valid execution order, each with the indices of its inputs."""
+
+    def __init__(self, schedule: Schedule, blocking_sync: bool = False):
+        self.schedule, self.blocking_sync = schedule, blocking_sync
+        self.order: list[tuple[int, Action]] = []  # (rank, action)
+        # deps[i]: ((index of producer, stage whose hop is paid or -1), ...)
+        self.deps: list[tuple[tuple[int, int], ...]] = []
+        self.kinds: list[int] = []
+        self.total_syncs = sum(a.op is Op.SYNC for prog in schedule.programs for a in prog)
+        self._last_grad: dict[tuple[int, int], int] | None = None
+        _Sweep(self).run()
+
+    @property
+    def ranks(self) -> int:
+        return self.schedule.ranks
+
+    def run(self, cost: CostModel) -> Timeline:
+        """Time every action under ``cost``: the full Timeline (events, stats, memory)."""
+        s, t = self.schedule, self.times(cost)
+        events = [Event(rank, a, t.start[i], t.end[i]) for i, (rank, a) in enumerate(self.order)]
+        events.sort(key=lambda e: (e.rank, e.start, e.end))
+        stats = [RankStats(r, t.busy[r], *_memory(s, r)) for r in range(s.ranks)]
+        return Timeline(s, events, t.makespan, stats, collectives=t.collectives)
+
+    def times(self, cost: CostModel, eager_sync: bool = False) -> Times:
+        """One linear pass over :attr:`order`; no events are built (what a planner needs).
+
+        ``eager_sync`` on an *unlowered* schedule prices gradient sync and the step exactly as
+        ``passes.lower(schedule, "eager")`` would place them (a replica's allreduce issued at
+        the end of its last gradient action, each rank's STEP after its last action and its
+        stages' allreduces; unlowered hops equal lowered SEND/RECV pairs) without building
+        the communication actions: a third of the actions to time (allreduce overlapped).
+        """
+        if eager_sync and (self.schedule.lowered or not cost.overlap_allreduce):
+            raise ScheduleError("eager_sync prices an unlowered schedule with overlapped allreduce")
+        if cost.overlap_allreduce == self.blocking_sync and self.total_syncs:
+            raise ScheduleError("compiled with blocking_sync={} but the cost model has "
+                                "overlap_allreduce={}".format(self.blocking_sync, cost.overlap_allreduce))
+        s = self.schedule
+        dur = _durations(self, cost)
+        hop = [cost.hop(k, s.stages, s.micro_scale) for k in range(s.stages)]
+        n = len(self.order)
+        start, end = [0.0] * n, [0.0] * n
+        clock, busy = [0.0] * s.ranks, [0.0] * s.ranks
+        sync = _SyncState(self, cost)
+        kinds, deps, order = self.kinds, self.deps, self.order
+        compute_end = 0.0
+        for i in range(n):
+            rank, kind = order[i][0], kinds[i]
+            t = clock[rank]
+            if kind == _COMPUTE:
+                for j, stage in deps[i]:
+                    e = end[j] + hop[stage] if stage >= 0 else end[j]
+                    if e > t:
+                        t = e
+                start[i] = t
+                t += dur[i]
+                busy[rank] += dur[i]
+                if t > compute_end:
+                    compute_end = t
+            elif kind == _RECV:
+                j, stage = deps[i][0]
+                start[i] = t
+                t = max(t, end[j] + hop[stage])
+            elif kind == _SEND:
+                start[i] = t
+            elif kind == _SYNC:
+                start[i] = t
+                t = sync.issue(i, t, clock)
+            else:  # STEP
+                start[i] = t
+                t = sync.step(rank, t)
+            end[i] = clock[rank] = t
+        makespan = max(end, default=0.0)
+        if eager_sync:
+            makespan = max([makespan] + sync.after_program(self.last_gradients(), end, clock))
+        return Times(start, end, makespan, busy, compute_end, sync.collectives)
+
+    def last_gradients(self) -> dict[tuple[int, int], int]:
+        """(pipe, stage) replica -> index of its last gradient action (B, or W if split)."""
+        if self._last_grad is None:
+            grad = Op.W if self.schedule.split_backward else Op.B
+            self._last_grad = {(a.pipe, a.stage): i for i, (_, a) in enumerate(self.order) if a.op is grad}
+        return self._last_grad
+
+
+def _durations(c: CompiledSchedule, cost: CostModel) -> list[float]:
+    s = c.schedule
+    table: dict[tuple[int, int], float] = {}
+    out = [0.0] * len(c.order)
+    for i, (_, a) in enumerate(c.order):
+        if c.kinds[i] != _COMPUTE:
+            continue
+        key = (_CODE[id(a.op)], a.stage)
+        value = table.get(key)
+        if value is None:
+            value = table[key] = cost.compute(a.op, a.stage, s.stages, s.ranks, s.micro_scale)
+        out[i] = value
+    return out
+
+
+class _Sweep:
+    """Finds an execution order: a rank runs as far as its inputs allow, then waits on the
+    one input it lacks and is woken when that input is produced (each action is looked at
+    O(1) times). Any valid order gives the same times, since each rank keeps its program
+    order and every action starts at the max of its inputs' ends."""
+
+    def __init__(self, c: CompiledSchedule):
+        self.c, self.s = c, c.schedule
+        self.lowered = self.s.lowered
+        self.stages, self.table = self.s.stages, self.s.placement.table
+        # (code, pipe, stage, micro) -> index: F/B/W done (I counts as B), or a SEND's
+        self.produced: dict[tuple, int] = {}
+        self.waiters: dict[object, list[int]] = {}
+        self.reached: dict[int, list[int]] = {}  # stage -> ranks waiting at a blocking SYNC
+        self.issued = 0
+        self.pos = [0] * self.s.ranks
+        self.ready = deque(range(self.s.ranks))
+        self.queued = [True] * self.s.ranks
+
+    def run(self) -> None:
+        progs = self.s.programs
+        while self.ready:
+            rank = self.ready.popleft()
+            self.queued[rank] = False
+            prog = progs[rank]
+            while self.pos[rank] < len(prog):
+                missing = self.step(rank, prog[self.pos[rank]])
+                if missing is not None:
+                    self.waiters.setdefault(missing, []).append(rank)
                     break
-                st.pos[rank] += 1
-                progressed += 1
-        if not progressed:
-            blocked = {r: (st.pos[r], progs[r][st.pos[r]])
-                       for r in range(schedule.ranks) if st.pos[r] < len(progs[r])}
-            raise Deadlock(schedule, blocked)
-        remaining -= progressed
-    return _timeline(st)
+        blocked = {r: (self.pos[r], progs[r][self.pos[r]])
+                   for r in range(self.s.ranks) if self.pos[r] < len(progs[r])}
+        if blocked:
+            raise Deadlock(self.s, blocked)
 
+    def wake(self, key: object) -> None:
+        for rank in self.waiters.pop(key, ()):
+            if not self.queued[rank]:
+                self.queued[rank] = True
+                self.ready.append(rank)
 
-def _step(st: _State, rank: int, a: Action) -> bool:
-    """Execute ``a`` on ``rank`` if it can run; return False when it must wait."""
-    s = st.s
-    if a.op.is_compute:
-        ready = st.input_ready(rank, a)
-        if ready is None:
-            return False
-        start = max(st.clock[rank], ready)
-        end = start + st.cost.compute(a.op, a.stage, s.stages, s.ranks, s.micro_scale)
-        st.ends[(_DONE_KEY[a.op], a.pipe, a.stage, a.micro)] = end
-    elif a.op in (Op.SEND_F, Op.SEND_B):
-        start = end = st.clock[rank]
-        st.sent[(a.op, a.pipe, a.stage, a.micro)] = start
-    elif a.op in (Op.RECV_F, Op.RECV_B):
-        src = (Op.SEND_F, a.pipe, a.stage - 1, a.micro) if a.op is Op.RECV_F \
-            else (Op.SEND_B, a.pipe, a.stage + 1, a.micro)
-        if src not in st.sent:
-            return False
-        start = st.clock[rank]
-        hop = st.cost.hop(min(a.stage, src[2]), s.stages, s.micro_scale)
-        end = max(start, st.sent[src] + hop)
-    elif a.op is Op.SYNC:
-        start = end = st.clock[rank]
-        st.issued.setdefault(a.stage, []).append(start)
-        if not st.cost.overlap_allreduce:
-            done = _allreduce_end(st, a.stage)
-            if done is None:
-                return False
-            end = done
-    elif a.op is Op.STEP:
-        if sum(map(len, st.issued.values())) < st.total_syncs:
-            return False
-        reduced = _reduce_all(st)
-        start = st.clock[rank]
-        end = max([start] + [reduced[stage] for _, stage in s.placement.held(rank) if stage in reduced])
-    else:  # pragma: no cover - every Op is handled above
-        raise ScheduleError(f"simulator cannot execute {a}")
-    st.clock[rank] = end
-    st.events.append(Event(rank, a, start, end))
-    return True
+    def place(self, rank: int, a: Action, deps: tuple = (), key: tuple | None = None) -> None:
+        index = len(self.c.order)
+        self.c.order.append((rank, a))
+        self.c.kinds.append(_KIND_OF[_CODE[id(a.op)]])
+        self.c.deps.append(deps)
+        self.pos[rank] += 1
+        if key is not None:
+            self.produced[key] = index
+            self.wake(key)
 
-
-def _group_size(st: _State, stage: int) -> int:
-    return len(st.s.placement.replicas(stage)) * st.cost.data_parallel
-
-
-def _allreduce_end(st: _State, stage: int) -> float | None:
-    """End of stage's allreduce once all its replicas issued SYNC; None before that."""
-    issued = st.issued.get(stage, [])
-    replicas = len(st.s.placement.replicas(stage))
-    if len(issued) < replicas:
+    def step(self, rank: int, a: Action) -> object | None:
+        """Place ``a``; or return the key of what it waits for."""
+        code = _CODE[id(a.op)]
+        kind = _KIND_OF[code]
+        if kind == _COMPUTE:
+            deps, missing = self.inputs(rank, a)
+            if missing is not None:
+                return missing
+            self.place(rank, a, deps, (_DONE_CODE[code], a.pipe, a.stage, a.micro))
+        elif kind == _SEND:
+            self.place(rank, a, (), (code, a.pipe, a.stage, a.micro))
+        elif kind == _RECV:
+            forward = a.op is Op.RECV_F
+            src = a.stage - 1 if forward else a.stage + 1
+            key = (_SEND_F if forward else _SEND_B, a.pipe, src, a.micro)
+            index = self.produced.get(key)
+            if index is None:
+                return key
+            self.place(rank, a, ((index, a.stage if src > a.stage else src),))
+        elif kind == _SYNC:
+            return self.sync(rank, a)
+        else:  # STEP
+            if self.issued < self.c.total_syncs:
+                return "all syncs"
+            self.place(rank, a)
         return None
-    return max(issued) + st.cost.sync(stage, st.s.stages, _group_size(st, stage))
+
+    def issue(self) -> None:
+        self.issued += 1
+        if self.issued == self.c.total_syncs:
+            self.wake("all syncs")
+
+    def sync(self, rank: int, a: Action) -> object | None:
+        if not self.c.blocking_sync:
+            self.place(rank, a)
+            self.issue()
+            return None
+        waiting = self.reached.setdefault(a.stage, [])
+        if rank not in waiting:
+            waiting.append(rank)
+            self.issue()
+        if len(waiting) < len(self.s.placement.replicas(a.stage)):
+            return ("sync", a.stage)
+        for r in waiting:  # all replicas issued: the allreduce runs, every replica goes on
+            self.place(r, self.s.programs[r][self.pos[r]])
+        self.wake(("sync", a.stage))
+        return None
+
+    def inputs(self, rank: int, a: Action) -> tuple[tuple, tuple | None]:
+        """(producers of a compute action's inputs, None), or ((), key of one not run yet)."""
+        stages = self.stages
+        needs: list[tuple[int, int]] = []  # (done code, stage)
+        if a.op is Op.F:
+            if a.stage > 0:
+                needs.append((_F, a.stage - 1))
+        elif a.op is Op.W:
+            needs.append((_B, a.stage))
+        else:  # B or I
+            needs.append((_F, a.stage))
+            if a.stage < stages - 1:
+                needs.append((_B, a.stage + 1))
+        deps = []
+        for op, stage in needs:
+            key = (op, a.pipe, stage, a.micro)
+            index = self.produced.get(key)
+            if index is None:
+                return (), key
+            remote = not self.lowered and self.table[a.pipe][stage] != rank
+            deps.append((index, (stage if stage < a.stage else a.stage) if remote else -1))
+        return tuple(deps), None
 
 
-def _reduce_all(st: _State) -> dict[int, float]:
-    """Allreduce ends once every SYNC is issued: stages in order of readiness, each rank's
-    collectives one after another on its communication channel (as NCCL/gloo run them)."""
-    if st.reduced is not None:
-        return st.reduced
-    st.reduced, channel = {}, [0.0] * st.s.ranks
-    for ready, stage in sorted((max(times), stage) for stage, times in st.issued.items()):
-        members = set(st.s.placement.replicas(stage))
-        start = max([ready] + [channel[r] for r in members])
-        end = start + st.cost.sync(stage, st.s.stages, _group_size(st, stage))
-        st.reduced[stage] = end
-        if end > start:
-            for r in members:
-                channel[r] = end
-                st.collectives.append((r, stage, start, end))
-    return st.reduced
+class _SyncState:
+    """Allreduce bookkeeping of one timed pass: SYNC issue times, then one reduction plan."""
 
+    def __init__(self, c: CompiledSchedule, cost: CostModel):
+        self.c, self.s, self.cost = c, c.schedule, cost
+        self.issued: dict[int, list[float]] = {}  # stage -> SYNC issue times
+        self.reduced: dict[int, float] | None = None
+        self.collectives: list[tuple[int, int, float, float]] = []
 
-def _timeline(st: _State) -> Timeline:
-    s = st.s
-    makespan = max([e.end for e in st.events] + [0.0])
-    busy = [0.0] * s.ranks
-    for e in st.events:
-        if e.action.op.is_compute:
-            busy[e.rank] += e.end - e.start
-    stats = [RankStats(r, busy[r], *_memory(s, r)) for r in range(s.ranks)]
-    st.events.sort(key=lambda e: (e.rank, e.start, e.end))
-    return Timeline(s, st.events, makespan, stats, collectives=st.collectives)
+    def issue(self, i: int, t: float, clock: list[float]) -> float:
+        stage = self.c.order[i][1].stage
+        if not self.c.blocking_sync:
+            self.issued.setdefault(stage, []).append(t)
+            return t
+        if stage not in self.issued:  # the replicas were placed together, each at its SYNC
+            ranks = [r for r, _ in self.c.order[i:i + len(self.s.placement.replicas(stage))]]
+            self.issued[stage] = [clock[r] for r in ranks]
+        times = self.issued[stage]
+        return max(times) + self.cost.sync(stage, self.s.stages, self.group(stage))
+
+    def after_program(self, last_grad: dict, end: list[float], clock: list[float]) -> list[float]:
+        """Eager sync of an unlowered schedule: issue at each replica's last gradient action,
+        then each rank's STEP; returns the STEP end of every rank."""
+        for (_, stage), i in sorted(last_grad.items(), key=lambda item: item[1]):
+            self.issued.setdefault(stage, []).append(end[i])
+        return [self.step(rank, clock[rank]) for rank in range(self.s.ranks)]
+
+    def group(self, stage: int) -> int:
+        return len(self.s.placement.replicas(stage)) * self.cost.data_parallel
+
+    def step(self, rank: int, t: float) -> float:
+        reduced = self.reduce_all()
+        held = [reduced[stage] for _, stage in self.s.placement.held(rank) if stage in reduced]
+        return max([t] + held)
+
+    def reduce_all(self) -> dict[int, float]:
+        """Allreduce ends once every SYNC is issued: stages in order of readiness, each rank's
+        collectives one after another on its communication channel (as NCCL/gloo run them)."""
+        if self.reduced is not None:
+            return self.reduced
+        self.reduced, channel = {}, [0.0] * self.s.ranks
+        for ready, stage in sorted((max(times), stage) for stage, times in self.issued.items()):
+            members = set(self.s.placement.replicas(stage))
+            start = max([ready] + [channel[r] for r in members])
+            end = start + self.cost.sync(stage, self.s.stages, self.group(stage))
+            self.reduced[stage] = end
+            if end > start:
+                for r in members:
+                    channel[r] = end
+                    self.collectives.append((r, stage, start, end))
+        return self.reduced
 
 
 def _memory(s: Schedule, rank: int) -> tuple[float, float]:

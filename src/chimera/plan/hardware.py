@@ -1,0 +1,239 @@
+"""Hardware presets (device + network) and measured profiles for the planner (no torch).
+
+A layer's time is ``flops / (peak * efficiency(tokens)) + layer_overhead`` per pass, where
+``efficiency(tokens) = efficiency * tokens / (tokens + half_tokens)``: matrix products with
+few rows (a small micro-batch of short sequences) reach less of the peak. ``efficiency``
+and ``half_tokens`` are assumptions, not measurements: calibrate them, or give a profile.
+
+Links are alpha-beta (``alpha`` seconds + bytes / ``beta`` bytes per second). Ranks are laid
+out as ``rank = w * D + d``, so a pipeline of D <= ``devices_per_node`` ranks stays inside a
+node (``intra`` links); a longer one crosses nodes, and its slowest hop sets the pace, so
+every hop is priced at the inter-node link. A stage's allreduce group (its replicas times W)
+spans nodes unless all P ranks fit in one node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+
+from chimera.sim.cost import Link
+
+PROFILE_SCHEMA = "chimera.profile/1"
+PRECISIONS = ("fp32", "mixed")
+
+
+class PlanError(ValueError):
+    """Bad planner input (unknown hardware, bad profile, impossible request): exit code 2."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # per device, in the training precision
+    memory_gib: float  # per device
+    precision: str  # "fp32" (4-byte activations) or "mixed" (2-byte activations, fp32 master)
+    efficiency: float  # fraction of peak that large matrix products reach
+    half_tokens: int  # tokens per micro-batch at which a layer reaches half of `efficiency`
+    layer_overhead_s: float  # fixed cost per layer per pass (kernel launches, framework)
+    p2p: Link  # between nodes
+    allreduce: Link  # per ring step between nodes
+    devices_per_node: int = 1
+    intra_p2p: Link | None = None
+    intra_allreduce: Link | None = None
+    flash_attention: bool = False  # attention scores are recomputed, not stored (T x T)
+    memory_reserve: float = 0.1  # fraction lost to the CUDA context and allocator slack
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        for name in ("peak_flops", "memory_gib", "efficiency"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise PlanError(f"hardware {name} must be a positive number, got {value!r}")
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_gib * 2**30 * (1 - self.memory_reserve)
+
+    def p2p_link(self, depth: int) -> Link:
+        if self.intra_p2p and depth <= self.devices_per_node:
+            return self.intra_p2p
+        return self.p2p
+
+    def allreduce_link(self, gpus: int) -> Link:
+        if self.intra_allreduce and gpus <= self.devices_per_node:
+            return self.intra_allreduce
+        return self.allreduce
+
+    def layer_time(self, flops: float, tokens: float) -> float:
+        """Seconds of one pass over one layer doing ``flops`` on ``tokens`` tokens."""
+        eff = self.efficiency * tokens / (tokens + self.half_tokens)
+        return flops / (self.peak_flops * eff) + self.layer_overhead_s
+
+
+def _link(alpha_us: float, gb_per_s: float) -> Link:
+    return Link(alpha_us * 1e-6, gb_per_s * 1e9)
+
+
+PRESETS: dict[str, Hardware] = {
+    # Piz Daint XC50 node, the paper's machine: one Tesla P100 16 GB (PCIe form: 9.3 TFLOP/s
+    # fp32, NVIDIA P100 datasheet; CSCS Piz Daint description), Cray Aries dragonfly (~10 GB/s
+    # injection, ~1 us; Alverson et al., "Cray XC Series Network", 2012). The paper trains in
+    # fp32 with gloo over TCP on Aries (its repository's job scripts), which reaches a fraction
+    # of that: 3 GB/s p2p and 2 GB/s per ring step are our assumption, as is the efficiency.
+    "p100": Hardware(
+        "p100", peak_flops=9.3e12, memory_gib=16, precision="fp32", efficiency=0.6,
+        half_tokens=256, layer_overhead_s=60e-6, p2p=_link(30, 3.0), allreduce=_link(50, 2.0),
+        source="Piz Daint: P100 16 GB (9.3 TFLOP/s fp32) + Aries; gloo/TCP links assumed"),
+    # DGX-1V: 8 x V100 SXM2 32 GB (125 TFLOP/s fp16 tensor cores, V100 datasheet), NVLink 2
+    # hybrid cube mesh (~130 GB/s NCCL bus bandwidth), 4 x EDR InfiniBand 100 Gb/s per node
+    # (~6 GB/s per GPU). Mixed precision.
+    "v100": Hardware(
+        "v100", peak_flops=125e12, memory_gib=32, precision="mixed", efficiency=0.45,
+        half_tokens=1024, layer_overhead_s=30e-6, p2p=_link(5, 6.0), allreduce=_link(5, 6.0),
+        devices_per_node=8, intra_p2p=_link(3, 40.0), intra_allreduce=_link(3, 130.0),
+        source="DGX-1V: V100 SXM2 32 GB (125 TFLOP/s fp16), NVLink 2, 4x EDR IB"),
+    # DGX A100: 8 x A100 SXM4 80 GB (312 TFLOP/s bf16 dense, A100 datasheet), NVLink 3 /
+    # NVSwitch (600 GB/s per GPU, ~230 GB/s NCCL bus bandwidth), 8 x HDR IB 200 Gb/s (one per
+    # GPU, ~24 GB/s). Mixed precision; flash attention.
+    "a100": Hardware(
+        "a100", peak_flops=312e12, memory_gib=80, precision="mixed", efficiency=0.5,
+        half_tokens=2048, layer_overhead_s=20e-6, p2p=_link(5, 24.0), allreduce=_link(5, 24.0),
+        devices_per_node=8, intra_p2p=_link(3, 200.0), intra_allreduce=_link(3, 230.0),
+        flash_attention=True,
+        source="DGX A100: A100 SXM4 80 GB (312 TFLOP/s bf16), NVLink 3, 8x HDR IB"),
+    # DGX H100: 8 x H100 SXM5 80 GB (989 TFLOP/s bf16 dense, H100 datasheet), NVLink 4 /
+    # NVSwitch (900 GB/s per GPU, ~360 GB/s NCCL bus bandwidth), 8 x NDR IB 400 Gb/s (~48 GB/s
+    # per GPU). Mixed precision; flash attention.
+    "h100": Hardware(
+        "h100", peak_flops=989e12, memory_gib=80, precision="mixed", efficiency=0.45,
+        half_tokens=4096, layer_overhead_s=15e-6, p2p=_link(5, 48.0), allreduce=_link(5, 48.0),
+        devices_per_node=8, intra_p2p=_link(3, 300.0), intra_allreduce=_link(3, 360.0),
+        flash_attention=True,
+        source="DGX H100: H100 SXM5 80 GB (989 TFLOP/s bf16), NVLink 4, 8x NDR IB"),
+    # This kind of machine: one process per core, fp32, gloo over loopback. Rough figures
+    # (an AVX2 core: 16 fp32 FMA lanes x 2 x ~3 GHz ~ 100 GFLOP/s peak); measure with a
+    # profile (``--profile``) for anything that matters.
+    "cpu": Hardware(
+        "cpu", peak_flops=1e11, memory_gib=4, precision="fp32", efficiency=0.3, half_tokens=64,
+        layer_overhead_s=100e-6, p2p=_link(50, 2.0), allreduce=_link(100, 1.0),
+        devices_per_node=64, intra_p2p=_link(50, 2.0), intra_allreduce=_link(100, 1.0),
+        memory_reserve=0.0, source="one CPU core per rank, gloo on loopback (rough; use --profile)"),
+}
+ALIASES = {"p100+aries": "p100", "piz-daint": "p100", "daint": "p100", "v100+ib": "v100",
+           "a100+ib": "a100", "h100+ib": "h100", "h100+nvlink": "h100"}
+
+
+def get_hardware(name: str) -> Hardware:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in PRESETS:
+        raise PlanError(f"unknown hardware {name!r}; known: {', '.join(PRESETS)} "
+                        f"(aliases: {', '.join(ALIASES)})")
+    return PRESETS[key]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    forward_s: float
+    backward_s: float
+    activation_bytes: float  # kept for backward, per micro-batch, without recomputation
+    output_bytes: float  # the layer's output: what crosses a stage boundary
+    input_backward_s: float | None = None  # split backward: I, then W (optional)
+    weight_backward_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured per-layer costs at micro-batch ``micro_batch`` (JSON schema ``chimera.profile/1``).
+
+    ::
+
+        {"schema": "chimera.profile/1",
+         "model": "gpt2-bench",                  # informative
+         "micro_batch": 4,                       # B the layers were measured at
+         "layers": [                             # one per layer: embedding, blocks, head
+           {"forward_s": 0.0011, "backward_s": 0.0023,
+            "input_backward_s": 0.0012, "weight_backward_s": 0.0011,   # optional
+            "activation_bytes": 4194304, "output_bytes": 524288}, ...],
+         "p2p": {"alpha_s": 5e-05, "beta_bytes_per_s": 2e9},
+         "allreduce": {"alpha_s": 1e-4, "beta_bytes_per_s": 1e9},   # per ring step
+         "memory_gib": 8}                        # optional: per rank
+
+    Times and bytes scale linearly with the micro-batch size (an approximation: small
+    micro-batches are less efficient than that). ``backward_s`` is the full backward; without
+    the split times, I and W are taken as half of it each. ``chimera profile`` writes this
+    (plus fields the planner ignores, such as ``param_bytes``).
+    """
+
+    micro_batch: int
+    layers: tuple[LayerProfile, ...]
+    p2p: Link
+    allreduce: Link
+    memory_gib: float | None = None
+    model: str = ""
+    source: str = field(default="", compare=False)
+
+
+def _positive(data: dict, key: str, where: str, allow_zero: bool = False) -> float:
+    value = data.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise PlanError(f"profile: {where}.{key} must be a {'non-negative' if allow_zero else 'positive'} "
+                        f"number, got {value!r}")
+    return float(value)
+
+
+def _profile_link(data: dict, key: str) -> Link:
+    part = data.get(key)
+    if not isinstance(part, dict):
+        raise PlanError(f"profile: missing object {key!r} with alpha_s and beta_bytes_per_s")
+    return Link(_positive(part, "alpha_s", key, allow_zero=True), _positive(part, "beta_bytes_per_s", key))
+
+
+def parse_profile(data: dict, source: str = "") -> Profile:
+    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
+        raise PlanError(f"profile: expected a JSON object with \"schema\": \"{PROFILE_SCHEMA}\"")
+    micro = data.get("micro_batch")
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+        raise PlanError(f"profile: micro_batch must be a positive integer, got {micro!r}")
+    layers = data.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise PlanError("profile: layers must be a non-empty list (one entry per layer)")
+    parsed = []
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, dict):
+            raise PlanError(f"profile: layers[{i}] must be an object")
+        where = f"layers[{i}]"
+        split = [_positive(layer, key, where) if key in layer else None
+                 for key in ("input_backward_s", "weight_backward_s")]
+        if (split[0] is None) != (split[1] is None):
+            raise PlanError(f"profile: {where} needs both input_backward_s and weight_backward_s, or neither")
+        parsed.append(LayerProfile(_positive(layer, "forward_s", where), _positive(layer, "backward_s", where),
+                                   _positive(layer, "activation_bytes", where, allow_zero=True),
+                                   _positive(layer, "output_bytes", where, allow_zero=True), *split))
+    memory = data.get("memory_gib")
+    if memory is not None:
+        memory = _positive(data, "memory_gib", "profile")
+    return Profile(micro, tuple(parsed), _profile_link(data, "p2p"), _profile_link(data, "allreduce"),
+                   memory, str(data.get("model", "")), source)
+
+
+def load_profile(path: str) -> Profile:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise PlanError(f"cannot read profile {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"profile {path!r} is not JSON: {exc.msg} at line {exc.lineno}") from None
+    return parse_profile(data, source=path)
+
+
+def with_profile(hw: Hardware, profile: Profile) -> Hardware:
+    """The hardware with the profile's links (and memory, if it gives one)."""
+    memory = profile.memory_gib or hw.memory_gib
+    return replace(hw, p2p=profile.p2p, allreduce=profile.allreduce, intra_p2p=None,
+                   intra_allreduce=None, memory_gib=memory, source=f"{hw.source}; profile {profile.source}")

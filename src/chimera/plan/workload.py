@@ -1,0 +1,174 @@
+"""A training job on a machine, and the cost model of one (cut, micro-batch size, recompute).
+
+Per stage: forward = the sum of its layers' times (``Hardware.layer_time`` of their FLOPs, or
+the profile's measured seconds scaled by micro-batch size); backward = 2 x forward FLOPs,
+plus one more forward with recomputation. Stages are cut by ``modelcfg.partition`` (exact
+min-max over the layers' forward + backward cost). A boundary sends one hidden state; a
+stage's allreduce moves its gradients (fp32 or 16-bit, as the precision keeps them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from chimera.modelcfg import ModelConfig, flops_per_token, partition
+from chimera.plan.hardware import Hardware, PlanError, Profile, with_profile
+from chimera.plan.memory import (STATE_BYTES, layer_activation_bytes, layer_input_bytes,
+                                 stage_params)
+from chimera.sim.cost import CostModel
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelConfig
+    gpus: int  # P
+    global_batch: int  # G sequences per iteration (the mini-batch)
+    hardware: Hardware
+    memory_gib: float | None = None  # per rank; default: the hardware's
+    profile: Profile | None = None
+    name: str = ""  # the model's preset name, for reports
+
+    def __post_init__(self) -> None:
+        for key in ("gpus", "global_batch"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"{key.replace('_', ' ')} must be a positive integer, got {value!r}")
+        if self.memory_gib is not None and not self.memory_gib > 0:
+            raise PlanError(f"memory must be a positive number of GiB, got {self.memory_gib!r}")
+        if self.profile is not None:
+            if len(self.profile.layers) != self.model.n_layers_total:
+                raise PlanError(f"profile has {len(self.profile.layers)} layers but the model has "
+                                f"{self.model.n_layers_total} (embedding, {self.model.n_layer} blocks, head)")
+            object.__setattr__(self, "hardware", with_profile(self.hardware, self.profile))
+
+    @property
+    def capacity(self) -> float:
+        """Usable bytes per rank."""
+        if self.memory_gib is not None:
+            return self.memory_gib * 2**30
+        return self.hardware.usable_bytes
+
+    @property
+    def precision(self) -> str:
+        return self.hardware.precision
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Everything the planner needs about one cut at one micro-batch size (seconds, bytes)."""
+
+    ranges: tuple[range, ...]
+    f: tuple[float, ...]
+    b: tuple[float, ...]  # full backward, including the recomputed forward
+    i: tuple[float, ...]  # input-gradient half (+ recomputed forward)
+    w: tuple[float, ...]  # weight-gradient half
+    act_full: tuple[float, ...]  # bytes kept per micro-batch without recomputation
+    act_kept: tuple[float, ...]  # bytes kept per micro-batch as configured (recompute: input)
+    send_bytes: tuple[float, ...]  # activation sent from stage s to s + 1
+    params: tuple[int, ...]
+    grad_bytes: tuple[float, ...]
+    recompute: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+class Pricing:
+    """Caches cuts and stage costs of one workload; builds CostModels for the simulator."""
+
+    def __init__(self, work: Workload):
+        self.work = work
+        self.cfg = work.model
+        self._cuts: dict[int, tuple[range, ...]] = {}
+        self._costs: dict[tuple, StageCosts] = {}
+        self.layer_weights = self._layer_weights()
+
+    def _layer_weights(self) -> list[float]:
+        """Relative cost of each layer (forward + backward), for cutting stages."""
+        if self.work.profile:
+            return [lp.forward_s + lp.backward_s for lp in self.work.profile.layers]
+        return flops_per_token(self.cfg)
+
+    def cut(self, stages: int) -> tuple[range, ...]:
+        if stages not in self._cuts:
+            if stages > self.cfg.n_layers_total:
+                raise PlanError(f"cannot cut {self.cfg.n_layers_total} layers into {stages} stages")
+            self._cuts[stages] = tuple(partition(self.layer_weights, stages))
+        return self._cuts[stages]
+
+    def layer_times(self, tokens: float) -> tuple[list[float], list[float]]:
+        """(forward, backward) seconds of each layer for a micro-batch of ``tokens`` tokens."""
+        prof = self.work.profile
+        if prof:
+            ratio = tokens / (prof.micro_batch * self.cfg.seq_len)
+            return ([lp.forward_s * ratio for lp in prof.layers],
+                    [lp.backward_s * ratio for lp in prof.layers])
+        hw = self.work.hardware
+        fwd = [hw.layer_time(fl * tokens, tokens) for fl in flops_per_token(self.cfg)]
+        bwd = [hw.layer_time(2 * fl * tokens, tokens) for fl in flops_per_token(self.cfg)]
+        return fwd, bwd
+
+    def layer_bytes(self, tokens: float) -> tuple[list[float], list[float]]:
+        """(activations kept, input) bytes of each layer for ``tokens`` tokens."""
+        prof, hw = self.work.profile, self.work.hardware
+        if prof:
+            ratio = tokens / (prof.micro_batch * self.cfg.seq_len)
+            kept = [lp.activation_bytes * ratio for lp in prof.layers]
+            outs = [lp.output_bytes * ratio for lp in prof.layers]
+            return kept, [tokens * 8] + outs[:-1]
+        return (layer_activation_bytes(self.cfg, tokens, hw.precision, hw.flash_attention),
+                layer_input_bytes(self.cfg, tokens, hw.precision))
+
+    def total_time(self, micro_batch: float, recompute: bool) -> float:
+        """Forward + backward (+ recomputed forward) of one micro-batch over the whole model."""
+        fwd, bwd = self.layer_times(micro_batch * self.cfg.seq_len)
+        return sum(bwd) + sum(fwd) * (2 if recompute else 1)
+
+    def stage_costs(self, stages: int, micro_batch: float, recompute: bool) -> StageCosts:
+        """Costs of one *full* micro-batch of ``micro_batch`` sequences on each of ``stages``."""
+        key = (stages, micro_batch, recompute)
+        if key not in self._costs:
+            self._costs[key] = self._stage_costs(stages, micro_batch, recompute)
+        return self._costs[key]
+
+    def _stage_costs(self, stages: int, micro_batch: float, recompute: bool) -> StageCosts:
+        ranges = self.cut(stages)
+        tokens = micro_batch * self.cfg.seq_len
+        fwd, bwd = self.layer_times(tokens)
+        kept, inputs = self.layer_bytes(tokens)
+        f = tuple(sum(fwd[i] for i in r) for r in ranges)
+        b0 = tuple(sum(bwd[i] for i in r) for r in ranges)
+        i0, w0 = self._split(ranges, tokens, b0)
+        redo = f if recompute else (0.0,) * stages
+        full = tuple(sum(kept[i] for i in r) for r in ranges)
+        entry = tuple(inputs[r.start] for r in ranges)
+        params = tuple(stage_params(self.cfg, list(ranges)))
+        grad = STATE_BYTES[self.work.precision][1]
+        return StageCosts(
+            ranges=ranges, f=f, b=tuple(x + y for x, y in zip(b0, redo)),
+            i=tuple(x + y for x, y in zip(i0, redo)), w=w0,
+            act_full=full, act_kept=entry if recompute else full,
+            send_bytes=tuple(inputs[r.stop] if r.stop < len(inputs) else 0.0 for r in ranges),
+            params=params, grad_bytes=tuple(p * grad for p in params), recompute=recompute)
+
+    def _split(self, ranges, tokens: float, b0: tuple[float, ...]) -> tuple[tuple, tuple]:
+        """(I, W) per stage: measured if the profile has them, else half of B each."""
+        prof = self.work.profile
+        if prof and prof.layers[0].input_backward_s is not None:
+            ratio = tokens / (prof.micro_batch * self.cfg.seq_len)
+            i = tuple(sum(prof.layers[k].input_backward_s for k in r) * ratio for r in ranges)
+            w = tuple(sum(prof.layers[k].weight_backward_s for k in r) * ratio for r in ranges)
+            return i, w
+        return tuple(x / 2 for x in b0), tuple(x / 2 for x in b0)
+
+    def cost_model(self, sc: StageCosts, depth: int, width: int, scale: float) -> CostModel:
+        """The simulator's cost model. ``scale`` is the schedule's micro_scale: the simulator
+        multiplies times and bytes by it, so times of the smaller micro-batch are divided back."""
+        hw = self.work.hardware
+        return CostModel(
+            f=tuple(x / scale for x in sc.f), b=tuple(x / scale for x in sc.b),
+            i=tuple(x / scale for x in sc.i), w=tuple(x / scale for x in sc.w),
+            p2p=hw.p2p_link(depth), allreduce=hw.allreduce_link(self.work.gpus),
+            act_bytes=tuple(x / scale for x in sc.send_bytes), weight_bytes=sc.grad_bytes, data_parallel=width)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

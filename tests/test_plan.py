@@ -1,0 +1,270 @@
+"""The planner: memory model, bounds, exact search, asynchronous schemes, CLI (no torch)."""
+
+import io
+import json
+import subprocess
+import sys
+from contextlib import redirect_stdout
+
+import pytest
+
+from chimera.cli import main
+from chimera.ir import ScheduleError
+from chimera.modelcfg import get_config, layer_param_counts
+from chimera.passes import lower
+from chimera.plan import Planner, PlanError, Workload, get_hardware, parse_profile
+from chimera.plan.memory import (HeldActivations, block_activation_bytes, layer_activation_bytes,
+                                 state_bytes)
+from chimera.schedules import build, get_scheme, schemes
+from chimera.schedules.asynchronous import steady_period
+from chimera.sim import CostModel, simulate
+from chimera.sim.engine import compile_schedule
+
+SMALL = ["gpipe", "1f1b", "interleaved", "zb-h1", "gems", "chimera", "pipedream", "pipedream-2bw"]
+
+
+def small_planner(gpus=8, batch=32, memory=None, names=SMALL, model="gpt2-small"):
+    work = Workload(get_config(model), gpus, batch, get_hardware("a100"), memory_gib=memory,
+                    name=model)
+    return Planner(work, names)
+
+
+def test_plan_imports_no_torch():
+    code = ("import sys, chimera.plan, chimera.plan.report, chimera.cli.plan_cmd; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# -- memory model --------------------------------------------------------------------------
+
+def test_block_activations_match_korthikanti():
+    # sbh(34 + 5as/h) bytes: 16-bit activations, dropout masks (Korthikanti et al. 2022)
+    cfg = get_config("bert-48", dropout=0.1)
+    s, h, a, b = cfg.seq_len, cfg.d_model, cfg.n_head, 3
+    assert block_activation_bytes(cfg, s * b, "mixed", flash=False) == s * b * h * (34 + 5 * a * s / h)
+
+
+def test_block_activations_fp32_no_dropout_and_flash():
+    cfg = get_config("gpt2-paper")  # dropout 0
+    s, h, a = cfg.seq_len, cfg.d_model, cfg.n_head
+    assert block_activation_bytes(cfg, s, "fp32", flash=False) == s * h * 16 * 4 + 4 * a * s * s
+    assert block_activation_bytes(cfg, s, "fp32", flash=True) == s * h * 16 * 4
+
+
+def test_layer_activations_embedding_and_head():
+    cfg = get_config("gpt2-tiny")
+    t, h, v = 10, cfg.d_model, cfg.vocab_size
+    acts = layer_activation_bytes(cfg, t, "fp32", flash=False)
+    assert len(acts) == cfg.n_layers_total
+    assert acts[0] == t * (8 + 4 * h)  # token ids and the summed embedding
+    assert acts[-1] == t * (2 * 4 * h + 4 * v)  # LayerNorm and matmul inputs, fp32 logits
+
+
+def test_training_state_bytes_per_parameter():
+    assert state_bytes(10, "fp32") == 10 * (4 + 4 + 8)
+    assert state_bytes(10, "mixed") == 10 * (2 + 2 + 12)
+    assert state_bytes(10, "fp32", weight_versions=3) == 10 * (3 * 4 + 4 + 8)
+
+
+@pytest.mark.parametrize("name, d, n, expect", [
+    ("gpipe", 4, 6, [6, 6, 6, 6]),
+    ("1f1b", 4, 8, [4, 3, 2, 1]),
+    ("pipedream", 4, 8, [4, 3, 2, 1]),
+])
+def test_held_activations_peaks(name, d, n, expect):
+    held = HeldActivations.of(build(name, d, n))
+    assert [held.peak(r, [1.0] * d) for r in range(d)] == expect
+
+
+def test_chimera_memory_by_hand():
+    """Two replicas per rank (stages r and D-1-r): their state plus peak activations."""
+    pl = small_planner()
+    c = next(c for c in pl.candidates() if c.scheme == "chimera" and c.depth == 4
+             and c.micro_batch == 4 and dict(c.options) == {"pipes": 2, "strategy": "direct"}
+             and not c.recompute)
+    shape = pl.shape(c)
+    sc = pl.stage_costs(c, shape)
+    counts = layer_param_counts(pl.work.model)
+    params = [sum(counts[i] for i in r) for r in sc.ranges]
+    state = [state_bytes(params[r] + params[3 - r], "mixed") for r in range(4)]
+    act = [shape.held.peak(r, list(sc.act_full)) for r in range(4)]
+    assert pl.memory(c, shape, sc) == max(s + a for s, a in zip(state, act))
+    assert act[0] >= 3 * min(sc.act_full)  # D/2 + 1 micro-batches at least on an outer rank
+
+
+def test_recompute_keeps_inputs_and_one_stage():
+    pl = small_planner()
+    full = pl.pricing.stage_costs(4, 2, False)
+    rc = pl.pricing.stage_costs(4, 2, True)
+    hidden = 2 * pl.work.model.seq_len * pl.work.model.d_model * 2  # B*s*h 16-bit
+    assert rc.act_kept[1:] == (hidden,) * 3 and rc.act_kept[0] == 2 * pl.work.model.seq_len * 8
+    assert rc.act_full == full.act_full  # what the backward rebuilds, one micro-batch at a time
+    assert rc.b == tuple(b + f for b, f in zip(full.b, full.f))  # backward redoes the forward
+
+
+def test_pipedream_stashes_weight_versions():
+    pl = small_planner(names=["pipedream", "pipedream-2bw"])
+    for name, versions in (("pipedream", [4, 3, 2, 1]), ("pipedream-2bw", [2, 2, 2, 2])):
+        c = next(c for c in pl.candidates() if c.scheme == name and c.depth == 4 and not c.recompute)
+        shape = pl.shape(c)
+        assert shape.schedule.micro_batches >= 4  # a steady-state window, whatever N is
+        sc = pl.stage_costs(c, shape)
+        expect = max(state_bytes(sc.params[r], "mixed", versions[r]) + shape.held.peak(r, sc.act_kept)
+                     for r in range(4))
+        assert pl.memory(c, shape, sc) == expect
+
+
+# -- timing: the simulator paths the planner uses ---------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "chimera", "gems", "interleaved"])
+def test_eager_sync_on_unlowered_equals_lowered(name):
+    s = build(name, 4, 8)
+    cost = CostModel(f=(1.0, 1.5, 1.0, 2.0) * (2 if name == "interleaved" else 1),
+                     b=(2.0, 3.0, 2.5, 4.0) * (2 if name == "interleaved" else 1),
+                     p2p_time=0.3, allreduce_time=1.7, data_parallel=2)
+    lowered = simulate(lower(s), cost)
+    fast = compile_schedule(s).times(cost, eager_sync=True)
+    assert fast.makespan == pytest.approx(lowered.makespan)
+    assert sorted(fast.collectives) == sorted(lowered.collectives)
+
+
+@pytest.mark.parametrize("d, hop", [(4, 0.0), (4, 0.3), (6, 1.5)])
+def test_steady_period_matches_simulated_1f1b(d, hop):
+    cost = CostModel.unit(1, 2, p2p_time=hop)
+    k, n = 6 * d, 3 * d
+    short = simulate(lower(build("1f1b", d, k)), cost).makespan
+    long = simulate(lower(build("1f1b", d, k + n)), cost).makespan
+    assert (long - short) / n == pytest.approx(steady_period([3.0] * d, hop))
+
+
+def test_async_schemes_are_simulation_only():
+    assert not get_scheme("pipedream").runnable and not get_scheme("pipedream-2bw").runnable
+    assert "pipedream" not in {s.name for s in schemes(runnable=True)}
+    assert build("pipedream", 4, 4).params["asynchronous"]
+
+
+# -- the search --------------------------------------------------------------------------
+
+def _brute_force(pl):
+    evals = [e for e in map(pl.evaluate, pl.candidates()) if e is not None]
+    best = {}
+    for e in evals:
+        if e.candidate.scheme not in best or e.iteration_s < best[e.candidate.scheme]:
+            best[e.candidate.scheme] = e.iteration_s
+    return evals, best
+
+
+def test_bounds_are_lower_bounds_and_search_is_exact():
+    pl = small_planner(gpus=8, batch=16, names=["gpipe", "1f1b", "zb-h1", "chimera", "gems",
+                                                "pipedream-2bw"])
+    evals, best = _brute_force(pl)
+    for e in evals:
+        floor, mem = pl.lower_bounds(e.candidate)
+        assert floor <= e.iteration_s * (1 + 1e-9), e.candidate
+        assert mem <= e.memory_bytes * (1 + 1e-9), e.candidate
+    result = pl.run(top_k=5)
+    assert {k: e.iteration_s for k, e in result.best.items()} == pytest.approx(best)
+    runnable = sorted(e.iteration_s for e in evals if get_scheme(e.candidate.scheme).runnable)
+    assert [e.iteration_s for e in result.top] == pytest.approx(runnable[:5])
+
+
+def test_every_returned_configuration_is_valid_fits_and_resimulates():
+    pl = small_planner(gpus=8, batch=32, memory=6.0)
+    result = pl.run(top_k=8)
+    assert [e.iteration_s for e in result.top] == sorted(e.iteration_s for e in result.top)
+    for e in result.top + list(result.best.values()):
+        c = e.candidate
+        assert c.width * c.depth == 8 and c.width * c.micro_batch * c.micro_batches == 32
+        assert e.memory_bytes <= 6.0 * 2**30
+        if c.scheme == "chimera":
+            assert c.depth % 2 == 0
+        if e.asynchronous:
+            continue
+        s = build(c.scheme, c.depth, c.micro_batches, **dict(c.options))
+        sc = pl.stage_costs(c, pl.shape(c))
+        cost = pl.pricing.cost_model(sc, c.depth, c.width, s.micro_scale)
+        assert simulate(lower(s), cost).makespan == pytest.approx(e.iteration_s)
+
+
+def test_plan_prefers_the_lower_simulated_time():
+    result = small_planner(gpus=8, batch=32, names=["1f1b", "chimera"]).run(top_k=3)
+    win = result.top[0]
+    assert win.iteration_s <= min(e.iteration_s for e in result.best.values())
+    assert win.candidate.scheme == min(result.best.values(), key=lambda e: e.iteration_s).candidate.scheme
+
+
+def test_profile_drives_the_costs():
+    cfg = get_config("gpt2-tiny")
+    layers = [{"forward_s": 0.001 * (i + 1), "backward_s": 0.002 * (i + 1), "activation_bytes": 1000,
+               "output_bytes": 100} for i in range(cfg.n_layers_total)]
+    profile = parse_profile({"schema": "chimera.profile/1", "micro_batch": 2, "layers": layers,
+                             "p2p": {"alpha_s": 1e-5, "beta_bytes_per_s": 1e9},
+                             "allreduce": {"alpha_s": 1e-5, "beta_bytes_per_s": 1e9}})
+    work = Workload(cfg, 2, 8, get_hardware("cpu"), profile=profile)
+    pl = Planner(work, ["1f1b"])
+    sc = pl.pricing.stage_costs(1, 4, False)  # B=4: twice the measured B=2
+    assert sc.f[0] == pytest.approx(2 * sum(x["forward_s"] for x in layers))
+    assert pl.run(top_k=1).top
+
+
+# -- the command line ----------------------------------------------------------------------
+
+def run_cli(*argv):
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+def test_cli_paper_bert_prints_a_table():
+    code, out = run_cli("plan", "--model", "bert-48", "--gpus", "32", "--global-batch", "512",
+                        "--hardware", "p100", "--top", "3", "--schemes", ",".join(SMALL))
+    assert code == 0
+    assert "mini-batch 512 on 32 x p100" in out and "best per scheme" in out
+    for name in ("chimera", "gpipe", "1f1b", "gems", "pipedream-2bw*", "pipedream*"):
+        assert name in out
+
+
+def test_cli_paper_gpt2_json_smaller_p():
+    code, out = run_cli("plan", "--model", "gpt2-paper", "--gpus", "64", "--global-batch", "64",
+                        "--hardware", "p100", "--json", "--schemes", "1f1b,chimera,pipedream-2bw")
+    data = json.loads(out)
+    assert code == 0 and data["top"] and set(data["best_per_scheme"]) == {"1f1b", "chimera", "pipedream-2bw"}
+    top = data["top"][0]
+    assert top["W"] * top["D"] == 64 and top["memory_gib"] <= data["capacity_gib"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "7"], "no even divisor"),
+    (["--memory", "0.01"], "no configuration fits"),
+    (["--hardware", "tpu"], "unknown hardware"),
+    (["--model", "gpt5"], "unknown model"),
+    (["--gpus", "0"], "positive integer"),
+    (["--global-batch", "-3"], "positive integer"),
+    (["--memory", "-1"], "number > 0"),
+    (["--gpus", "64", "--global-batch", "9"], "not divisible"),
+    (["--profile", "/nonexistent.json"], "cannot read profile"),
+    (["--schemes", "nope"], "unknown schedule"),
+])
+def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
+    base = {"--model": "gpt2-small", "--gpus": "8", "--global-batch": "32", "--hardware": "a100"}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    args = ["plan"] + [x for kv in base.items() for x in kv]
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_profile_errors_are_plan_errors():
+    with pytest.raises(PlanError, match="schema"):
+        parse_profile({"micro_batch": 1})
+    with pytest.raises(PlanError, match="layers"):
+        Workload(get_config("gpt2-tiny"), 2, 2, get_hardware("cpu"), profile=parse_profile(
+            {"schema": "chimera.profile/1", "micro_batch": 1,
+             "layers": [{"forward_s": 1, "backward_s": 1, "activation_bytes": 0, "output_bytes": 0}],
+             "p2p": {"alpha_s": 0, "beta_bytes_per_s": 1}, "allreduce": {"alpha_s": 0, "beta_bytes_per_s": 1}}))
+    assert issubclass(PlanError, ValueError) and not issubclass(PlanError, ScheduleError)
