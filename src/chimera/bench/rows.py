@@ -108,6 +108,8 @@ def all_rows(cfg: BenchConfig) -> list[Row]:
     rows = [Row("single", "none", (("threads", 1),)), Row("single", "none", (("threads", 2),))]
     for name in our_schemes():
         rows.append(Row("chimera", name, (("chunks", 2),) if name == "interleaved" else ()))
+        if name == "chimera":  # the paper's forward doubling: a forward of slack on every hop
+            rows.append(Row("chimera", name, (("strategy", "doubling"),)))
     rows += [Row("torch", name) for name in TORCH_SCHEDULES]
     return rows
 
