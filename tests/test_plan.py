@@ -187,6 +187,13 @@ def test_every_returned_configuration_is_valid_fits_and_resimulates():
         assert simulate(lower(s), cost).makespan == pytest.approx(e.iteration_s)
 
 
+def test_backward_halving_needs_an_even_micro_batch():
+    pl = small_planner(names=["chimera"])
+    for c in pl.candidates():
+        if dict(c.options).get("strategy") == "halving" and c.micro_batch % 2:
+            assert pl.lower_bounds(c) is None and pl.evaluate(c) is None
+
+
 def test_plan_prefers_the_lower_simulated_time():
     result = small_planner(gpus=8, batch=32, names=["1f1b", "chimera"]).run(top_k=3)
     win = result.top[0]

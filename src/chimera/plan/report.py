@@ -84,7 +84,8 @@ def to_json(result: PlanResult) -> dict:
 # -- explanations ---------------------------------------------------------------------------
 
 def parts(e: Evaluation) -> tuple[float, float, float]:
-    """(compute of the busiest rank, idle time (bubbles and p2p waits), unhidden allreduce)."""
+    """(compute of the busiest rank, the rest of its time before the last compute ends (bubbles,
+    p2p waits), unhidden allreduce): they add up to the iteration."""
     sync = e.allreduce_share * e.iteration_s
     return e.compute_s, max(0.0, e.iteration_s - e.compute_s - sync), sync
 
@@ -92,13 +93,13 @@ def parts(e: Evaluation) -> tuple[float, float, float]:
 def why_faster(win: Evaluation, other: Evaluation) -> str:
     """One line: how much faster ``win`` is than ``other``, and the term that differs most."""
     a, b = parts(win), parts(other)
-    names = ("busiest rank computes", "idle (bubbles, p2p)", "unhidden allreduce")
+    names = ("busiest rank computes", "busiest rank waits (bubbles, p2p)", "unhidden allreduce")
     k = max(range(3), key=lambda i: b[i] - a[i])
     c = other.candidate
     if other.iteration_s < win.iteration_s:
         return (f"  {other.iteration_s / win.iteration_s:.2f}x against {c.variant} ({_config(c)}, "
                 f"{other.iteration_s:.3f} s), which is faster"
-                + (": asynchronous, it never flushes (idle {:.2f} s vs {:.2f} s) and trains with "
+                + (": asynchronous, it never flushes (waits {:.2f} s vs {:.2f} s) and trains with "
                    "stale weights".format(b[1], a[1]) if other.asynchronous else ""))
     reason = f"{names[k]} {a[k]:.2f} s vs {b[k]:.2f} s"
     if k == 0:
@@ -127,9 +128,12 @@ def explain(planner: Planner, result: PlanResult) -> str:
     win = result.top[0]
     c = win.candidate
     comp, idle, sync = parts(win)
+    mean = (1 - win.bubble_ratio) * win.iteration_s
+    uneven = " and an uneven cut" if comp > 1.02 * mean else ""
     lines = [f"why {c.variant} {_config(c)} wins ({win.iteration_s:.3f} s per iteration):",
-             f"  busiest rank computes {comp:.3f} s, idles {idle:.3f} s (bubble {win.bubble_ratio:.0%}), "
-             f"unhidden allreduce {sync:.3f} s; {win.memory_bytes / GIB:.2f} of "
+             f"  its busiest rank computes {comp:.3f} s and waits {idle:.3f} s, then {sync:.3f} s of "
+             f"allreduce is not hidden; ranks compute {mean:.3f} s on average (bubble "
+             f"{win.bubble_ratio:.0%}: fill and drain{uneven}); {win.memory_bytes / GIB:.2f} of "
              f"{result.capacity / GIB:.2f} GiB on the fullest rank"]
     if win.asynchronous:  # only when nothing synchronous was searched or fits
         sync_best = min((e for e in result.best.values() if not e.asynchronous),
@@ -166,6 +170,6 @@ def _sweep(planner: Planner, c: Candidate, label: str, key, where) -> list[str]:
         comp, idle, sync = parts(e)
         mark = "  <- chosen" if key(c) == value else ""
         out.append(f"  {label}={value}: {e.iteration_s:.3f} s ({e.candidate.variant} {_config(e.candidate)}; "
-                   f"compute {comp:.2f}, idle {idle:.2f}, allreduce {sync:.2f} s, "
+                   f"compute {comp:.2f}, wait {idle:.2f}, allreduce {sync:.2f} s, "
                    f"{e.memory_bytes / GIB:.1f} GiB){mark}")
     return out

@@ -192,10 +192,13 @@ class Planner:
         return self.shapes.get(c.scheme, c.options, c.depth, n)
 
     def stage_costs(self, c: Candidate, shape: Shape) -> StageCosts | None:
+        """None if the model cannot be cut that fine, or a schedule micro-batch would hold a
+        fraction of a sequence (backward halving needs B even)."""
         s = shape.schedule
-        if s.stages > self.work.model.n_layers_total:
+        sequences = c.micro_batch * s.micro_scale
+        if s.stages > self.work.model.n_layers_total or sequences != int(sequences):
             return None
-        return self.pricing.stage_costs(s.stages, c.micro_batch * s.micro_scale, c.recompute)
+        return self.pricing.stage_costs(s.stages, sequences, c.recompute)
 
     def _hops(self, c: Candidate, sc: StageCosts) -> list[float]:
         link = self.work.hardware.p2p_link(c.depth)
