@@ -20,7 +20,16 @@ from chimera.ir import Action, Op, Schedule
 
 
 class CommTimeout(RuntimeError):
-    """A p2p or collective wait ran past ``--comm-timeout``."""
+    """A p2p or collective wait ran past ``--comm-timeout`` or failed (a peer died).
+
+    ``rank`` (global), ``action`` (the Action waited on, None for a collective outside the
+    program), ``peer`` (a rank or a list of ranks) and ``what`` say where; so does the message.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, action: Action | None = None,
+                 peer=None, what: str | None = None):
+        super().__init__(message)
+        self.rank, self.action, self.peer, self.what = rank, action, peer, what
 
 
 @dataclass(frozen=True)
@@ -113,9 +122,9 @@ class Mailbox:
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as exc:
-            raise CommTimeout(f"rank {self.grid.rank}: {action} with peer rank {peer} failed or "
-                              f"timed out after {self.timeout.total_seconds():g}s: "
-                              f"{str(exc).splitlines()[0]}") from exc
+            raise CommTimeout(f"rank {self.grid.rank}: {action} with peer rank {peer} failed "
+                              f"(--comm-timeout {self.timeout.total_seconds():g}s): "
+                              f"{str(exc).splitlines()[0]}", self.grid.rank, action, peer) from exc
         if ok is False:
             raise CommTimeout(f"rank {self.grid.rank}: {action} with peer rank {peer} timed out "
-                              f"after {self.timeout.total_seconds():g}s")
+                              f"after {self.timeout.total_seconds():g}s", self.grid.rank, action, peer)

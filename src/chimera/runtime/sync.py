@@ -55,8 +55,12 @@ class GradSync:
             try:
                 ok = work.wait(self.timeout)
             except RuntimeError as exc:
-                raise CommTimeout(f"rank {self.rank}: gradient allreduce of stage {stage} (pipe {pipe}) "
-                                  f"failed or timed out: {str(exc).splitlines()[0]}") from exc
+                raise self._error(pipe, stage, f"failed: {str(exc).splitlines()[0]}") from exc
             if ok is False:
-                raise CommTimeout(f"rank {self.rank}: gradient allreduce of stage {stage} timed out")
+                raise self._error(pipe, stage, f"timed out after {self.timeout.total_seconds():g}s")
         self.inflight.clear()
+
+    def _error(self, pipe: int, stage: int, how: str) -> CommTimeout:
+        peers = dist.get_process_group_ranks(self.groups[stage])
+        what = f"gradient allreduce of stage {stage} (pipe {pipe}) with ranks {peers}"
+        return CommTimeout(f"rank {self.rank}: {what} {how}", self.rank, peer=peers, what=what)
