@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from chimera.cli.common import nonneg_float, positive_int
 from chimera.passes import SYNC_MODES
@@ -60,8 +61,30 @@ def add_parsers(sub) -> None:
     r.add_argument("--png", metavar="FILE", default=os.path.join("out", "train-timeline.png"),
                    help="Gantt chart of the measured step (default: out/train-timeline.png)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--skip-nonfinite", action="store_true", help="skip (and log) a step whose "
+                   "loss or gradient norm is NaN/inf instead of stopping the run")
+    c = p.add_argument_group("checkpoints (torch.distributed.checkpoint, keyed by parameter name: "
+                             "resume on another D, W or schedule)")
+    c.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints DIR/step-<n> "
+                   "(atomically: complete or absent), always one at the end of the run")
+    c.add_argument("--checkpoint-every", type=_nonneg_int, default=0, metavar="K",
+                   help="also every K steps (default: 0, only at the end)")
+    c.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="N",
+                   help="keep the newest N checkpoints (default: 3)")
+    c.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in "
+                   "--checkpoint-dir if there is one (so the same command restarts a crashed run)")
     r.add_argument("--json", action="store_true", help="print the run's result as one JSON object")
     p.set_defaults(func=cmd_train)
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def config_from_args(args: argparse.Namespace):
@@ -75,20 +98,32 @@ def config_from_args(args: argparse.Namespace):
         strategy=args.strategy, pipes=args.pipes, chunks=args.chunks, sync=args.sync,
         partition=args.partition, data=args.data, dtype=args.dtype, threads=args.threads,
         comm_timeout=args.comm_timeout, device=args.device, log_json=args.log_json,
-        trace=args.trace, png=args.png, progress=not args.no_progress)
+        trace=args.trace, png=args.png, progress=not args.no_progress,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+        skip_nonfinite=args.skip_nonfinite)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     import json
 
-    from chimera.train import launch
+    from chimera.train.launch import FAILURES, TrainingFailed, launch
     from chimera.train.report import measured_timeline, summary
 
     cfg = config_from_args(args)  # every check happens here, before any process starts
     if args.data is not None:
         _check_data(cfg)
-    result = launch(cfg)
+    try:
+        result = launch(cfg)
+    except FAILURES + (TrainingFailed,) as exc:  # a hang, a dead peer, a NaN: no traceback
+        if not getattr(exc, "reported", False):
+            print(f"chimera train: {exc}", file=sys.stderr)
+        return 1
     if not result:  # a non-zero rank under torchrun
+        return 0
+    if not result["steps"]:
+        print(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already covers "
+              f"--steps {cfg.steps}")
         return 0
     schedule = None if cfg.reference else cfg.build_schedule()
     if args.json:

@@ -48,6 +48,11 @@ class TrainConfig:
     png: str | None = None  # Gantt chart of the same step
     trace_step: int | None = None  # which step to record (default: the last)
     progress: bool = True
+    checkpoint_dir: str | None = None  # DCP checkpoints step-<n>/ here (and one at the end)
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only the final one
+    keep_checkpoints: int = 3
+    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir, if any
+    skip_nonfinite: bool = False  # skip a step with a NaN/inf loss or grad norm instead of stopping
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -64,6 +69,7 @@ class TrainConfig:
         self._check_model()
         if not self.reference:
             self.build_schedule()  # raises ScheduleError on impossible layouts
+        self._check_checkpoint()
 
     def _check_numbers(self) -> None:
         for name in ("stages", "micro_batch_size", "data_parallel", "steps", "threads"):
@@ -85,13 +91,47 @@ class TrainConfig:
     def _check_model(self) -> None:
         from chimera.models import get_config
 
-        cfg = get_config(self.model)  # ValueError listing the presets
+        try:
+            cfg = get_config(self.model)
+        except ValueError as exc:  # lists the presets
+            raise ConfigError(f"--model: {exc}") from None
         if self.stages_total > cfg.n_layers_total:
             raise ConfigError(f"cannot cut {self.model} ({cfg.n_layers_total} layers: embedding, "
                               f"{cfg.n_layer} blocks, head) into {self.stages_total} stages")
         if self.strategy == "halving" and self.micro_batch_size % 2:
             raise ConfigError("backward halving splits each micro-batch in two: "
                               "--micro-batch-size must be even")
+
+    def _check_checkpoint(self) -> None:
+        for name, low in (("checkpoint_every", 0), ("keep_checkpoints", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        if self.checkpoint_dir is None:
+            if self.resume or self.checkpoint_every:
+                raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir")
+            return
+        where = os.path.abspath(self.checkpoint_dir)
+        if os.path.exists(where) and not os.path.isdir(where):
+            raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir}: exists and is not a directory")
+        parent = where
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir}: {parent} is not writable")
+        if self.resume:
+            self._check_resumable()
+
+    def _check_resumable(self) -> None:
+        from chimera.train import checkpoint
+
+        path = checkpoint.latest(self.checkpoint_dir)
+        if path is None:
+            return  # nothing yet: --resume starts from scratch (the same command restarts)
+        try:
+            checkpoint.verify(path, self.model, checkpoint.model_fingerprint(self.model))
+        except checkpoint.CheckpointError as exc:
+            raise ConfigError(f"--resume: {exc}") from None
 
     # -- derived ------------------------------------------------------------------
     @property

@@ -18,9 +18,21 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
+from chimera.runtime.p2p import CommTimeout
+from chimera.train import checkpoint, faults
 from chimera.train.config import TrainConfig
-from chimera.train.loop import StepLog, Trainer, log_line, peak_rss_mb
+from chimera.train.loop import NonFiniteLoss, StepLog, Trainer, log_line, peak_rss_mb
+
+
+class TrainingFailed(RuntimeError):
+    """A rank of a spawned run failed; its own message went to stderr."""
+
+
+# What ends a run with a message instead of a traceback (exit code 1).
+FAILURES = (CommTimeout, NonFiniteLoss, checkpoint.NonFiniteCheckpoint, checkpoint.CheckpointError,
+            checkpoint.CheckpointIOError)
 
 
 def free_port() -> int:
@@ -51,34 +63,57 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
     if cfg.reference:
         trainer = Trainer(cfg, 0, device)
         return _train(trainer, cfg, result_path, hooks)
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.comm_timeout))
+    _init_group(backend, rank, world, datetime.timedelta(seconds=cfg.comm_timeout))
     try:
         trainer = Trainer(cfg, rank, device)
-        return _train(trainer, cfg, result_path, hooks)
-    finally:
-        dist.destroy_process_group()
+        result = _train(trainer, cfg, result_path, hooks)
+    except FAILURES as exc:  # say why now: a launcher may SIGTERM us once any rank has exited
+        print(f"chimera train: {exc}", file=sys.stderr, flush=True)
+        exc.reported = True
+        raise  # no destroy_process_group: its peers may be gone
+    dist.destroy_process_group()
+    return result
+
+
+def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta) -> None:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        return
+    # torchrun keeps one store across restarts, so a restarted rank may read the dead
+    # attempt's gloo addresses and fail to connect: give each attempt its own key prefix.
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"chimera/attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -> dict | None:
     rank = 0 if cfg.reference else dist.get_rank()
+    start = checkpoint.restore(trainer, cfg.checkpoint_dir) if cfg.resume else 0
     trace_step = cfg.trace_step if cfg.trace_step is not None else cfg.steps - 1
-    bar = _progress(cfg) if rank == 0 else None
+    bar = _progress(cfg, start) if rank == 0 else None
     logs: list[StepLog] = []
     record: list = []
-    log_file = open(cfg.log_json, "w") if (cfg.log_json and rank == 0) else None
+    log_file = _open_log(cfg.log_json, start) if (cfg.log_json and rank == 0) else None
     try:
-        for step in range(cfg.steps):
-            log = trainer.step(step, record if step == trace_step else None)
+        for step in range(start, cfg.steps):
+            faults.before_step(rank, step)
+            log = trainer.step(step, record if step == trace_step else None,
+                               on_grads=faults.grad_hook(rank, step))
             logs.append(log)
             if hooks is not None:
                 hooks(trainer, step, log)
             if log_file:
                 log_file.write(log_line(log) + "\n")
                 log_file.flush()
+            if log.skipped and rank == 0:
+                print(f"step {step}: loss {log.loss} / grad norm {log.grad_norm} not finite: "
+                      "skipped (no optimizer step)", file=sys.stderr)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens / log.seconds:,.0f}")
+            if _checkpoint_due(cfg, step + 1):
+                checkpoint.save(trainer, cfg.checkpoint_dir, step + 1, cfg.keep_checkpoints)
     finally:
         if bar is not None:
             bar.close()
@@ -87,13 +122,31 @@ def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -
     return _collect(trainer, cfg, logs, record, result_path)
 
 
-def _progress(cfg: TrainConfig):
+def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
+    """After ``done`` steps: every ``checkpoint_every`` steps, and at the end of the run."""
+    if cfg.checkpoint_dir is None:
+        return False
+    return done == cfg.steps or (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0)
+
+
+def _open_log(path: str, start: int):
+    """The --log-json file; resuming at ``start`` keeps the lines of the steps before it."""
+    kept = []
+    if start > 0 and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] < start]
+    f = open(path, "w")
+    f.writelines(kept)
+    return f
+
+
+def _progress(cfg: TrainConfig, start: int = 0):
     if not cfg.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, desc=f"{cfg.schedule} D={cfg.stages} W={cfg.data_parallel}",
-                unit="step", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=cfg.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
+                desc=f"{cfg.schedule} D={cfg.stages} W={cfg.data_parallel}")
 
 
 def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> dict | None:
@@ -107,7 +160,7 @@ def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> d
         gathered = [mine]
     else:
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        faults.collective("gathering the results on rank 0", dist.all_gather_object, gathered, mine)
         if dist.get_rank() != 0:
             return None
     result = {
@@ -126,6 +179,10 @@ def _spawn_entry(rank: int, world: int, cfg: TrainConfig, port: int, result_path
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
         run_rank(rank, world, cfg, result_path)
+    except FAILURES as exc:
+        if not getattr(exc, "reported", False):
+            print(f"chimera train: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except Exception:
         traceback.print_exc()
         raise
@@ -137,6 +194,7 @@ def launch(cfg: TrainConfig) -> dict:
     Under torchrun (RANK and WORLD_SIZE set) this process is one rank; otherwise it spawns
     ``cfg.world`` local processes that rendezvous on the loopback address.
     """
+    faults.active()  # a malformed CHIMERA_FAULT fails here, before any process starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.reference:
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world:
@@ -148,7 +206,11 @@ def launch(cfg: TrainConfig) -> dict:
         if cfg.reference:
             run_rank(0, 1, cfg, path)
         else:
-            mp.start_processes(_spawn_entry, args=(cfg.world, cfg, free_port(), path),
-                               nprocs=cfg.world, start_method="spawn")
+            try:
+                mp.start_processes(_spawn_entry, args=(cfg.world, cfg, free_port(), path),
+                                   nprocs=cfg.world, start_method="spawn")
+            except ProcessException as exc:
+                raise TrainingFailed(f"rank {exc.error_index} failed ({str(exc).splitlines()[0]}); "
+                                     "the ranks' messages are above") from None
         with open(path) as f:
             return json.load(f)

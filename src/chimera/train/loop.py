@@ -16,7 +16,9 @@ from chimera.models import (build_layers, get_config, layer_costs, layer_names, 
                             parse_partition, partition)
 from chimera.runtime.executor import ActionRecord, MicroData
 from chimera.runtime.grid import ProcessGrid
+from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.pipeline import PipelineRuntime
+from chimera.train import faults
 from chimera.train.config import TrainConfig
 
 DTYPE = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
@@ -30,6 +32,11 @@ class StepLog:
     grad_norm: float
     seconds: float
     tokens: int
+    skipped: bool = False  # non-finite loss or gradient norm with --skip-nonfinite: no step taken
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradient norm of a step is NaN or infinite (every rank agrees)."""
 
 
 @dataclass
@@ -111,7 +118,7 @@ class Trainer:
 
     def _build_pipeline(self) -> None:
         cfg = self.cfg
-        schedule = cfg.build_schedule()
+        schedule = faults.schedule_for(cfg.build_schedule(), self.rank)  # unchanged unless a drill
         self.schedule = schedule
         self.grid = ProcessGrid(schedule.placement, cfg.data_parallel, self.rank)
         self.ranges = stage_ranges(cfg, schedule.stages)
@@ -141,19 +148,28 @@ class Trainer:
         """
         start = time.perf_counter()
         inputs, targets = self.batch(step)
-        if self.cfg.reference:
-            loss = self._reference_backward(inputs, targets)
-        else:
-            loss = self._pipeline_backward(inputs, targets, record)
-        if on_grads is not None:
-            on_grads(self)
-        norm = self._clip()
+        try:
+            if self.cfg.reference:
+                loss = self._reference_backward(inputs, targets)
+            else:
+                loss = self._pipeline_backward(inputs, targets, record)
+            if on_grads is not None:
+                on_grads(self)
+            norm = self._clip()
+        except CommTimeout as exc:  # a hang or a dead peer: say where every rank was
+            raise faults.explain(exc, self.schedule, self.grid) from exc
         lr = lr_at(self.cfg, step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        skipped = not (math.isfinite(loss) and math.isfinite(norm))
+        if skipped and not self.cfg.skip_nonfinite:
+            raise NonFiniteLoss(f"step {step}: the loss ({loss}) or the gradient norm ({norm}) is not "
+                                "finite; stopped before the optimizer step (lower --lr, check the "
+                                "data, or pass --skip-nonfinite to skip such steps)")
+        if not skipped:  # loss and norm are all-reduced: every rank takes the same branch
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
         tokens = inputs.numel()
-        return StepLog(step, loss, lr, norm, time.perf_counter() - start, tokens)
+        return StepLog(step, loss, lr, norm, time.perf_counter() - start, tokens, skipped)
 
     def _reference_backward(self, inputs, targets) -> float:
         self.optimizer.zero_grad(set_to_none=False)
@@ -171,7 +187,7 @@ class Trainer:
         self.runtime.zero_grad()
         local = self.runtime.run(data, record)
         total = torch.tensor([local], dtype=torch.float64)
-        dist.all_reduce(total)
+        faults.collective("all-reduce of the loss", dist.all_reduce, total)
         return float(total.item())
 
     def _micro_data(self, inputs, targets) -> MicroData:
@@ -196,9 +212,9 @@ class Trainer:
             sq = torch.stack(norms).double().pow(2).sum()
         else:
             sq = self.runtime.owned_sq_norm().cpu()
-            dist.all_reduce(sq)
+            faults.collective("all-reduce of the gradient norm", dist.all_reduce, sq)
         norm = float(sq.sqrt())
-        if self.cfg.clip > 0 and norm > self.cfg.clip:
+        if self.cfg.clip > 0 and math.isfinite(norm) and norm > self.cfg.clip:
             coef = self.cfg.clip / (norm + 1e-6)
             torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
         return norm
@@ -212,6 +228,17 @@ class Trainer:
                 for (pipe, stage), module in sorted(self.runtime.modules.items())
                 for n, p in module.named_parameters()]
 
+    def checkpoint_parameters(self) -> dict[str, torch.Tensor]:
+        """Model-wide name -> parameter of the replicas this rank writes to a checkpoint:
+        pipe 0's in data replica 0, so each stage once, spread over the D ranks."""
+        if self.cfg.reference:
+            return {n: p for n, _, p in self.replica_parameters()}
+        if self.grid.w != 0:
+            return {}
+        return {self._global_name(n, self.ranges[stage]): p
+                for (pipe, stage), module in sorted(self.runtime.modules.items())
+                if pipe == 0 for n, p in module.named_parameters()}
+
     def _global_name(self, local: str, rng: range) -> str:
         """``"3.attn.qkv.weight"`` of a stage holding layers ``rng`` -> ``"blocks.k.attn..."``."""
         index, rest = local.split(".", 1)
@@ -219,5 +246,8 @@ class Trainer:
 
 
 def log_line(log: StepLog) -> str:
-    return json.dumps({"step": log.step, "loss": log.loss, "lr": log.lr, "grad_norm": log.grad_norm,
-                       "step_s": log.seconds, "tokens": log.tokens})
+    line = {"step": log.step, "loss": log.loss, "lr": log.lr, "grad_norm": log.grad_norm,
+            "step_s": log.seconds, "tokens": log.tokens}
+    if log.skipped:
+        line["skipped"] = True
+    return json.dumps(line)

@@ -1,0 +1,413 @@
+"""Checkpoints that survive a crash and a change of layout (torch.distributed.checkpoint).
+
+What one holds, keyed so that it depends on neither D, W nor the schedule:
+
+- ``model.<name>``: every parameter once, under its model-wide name
+  (``blocks.3.attn.qkv.weight``), written by the rank holding the stage's pipe-0 replica
+  in data replica 0 (``Trainer.checkpoint_parameters``) and read back by every replica.
+- ``optim.<name>.exp_avg | exp_avg_sq | step``: AdamW's state of that parameter.
+- ``rng.cpu.rank<r>``: each rank's torch RNG state (restored when the world size matches).
+- ``meta.json``: the step to resume at (the data position: a mini-batch is a function of
+  the step), the model, the layout that wrote it, and the size and SHA-256 of every file.
+
+On disk (a file system every rank sees)::
+
+    DIR/step-00000004/        .metadata  __0_0.distcp  __1_0.distcp  meta.json
+    DIR/.tmp-step-00000006/   being written: never read, removed by the next save
+
+Every rank writes into ``.tmp-*``; rank 0 then adds ``meta.json`` and renames the folder
+into place, so a ``step-*`` folder is complete or absent. The last ``keep`` are kept.
+Nothing is unpickled freely: DCP reads tensors with ``torch.load(weights_only=True)``, its
+index goes through a restricted unpickler, and our metadata is JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from chimera.train.faults import collective
+
+FORMAT = "chimera-checkpoint/1"
+META = "meta.json"
+_NAME = re.compile(r"^step-(\d{8})$")
+_OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, corrupt, or written for another model."""
+
+
+class NonFiniteCheckpoint(RuntimeError):
+    """Refused to write a checkpoint whose parameters or optimizer state are not finite."""
+
+
+class CheckpointIOError(RuntimeError):
+    """Writing or reading a checkpoint failed on some rank (disk, permissions, a dead peer)."""
+
+
+def _dcp(what: str, fn, *args, **kwargs) -> None:
+    """Run DCP's save or load; its failures (a BaseException there) become CheckpointIOError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # DCP warns about single-process use even when asked for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            fn(*args, **kwargs)
+    except (CheckpointException, RuntimeError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointIOError(f"rank {_rank_world()[0]}: {what} failed: {first}") from exc
+
+
+# -- where checkpoints live ---------------------------------------------------------------
+def step_dir(directory: str | os.PathLike, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}"
+
+
+def published(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, folder) of every published checkpoint, oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _NAME.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def latest(directory: str | os.PathLike) -> Path | None:
+    found = published(directory)
+    return found[-1][1] if found else None
+
+
+# -- reading safely -----------------------------------------------------------------------
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+        "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` index and refuses every other class or function."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name not in _DCP_CLASSES.get(module, ()):
+            raise pickle.UnpicklingError(f"the checkpoint index refers to {module}.{name}, "
+                                         "which a checkpoint never needs")
+        return super().find_class(module, name)
+
+
+def _safe_reader(path: Path):
+    """DCP's file reader, with the index read by :class:`_IndexUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _IndexUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def read_index(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Key -> (shape, dtype) of every tensor in a checkpoint; raises CheckpointError."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = _safe_reader(Path(path)).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read its index (.metadata): {exc}") from None
+    index = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {path}: entry {key!r} is not a tensor")
+        index[key] = (tuple(md.size), md.properties.dtype)
+    return index
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    meta_path = Path(path) / META
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: unreadable {META}: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: {META} is not a {FORMAT} description")
+    return meta
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(path: str | os.PathLike, model: str | None = None, model_config: dict | None = None) -> dict:
+    """Check a checkpoint before any process starts; return its ``meta.json``.
+
+    Every file must have the size and SHA-256 recorded at save time, the index must
+    unpickle safely, and (if given) the model must be the one the checkpoint was written for.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    for name, info in meta.get("files", {}).items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} is missing or differs "
+                                  "from what was written (move the folder away to resume from "
+                                  "the one before)")
+    if model is not None and (meta.get("model") != model or
+                              (model_config is not None and meta.get("model_config") != model_config)):
+        raise CheckpointError(f"checkpoint {path} was written for model {meta.get('model')!r} "
+                              f"({meta.get('model_config')}), not {model!r}")
+    read_index(path)
+    return meta
+
+
+# -- what goes in -------------------------------------------------------------------------
+def _tensors(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Flat DCP state of ``params``: each parameter and its AdamW state, by name."""
+    state = {}
+    for name, p in params.items():
+        _init_adam_state(optimizer, p)  # a skipped first step leaves none yet
+        state[f"model.{name}"] = p.detach()
+        for key in _OPTIM_KEYS:
+            state[f"optim.{name}.{key}"] = optimizer.state[p][key]
+    return state
+
+
+def _first_nonfinite(state: dict[str, torch.Tensor]) -> str | None:
+    for key, value in state.items():
+        # a NaN or inf makes the sum non-finite; the exact test only runs where it is
+        if value.is_floating_point() and not torch.isfinite(value.sum()) \
+                and not bool(torch.isfinite(value).all()):
+            return key
+    return None
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier(what: str) -> None:
+    if _rank_world()[1] > 1:
+        collective(what, dist.barrier)
+
+
+def save(trainer, directory: str | os.PathLike, step: int, keep: int) -> Path:
+    """Write the state after ``step`` optimizer steps to ``directory/step-<step>``.
+
+    Collective: every rank calls it. Raises NonFiniteCheckpoint (on every rank, before
+    anything is written) when some parameter or optimizer state is NaN or infinite.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = _rank_world()
+    state = _tensors(trainer.optimizer, trainer.checkpoint_parameters())
+    state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
+    _refuse_nonfinite(state, step, world)
+    final = step_dir(directory, step)
+    tmp = final.with_name(f".tmp-{final.name}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier("checkpoint: creating the folder")
+    start = time.perf_counter()
+    _dcp(f"writing {final.name}", dcp.save, state,
+         storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    if rank == 0:
+        _write_meta(trainer, tmp, step, world, time.perf_counter() - start)
+        _publish(tmp, final)
+        prune(directory, keep)
+    _barrier("checkpoint: publishing")
+    return final
+
+
+def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
+    bad = _first_nonfinite(state)
+    flag = torch.tensor([0.0 if bad is None else 1.0])
+    if world > 1:
+        collective("checkpoint: agreeing that the state is finite", dist.all_reduce, flag)
+    if flag.item():
+        where = f" ({bad} on this rank)" if bad else " (on another rank)"
+        raise NonFiniteCheckpoint(f"refusing to write the checkpoint of step {step}: the state "
+                                  f"holds NaN or infinite values{where}")
+
+
+def _write_meta(trainer, tmp: Path, step: int, world: int, seconds: float) -> None:
+    cfg = trainer.cfg
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(tmp.iterdir()) if p.is_file()}
+    meta = {
+        "format": FORMAT, "step": step, "model": cfg.model,
+        "model_config": model_fingerprint(cfg.model),
+        "data": {"next_step": step, "seed": cfg.seed, "global_batch": cfg.global_batch,
+                 "source": cfg.data},
+        "layout": {"schedule": cfg.schedule, "stages": cfg.stages,
+                   "data_parallel": cfg.data_parallel, "world": world, "dtype": cfg.dtype},
+        "files": files, "save_seconds": round(seconds, 4), "written_at": time.time(),
+    }
+    _write_synced(tmp / META, json.dumps(meta, indent=1))
+    _fsync(tmp / ".metadata")
+
+
+def model_fingerprint(model: str) -> dict:
+    from chimera.models import get_config
+
+    cfg = asdict(get_config(model))
+    return {k: v for k, v in cfg.items() if k not in ("dropout",)}
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final`` (atomic); an older folder of that name is moved aside first."""
+    old = final.with_name(f".old-{final.name}")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(directory: str | os.PathLike, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints; drop leftovers of interrupted saves."""
+    for _, path in published(directory)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    newest = latest(directory)
+    for path in Path(directory).glob(".tmp-step-*"):
+        if newest is None or path.name[len(".tmp-"):] < newest.name:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# -- what comes out -----------------------------------------------------------------------
+def restore(trainer, directory: str | os.PathLike) -> int:
+    """Load the newest checkpoint into ``trainer``; return the step to continue at (0: none).
+
+    Collective. Rank 0 chooses the checkpoint and tells the others, so all load the same.
+    Parameters and AdamW state are read by name, so the layout may differ from the writer's.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = _rank_world()
+    path = _agree_on_latest(directory, rank, world)
+    if path is None:
+        return 0
+    meta = read_meta(path)
+    index = read_index(path)
+    replicas = _replicas_by_name(trainer)
+    state = _tensors(trainer.optimizer, {name: ps[0] for name, ps in replicas.items()})
+    rng_key = f"rng.cpu.rank{rank}"
+    if meta["layout"]["world"] == world and rng_key in index:
+        state[rng_key] = torch.empty_like(torch.get_rng_state())
+    _check_against_index(state, index, path)
+    _dcp(f"reading {path}", dcp.load, state, storage_reader=_safe_reader(path), no_dist=world == 1)
+    if rng_key in state:
+        torch.set_rng_state(state[rng_key])
+    _copy_to_other_replicas(trainer, replicas)
+    return int(meta["step"])
+
+
+def _agree_on_latest(directory, rank: int, world: int) -> Path | None:
+    found = latest(directory)
+    step = torch.tensor([-1 if found is None else int(found.name[len("step-"):])])
+    if world > 1:
+        collective("checkpoint: choosing the one to resume from", dist.broadcast, step, 0)
+    return None if step.item() < 0 else step_dir(directory, int(step.item()))
+
+
+def _replicas_by_name(trainer) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {}
+    for name, _pipe, p in trainer.replica_parameters():
+        out.setdefault(name, []).append(p)
+    return out
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    """The state AdamW creates on its first step, to be overwritten by the checkpoint's."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _check_against_index(state: dict, index: dict, path: Path) -> None:
+    """Every wanted key present with the same shape: the model matches the checkpoint."""
+    for key, value in state.items():
+        if key not in index:
+            raise CheckpointError(f"checkpoint {path} has no {key!r}: it was written for "
+                                  "another model or by another optimizer")
+        if tuple(value.shape) != index[key][0]:
+            raise CheckpointError(f"checkpoint {path}: {key!r} has shape {list(index[key][0])}, "
+                                  f"this model's is {list(value.shape)}")
+
+
+def _copy_to_other_replicas(trainer, replicas: dict[str, list[torch.Tensor]]) -> None:
+    """A rank holding two replicas of a stage loaded the first; the others copy it."""
+    with torch.no_grad():
+        for ps in replicas.values():
+            src = trainer.optimizer.state[ps[0]]
+            for p in ps[1:]:
+                p.copy_(ps[0])
+                _init_adam_state(trainer.optimizer, p)
+                for key in _OPTIM_KEYS:
+                    trainer.optimizer.state[p][key].copy_(src[key])
+
+
+def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The parameters of a checkpoint by model-wide name, in one process (no process group).
+
+    ``chimera.models.build_model(cfg, seed).load_state_dict(load_model_state(path))`` gives
+    the single-device model the run had reached.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    index = read_index(path)
+    state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in index.items()
+             if key.startswith("model.")}
+    _dcp(f"reading {path}", dcp.load, state, storage_reader=_safe_reader(path), no_dist=True)
+    return {key[len("model."):]: value for key, value in state.items()}

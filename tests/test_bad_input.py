@@ -1,0 +1,121 @@
+"""Bad input is refused before any process starts: exit code 2 and one line on stderr from
+the CLI, a ValueError subclass (ConfigError, ScheduleError) from the Python API.
+
+The CLI runs in this process (``chimera.cli.main``) with the launcher replaced by a trap,
+so a case that got as far as starting processes fails loudly instead of training.
+"""
+
+import argparse
+import math
+import shutil
+
+import pytest
+
+from chimera.cli import main
+from chimera.ir import ScheduleError
+from chimera.train import ConfigError, TrainConfig
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Data and checkpoints to be refused: empty, binary-only, corrupt, another model's."""
+    from chimera.train import checkpoint
+    from chimera.train.loop import Trainer
+
+    root = tmp_path_factory.mktemp("bad")
+    (root / "empty.txt").write_text("")
+    (root / "binary").mkdir()
+    (root / "binary" / "blob.bin").write_bytes(b"\0\1\2" * 1000)
+    (root / "text.txt").write_bytes(open(argparse.__file__, "rb").read()[:20_000])
+    (root / "not-a-dir").write_text("x")
+    (root / "profile.json").write_text("{this is not json")
+    for model in ("gpt2-tiny", "bert-tiny"):
+        t = Trainer(TrainConfig(model=model, schedule="none", stages=1, data=str(root / "text.txt"),
+                                micro_batch_size=2, progress=False))
+        t.step(0)
+        checkpoint.save(t, root / model, 1, keep=1)
+    shutil.copytree(root / "gpt2-tiny", root / "corrupt")
+    blob = next((root / "corrupt" / "step-00000001").glob("*.distcp"))
+    blob.write_bytes(blob.read_bytes()[:-100])  # truncated
+    return root
+
+
+PLAN = ["plan", "--model", "gpt2-small", "--gpus", "8", "--global-batch", "64", "--hardware", "a100"]
+CASES = [
+    # (argv, a word the one line must contain); {root} is the fixture folder
+    (["show", "-D", "5"], "even"),                                   # impossible layout
+    (["show", "-D", "0"], "positive"),
+    (["show", "-N", "abc"], "abc"),
+    (["show", "--schedule", "nope"], "nope"),
+    (["simulate", "--cost", "1:0"], "cost"),
+    (["simulate", "-s", "interleaved", "-D", "4", "-N", "6"], "interleaved"),
+    (["simulate", "--p2p", "-1"], "p2p"),
+    (["simulate", "-s", "gpipe", "--pipes", "2"], "pipes"),
+    (["train", "--model", "gpt3"], "gpt3"),
+    (["train", "--stages", "20"], "stages"),                         # more stages than layers
+    (["train", "--stages", "3"], "even"),
+    (["train", "--lr", "nan"], "--lr"),
+    (["train", "--lr", "-1"], "--lr"),
+    (["train", "--steps", "0"], "positive"),
+    (["train", "--data-parallel", "two"], "two"),
+    (["train", "--comm-timeout", "0"], "--comm-timeout"),
+    (["train", "--data", "/no/such/file"], "/no/such/file"),
+    (["train", "--data", "{root}/empty.txt"], "empty"),
+    (["train", "--data", "{root}/binary"], "empty"),                 # nothing readable as text
+    (["train", "--resume"], "--checkpoint-dir"),
+    (["train", "--checkpoint-every", "-2", "--checkpoint-dir", "{root}/x"], "-2"),
+    (["train", "--keep-checkpoints", "0", "--checkpoint-dir", "{root}/x"], "positive"),
+    (["train", "--checkpoint-dir", "{root}/not-a-dir"], "not a directory"),
+    (["train", "--resume", "--checkpoint-dir", "{root}/corrupt"], "corrupt"),
+    (["train", "--resume", "--checkpoint-dir", "{root}/bert-tiny"], "bert-tiny"),  # another model
+    ([*PLAN[:2], "nope", *PLAN[3:]], "nope"),
+    ([*PLAN[:4], "0", *PLAN[5:]], "positive"),
+    ([*PLAN[:6], "abc", *PLAN[7:]], "abc"),
+    ([*PLAN[:8], "nope"], "nope"),
+    ([*PLAN, "--profile", "/no/such.json"], "/no/such.json"),
+    ([*PLAN, "--profile", "{root}/profile.json"], "profile"),
+]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    import chimera.train.launch
+
+    def trap(cfg):
+        raise AssertionError("bad input reached the launcher")
+    monkeypatch.setattr(chimera.train.launch, "launch", trap)
+
+
+@pytest.mark.parametrize("argv, word", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_cli_refuses_with_exit_2_and_one_line(argv, word, files, no_launch, capsys):
+    argv = [a.replace("{root}", str(files)) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"chimera {argv[0]}"), err
+    assert word.replace("{root}", str(files)) in lines[0], err
+
+
+API_CASES = [
+    dict(lr=math.nan), dict(lr=0.0), dict(stages=20), dict(stages=3), dict(model="gpt3"),
+    dict(micro_batch_size=0), dict(comm_timeout=-1.0), dict(resume=True), dict(checkpoint_every=-1),
+    dict(data="/no/such/file"), dict(schedule="nope"), dict(steps=1.5),
+]
+
+
+@pytest.mark.parametrize("kwargs", API_CASES, ids=[str(k) for k in API_CASES])
+def test_api_raises_a_value_error_subclass(kwargs):
+    with pytest.raises(ValueError) as exc:
+        TrainConfig(**kwargs)
+    assert isinstance(exc.value, (ConfigError, ScheduleError))
+    assert "\n" not in str(exc.value).strip() or isinstance(exc.value, ScheduleError)
+
+
+def test_api_refuses_another_models_checkpoint(files):
+    with pytest.raises(ConfigError, match="bert-tiny"):
+        TrainConfig(resume=True, checkpoint_dir=str(files / "bert-tiny"))
+    with pytest.raises(ConfigError, match="corrupt"):
+        TrainConfig(resume=True, checkpoint_dir=str(files / "corrupt"))

@@ -1,0 +1,144 @@
+"""When a rank dies or a schedule hangs, every rank ends promptly with a picture of where it
+was, and torchrun's restart resumes from the last checkpoint to the same parameters."""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from chimera.train import TrainConfig
+from chimera.train.checkpoint import latest, load_model_state
+from chimera.train.launch import launch
+
+ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
+ENV.pop("CHIMERA_FAULT", None)
+COMMON = ["--dtype", "float64", "--micro-batch-size", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_bytes(open(argparse.__file__, "rb").read()[:60_000])
+    return str(path)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pictures(tmp_path):
+    return ["--png", str(tmp_path / "t.png"), "--trace", str(tmp_path / "t.json")]
+
+
+def start_rank(rank, port, args, tmp_path, fault=None):
+    """One rank as torchrun would start it (RANK, WORLD_SIZE, MASTER_* set)."""
+    env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    if fault:
+        env["CHIMERA_FAULT"] = fault
+    err = open(tmp_path / f"err{rank}.txt", "w")
+    return subprocess.Popen([sys.executable, "-m", "chimera", "train", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=err)
+
+
+def stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_kill_9_of_one_rank_ends_the_others_promptly(data, tmp_path):
+    log = tmp_path / "log.jsonl"
+    args = [*COMMON, "--data", data, "--steps", "300", "--comm-timeout", "60",
+            "--log-json", str(log), *pictures(tmp_path)]
+    port = free_port()
+    procs = [start_rank(r, port, args, tmp_path) for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 150
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+            assert procs[0].poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        rc = procs[0].wait(timeout=60)  # the comm timeout: it must end well before
+        detected = time.monotonic() - killed
+    finally:
+        stop(procs)
+    err = (tmp_path / "err0.txt").read_text()
+    print(f"rank 0 exited {detected:.2f}s after kill -9 of rank 1")
+    assert rc == 1 and detected < 30, (rc, detected, err)
+    assert "Traceback" not in err
+    first = err.splitlines()[0]
+    assert first.startswith("chimera train: rank 0:") and "peer rank 1" in first, err
+    assert "marked:" in err and "P0 |" in err
+
+
+def test_mismatched_schedule_times_out_with_the_grid(data, tmp_path):
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "chimera", "train", *COMMON, "--data", data,
+                        "--steps", "3", "--comm-timeout", "3", *pictures(tmp_path)],
+                       env={**ENV, "CHIMERA_FAULT": "deadlock:1"}, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "Timed out waiting 3000ms" in r.stderr  # the wait that hit --comm-timeout
+    reports = [l for l in r.stderr.splitlines() if l.startswith("chimera train: rank ")]
+    assert reports and all("peer rank" in l or "failed (" in l for l in reports), r.stderr
+    assert "marked:" in r.stderr and "where each rank was" in r.stderr
+    print(f"deadlock reported after {time.monotonic() - start:.1f}s (start-up included)")
+
+
+def test_torchrun_restart_resumes_to_the_same_parameters(data, tmp_path):
+    steps = ["--steps", "6", "--checkpoint-every", "2"]
+    ref = TrainConfig(dtype="float64", micro_batch_size=2, data=data, steps=6, checkpoint_every=2,
+                      checkpoint_dir=str(tmp_path / "ref"), log_json=str(tmp_path / "ref.jsonl"),
+                      progress=False)
+    launch(ref)
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-id", "chimera-test",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "chimera", "train", *COMMON,
+           "--data", data, *steps, "--checkpoint-dir", str(tmp_path / "run"), "--resume",
+           "--log-json", str(tmp_path / "run.jsonl"), *pictures(tmp_path)]
+    r = subprocess.run(cmd, env={**ENV, "CHIMERA_FAULT": "kill:1:3"}, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exitcode: -9" in r.stderr  # the first attempt did die
+
+    def losses(name):
+        return [json.loads(l)["loss"] for l in (tmp_path / name).read_text().splitlines()]
+    assert losses("run.jsonl") == losses("ref.jsonl")  # bit-identical, step by step
+    got = load_model_state(latest(tmp_path / "run"))
+    want = load_model_state(latest(tmp_path / "ref"))
+    assert latest(tmp_path / "run").name == "step-00000006"
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("where", ["recv", "allreduce", "first"])
+def test_the_report_marks_any_position(where):
+    """Wherever a rank stops (a receive, the allreduce at STEP, its first action)."""
+    from types import SimpleNamespace
+
+    from chimera.passes import lower
+    from chimera.runtime.p2p import CommTimeout
+    from chimera.schedules import build
+    from chimera.train.faults import explain
+
+    schedule = lower(build("chimera", 4, 8))
+    program = schedule.programs[1]
+    action = {"recv": next(a for a in program if a.op.name == "RECV_B"), "allreduce": None,
+              "first": program[0]}[where]
+    exc = CommTimeout("rank 1: it failed", 1, action, 2, "gradient allreduce of stage 2")
+    text = str(explain(exc, schedule, SimpleNamespace(d=1, w=0, rank=1, world=4)))
+    assert text.splitlines()[0] == "rank 1: it failed"
+    assert "marked:" in text and ">" in text and "P3 |" in text
