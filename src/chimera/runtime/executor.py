@@ -46,6 +46,7 @@ class Executor:
         self.recompute, self.autocast, self.device = recompute, autocast, device
         self.last = schedule.stages - 1
         self.record_epoch: float | None = None  # wall-clock time of the recorded run's t0
+        self._arm_of: tuple = (None, frozenset())  # (program, its last B per replica)
         self.params = {k: [p for p in m.parameters() if p.requires_grad] for k, m in modules.items()}
         self.handlers = {
             Op.F: self._forward, Op.B: self._backward, Op.I: self._backward_input,
@@ -56,6 +57,7 @@ class Executor:
     def run(self, program, data: MicroData, record: list[ActionRecord] | None = None) -> float:
         """Run ``program``; return the sum of the (weighted) losses computed on this rank."""
         self.data, self.loss_sum = data, 0.0
+        self.arm = self._last_backwards(program)
         self.inp: dict[tuple, torch.Tensor] = {}
         self.out: dict[tuple, torch.Tensor] = {}
         self.recv: dict[tuple, torch.Tensor] = {}
@@ -115,7 +117,19 @@ class Executor:
 
     def _backward(self, a: Action) -> None:
         y, g = self.out.pop(a.key), self._output_grad(a)
+        if a in self.arm:  # the replica's gradients become final in this backward
+            self.sync.arm(a.pipe, a.stage)
         torch.autograd.backward(y, None if g is None else g.to(y.dtype))
+
+    def _last_backwards(self, program) -> frozenset:
+        """The B actions after which a replica's gradients are complete (a SYNC follows)."""
+        if self._arm_of[0] is not program:
+            last: dict[tuple[int, int], Action] = {}
+            for a in program:
+                if a.op in (Op.B, Op.W):
+                    last[(a.pipe, a.stage)] = a
+            self._arm_of = (program, frozenset(a for a in last.values() if a.op is Op.B))
+        return self._arm_of[1]
 
     def _backward_input(self, a: Action) -> None:
         """I: the input gradient only (what the previous stage waits for)."""

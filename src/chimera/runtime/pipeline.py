@@ -12,7 +12,7 @@ from chimera.ir import Schedule, ScheduleError
 from chimera.runtime.executor import ActionRecord, Executor, MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.p2p import Mailbox, Message
-from chimera.runtime.sync import GradSync, ReplicaGrads
+from chimera.runtime.sync import BUCKET_BYTES, GradSync, ReplicaGrads
 
 
 def _probe_forward(module: nn.Module, shape: tuple, dtype: torch.dtype) -> tuple[tuple, torch.dtype]:
@@ -74,7 +74,11 @@ class PipelineRuntime:
         wire = next(iter(self.modules.values())).parameters().__next__().dtype
         self.mailbox = Mailbox(schedule, grid, self._message_shape, wire, self.device,
                                prepost=dist.get_backend() == "gloo", timeout_s=comm_timeout)
-        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, comm_timeout)
+        # Buckets reduced inside the last backward pay off where the allreduce runs beside the
+        # compute (NCCL); with gloo on CPU cores the reduction competes with the compute for the
+        # same cores and measured no faster than one allreduce per replica at SYNC (README).
+        buckets = BUCKET_BYTES if self.device.type == "cuda" else 0
+        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, comm_timeout, buckets)
         self.executor = Executor(schedule, self.modules, loss_fn, self.mailbox, self.sync,
                                  recompute, autocast, self.device)
         self.program = schedule.programs[grid.d]

@@ -3,6 +3,13 @@
 Each replica's parameters get ``.grad`` views into one flat buffer (as DDP's
 ``gradient_as_bucket_view``), so backward accumulates straight into it and SYNC launches a
 single allreduce over the stage's replica group without copies. STEP waits for all of them.
+
+A replica whose last gradient comes from a full backward (B) does not wait for SYNC: during
+that backward, hooks launch the allreduce of each bucket (a contiguous slice of the flat
+buffer, last layers first: the order backward finishes them) as soon as all of its
+gradients are final, so the reduction overlaps the rest of the backward as in DDP. Buckets
+launch in a fixed order on every replica (a bucket waits for the ones before it), which is
+what matching collectives need; SYNC launches whatever is left.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from torch import nn
 
 from chimera.runtime.p2p import CommTimeout
 
+BUCKET_BYTES = 4 * 2**20  # allreduce granularity inside the last backward (0: one allreduce at SYNC)
+
 
 class ReplicaGrads:
     """The flat gradient buffer of one (pipe, stage) replica."""
@@ -25,10 +34,25 @@ class ReplicaGrads:
         dtype = self.params[0].dtype if self.params else torch.float32
         device = self.params[0].device if self.params else torch.device("cpu")
         self.flat = torch.zeros(numel, dtype=dtype, device=device)
-        offset = 0
+        self.offsets, offset = [], 0
         for p in self.params:
             p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            self.offsets.append(offset)
             offset += p.numel()
+
+    def buckets(self, cap_bytes: int) -> list[tuple[int, int, list[nn.Parameter]]]:
+        """(start, end, parameters) of consecutive slices of at least ``cap_bytes`` (the last
+        may be smaller), from the end of the buffer to its start."""
+        out, end, members, size = [], self.flat.numel(), [], 0
+        for p, offset in zip(reversed(self.params), reversed(self.offsets)):
+            members.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap_bytes:
+                out.append((offset, end, members))
+                end, members, size = offset, [], 0
+        if members:
+            out.append((0, end, members))
+        return out
 
     def zero(self) -> None:
         self.flat.zero_()
@@ -38,17 +62,32 @@ class GradSync:
     """Launches each replica's allreduce at its SYNC action and waits for all at STEP."""
 
     def __init__(self, grads: dict[tuple[int, int], ReplicaGrads], groups: dict[int, object],
-                 rank: int, timeout_s: float):
+                 rank: int, timeout_s: float, bucket_bytes: int = BUCKET_BYTES):
         self.grads, self.groups, self.rank = grads, groups, rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.bucket_bytes = bucket_bytes
         self.inflight: list[tuple[object, tuple[int, int]]] = []
+        self.early: dict[tuple[int, int], _EarlySync] = {}
+
+    def arm(self, pipe: int, stage: int) -> None:
+        """Called right before the replica's last backward: reduce buckets as they finish."""
+        group = self.groups.get(stage)
+        if group is not None and self.bucket_bytes > 0:
+            self.early[(pipe, stage)] = _EarlySync(self, pipe, stage, group)
+
+    def launch(self, pipe: int, stage: int, tensor: torch.Tensor, group) -> None:
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        self.inflight.append((work, (pipe, stage)))
 
     def start(self, pipe: int, stage: int) -> None:
+        early = self.early.pop((pipe, stage), None)
+        if early is not None:
+            early.finish()
+            return
         group = self.groups.get(stage)
         if group is None:  # the only replica of this stage: nothing to reduce
             return
-        work = dist.all_reduce(self.grads[(pipe, stage)].flat, group=group, async_op=True)
-        self.inflight.append((work, (pipe, stage)))
+        self.launch(pipe, stage, self.grads[(pipe, stage)].flat, group)
 
     def wait_all(self) -> None:
         for work, (pipe, stage) in self.inflight:
@@ -64,3 +103,34 @@ class GradSync:
         peers = dist.get_process_group_ranks(self.groups[stage])
         what = f"gradient allreduce of stage {stage} (pipe {pipe}) with ranks {peers}"
         return CommTimeout(f"rank {self.rank}: {what} {how}", self.rank, peer=peers, what=what)
+
+
+class _EarlySync:
+    """The bucket allreduces of one replica, launched by gradient hooks in a fixed order."""
+
+    def __init__(self, sync: GradSync, pipe: int, stage: int, group):
+        self.sync, self.key, self.group = sync, (pipe, stage), group
+        self.flat = sync.grads[(pipe, stage)].flat
+        self.buckets = sync.grads[(pipe, stage)].buckets(sync.bucket_bytes)
+        self.missing = [len(members) for _, _, members in self.buckets]
+        self.bucket_of = {id(p): k for k, (_, _, members) in enumerate(self.buckets) for p in members}
+        self.next = 0
+        self.handles = [p.register_post_accumulate_grad_hook(self._ready)
+                        for _, _, members in self.buckets for p in members]
+
+    def _ready(self, param: torch.Tensor) -> None:
+        self.missing[self.bucket_of[id(param)]] -= 1
+        while self.next < len(self.buckets) and self.missing[self.next] <= 0:
+            self._launch()
+
+    def _launch(self) -> None:
+        start, end, _ = self.buckets[self.next]
+        self.sync.launch(*self.key, self.flat[start:end], self.group)
+        self.next += 1
+
+    def finish(self) -> None:
+        """At SYNC: no more hooks; launch the buckets still waiting (e.g. unused parameters)."""
+        for h in self.handles:
+            h.remove()
+        while self.next < len(self.buckets):
+            self._launch()
