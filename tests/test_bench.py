@@ -21,7 +21,8 @@ from chimera.schedules import build
 from chimera.sim import CostModel, simulate
 from chimera.viz import save_trace
 
-ROWS = ("single:none:threads=1", "chimera:chimera", "chimera:1f1b", "torch:1f1b", "torch:zbv")
+ROWS = ("single:none:threads=1", "single:none:threads=1:micro_batches=4", "chimera:chimera",
+        "chimera:1f1b", "torch:1f1b", "torch:zbv")
 
 
 @pytest.fixture(scope="module")

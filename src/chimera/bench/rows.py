@@ -105,7 +105,10 @@ def our_schemes() -> list[str]:
 
 def all_rows(cfg: BenchConfig) -> list[Row]:
     """Every row the benchmark knows, before filtering."""
-    rows = [Row("single", "none", (("threads", 1),)), Row("single", "none", (("threads", 2),))]
+    rows = [Row("single", "none", (("threads", 1),)), Row("single", "none", (("threads", 2),)),
+            # the same micro-batches as the pipelines, accumulated: the linear limit without
+            # the (cache) cost or benefit of computing the whole mini-batch at once
+            Row("single", "none", (("threads", 1), ("micro_batches", cfg.micro_batches)))]
     for name in our_schemes():
         rows.append(Row("chimera", name, (("chunks", 2),) if name == "interleaved" else ()))
         if name == "chimera":  # the paper's forward doubling: a forward of slack on every hop

@@ -12,14 +12,17 @@ import torch.distributed as dist
 
 from chimera.bench.rows import BenchConfig, Row
 from chimera.train.config import TrainConfig
-from chimera.train.loop import Trainer
+from chimera.models import loss_fn
+from chimera.train.loop import Trainer, lr_at
 
 
 class SingleRunner:
-    """The whole mini-batch at once in one process (rank 0); other ranks sit it out."""
+    """One process (rank 0; other ranks sit it out): the whole mini-batch at once, or, with the
+    row option ``micro_batches``, accumulated over the pipelines' micro-batches."""
 
     def __init__(self, cfg: BenchConfig, row: Row, rank: int):
         self.rank, self.threads, self.base = rank, row.threads or 1, cfg.threads
+        self.micro = cfg.micro_batch_size if row.opts.get("micro_batches") else None
         self.trainer = None
         if rank == 0:
             tc = TrainConfig(model=cfg.model, schedule="none", stages=1, micro_batches=1,
@@ -32,9 +35,28 @@ class SingleRunner:
             return None
         torch.set_num_threads(self.threads)
         try:
-            return self.trainer.step(i).loss
+            return self.trainer.step(i).loss if self.micro is None else self._accumulated(i)
         finally:
             torch.set_num_threads(self.base)
+
+    def _accumulated(self, i: int) -> float:
+        """Gradient accumulation over micro-batches, then the same clipping and AdamW step."""
+        tr = self.trainer
+        inputs, targets = tr.batch(i)
+        tr.optimizer.zero_grad(set_to_none=False)
+        lossf, total = loss_fn(tr.model_cfg, "mean"), 0.0
+        for x, y in zip(inputs.split(self.micro), targets.split(self.micro)):
+            loss = lossf(tr.model(x), y) * (len(x) / len(inputs))
+            loss.backward()
+            total += float(loss.detach())
+        grads = [p.grad for p in tr.params]
+        norm = float(torch.stack(torch._foreach_norm(grads)).double().pow(2).sum().sqrt())
+        if tr.cfg.clip > 0 and norm > tr.cfg.clip:
+            torch._foreach_mul_(grads, tr.cfg.clip / (norm + 1e-6))
+        for group in tr.optimizer.param_groups:
+            group["lr"] = lr_at(tr.cfg, i)
+        tr.optimizer.step()
+        return total
 
 
 class OursRunner:
