@@ -140,13 +140,15 @@ def measure_memory(cfg: BenchConfig, row: Row, tmp: str) -> float | None:
     """Peak RSS (MB, the largest over ranks) of a fresh process group running only ``row``."""
     out = os.path.join(tmp, "memory.json")
     world = 1 if row.impl == "single" else cfg.stages
-    try:
-        _spawn(_memory_worker, world, (cfg, row, free_port(), out))
-        with open(out) as f:
-            return json.load(f)["peak_rss_mb"]
-    except Exception as exc:  # memory is a side figure: never lose the timings for it
-        print(f"bench: peak RSS of {row.id} not measured: {exc}", file=sys.stderr)
-        return None
+    for attempt in (1, 2):  # a rare abort in gloo's shutdown should not cost the figure
+        try:
+            _spawn(_memory_worker, world, (cfg, row, free_port(), out))
+            with open(out) as f:
+                return json.load(f)["peak_rss_mb"]
+        except Exception as exc:  # memory is a side figure: never lose the timings for it
+            print(f"bench: peak RSS of {row.id} not measured (attempt {attempt}): {exc}",
+                  file=sys.stderr)
+    return None
 
 
 def measure(cfg: BenchConfig, rows: list[Row]) -> dict:
