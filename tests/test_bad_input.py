@@ -54,6 +54,7 @@ CASES = [
     (["train", "--model", "gpt3"], "gpt3"),
     (["train", "--stages", "20"], "stages"),                         # more stages than layers
     (["train", "--stages", "3"], "even"),
+    (["train", "--schedule", "pipedream-2bw"], "simulation only"),
     (["train", "--lr", "nan"], "--lr"),
     (["train", "--lr", "-1"], "--lr"),
     (["train", "--steps", "0"], "positive"),

@@ -150,6 +150,16 @@ def test_render_programs_and_mark(chimera4):
     assert "marked: p0s1RECV_F0 on P1" in marked and ">F0<" in _rows(marked)[1]
 
 
+def test_render_programs_marks_an_action_after_the_last_column(chimera4):
+    from chimera.passes import lower
+
+    lowered = lower(chimera4)
+    last = len(lowered.programs[0]) - 1  # the STEP, after every compute action
+    text = render_programs(lowered, mark=(0, last))
+    assert "after the last compute column" in text
+    assert _rows(text)[0].rstrip().endswith("<")
+
+
 def test_grid_color_is_opt_in(chimera4):
     timeline = _simulate(chimera4)
     assert "\x1b[" not in render_grid(timeline)

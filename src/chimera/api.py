@@ -41,7 +41,7 @@ from chimera.passes import lower
 from chimera.runtime.executor import ActionRecord, MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.pipeline import PipelineRuntime
-from chimera.schedules import build
+from chimera.schedules import build, get_scheme
 from chimera.validate import validate
 
 __all__ = ["Pipeline", "balanced_partition", "spawn"]
@@ -78,6 +78,8 @@ class Pipeline:
         if world != stages * data_parallel:
             raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
         n = micro_batches or stages
+        if not get_scheme(schedule).runnable:
+            raise ScheduleError(f"schedule {schedule!r} is simulation only (asynchronous)")
         self.schedule = validate(lower(build(schedule, stages, n, **schedule_options), sync))
         torch.manual_seed(seed)
         layers = list(make_layers())
@@ -139,6 +141,7 @@ def _entry(rank: int, world: int, fn, port: int, backend: str) -> None:
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world)
+        dist.barrier()  # no rank tears its connections down while a peer still uses them
     finally:
         dist.destroy_process_group()
 

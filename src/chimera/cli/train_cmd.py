@@ -22,7 +22,7 @@ def add_parsers(sub) -> None:
                     "and a PNG timeline plus a Perfetto trace of a measured step. Under torchrun "
                     "(RANK/WORLD_SIZE set) each process is one rank; otherwise the W*D ranks are "
                     "spawned locally and rendezvous on 127.0.0.1.")
-    names = ", ".join(["none"] + [s.name for s in schemes()])
+    names = ", ".join(["none"] + [s.name for s in schemes(runnable=True)])
     m = p.add_argument_group("model and data")
     m.add_argument("--model", default="gpt2-tiny", help=f"preset: {', '.join(MODELS)} (default: gpt2-tiny)")
     m.add_argument("--data", metavar="FILE|DIR", help="text to train on, as byte tokens "

@@ -64,6 +64,8 @@ class TrainConfig:
         if not self.reference and self.stages < 2 and self.schedule != "1f1b":
             raise ConfigError(f"--schedule {self.schedule} needs --stages >= 2 "
                               f"(use --schedule none --stages 1 for single-process training)")
+        if not self.reference:
+            _check_runnable(self.schedule)
         if self.data is not None and not os.path.exists(self.data):
             raise ConfigError(f"--data {self.data}: no such file or directory")
         self._check_model()
@@ -184,3 +186,12 @@ class TrainConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _check_runnable(name: str) -> None:
+    """Simulation-only schemes (PipeDream's asynchronous ones) have no synchronous runtime."""
+    from chimera.schedules import get_scheme
+
+    if not get_scheme(name).runnable:  # an unknown name raises ScheduleError here
+        raise ConfigError(f"--schedule {name} is simulation only (asynchronous, stale weights); "
+                          f"train with a synchronous scheme (see `chimera schedules`)")

@@ -131,13 +131,10 @@ def _index_of(program, action) -> int:
 
 
 def _picture(schedule: Schedule, d: int, index: int) -> str:
-    """The program grid with ``index`` marked (at the last compute column if it comes after
-    it, as STEP does); a failure to draw never hides the error being reported."""
+    """The program grid with ``index`` marked; a failure to draw never hides the error
+    being reported."""
     from chimera.viz.grid import render_programs
 
-    program = schedule.programs[d]
-    if not any(a.op.is_compute for a in program[index:]):
-        index = max((i for i, a in enumerate(program) if a.op.is_compute), default=index)
     try:
         return render_programs(schedule, mark=(d, index))
     except Exception as err:  # noqa: BLE001 -- best effort

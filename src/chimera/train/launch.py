@@ -71,6 +71,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
         print(f"chimera train: {exc}", file=sys.stderr, flush=True)
         exc.reported = True
         raise  # no destroy_process_group: its peers may be gone
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
     return result
 

@@ -145,6 +145,10 @@ def _program_mark(schedule: Schedule, mark) -> tuple[int, list[int], str]:
     col = sum(1 for a in program[:index] if a.op.is_compute)
     action = program[index]
     note = f"marked: {action} on P{rank}, action #{index} of its program"
+    ncols = max((len(p) for p in schedule.compute_programs()), default=0)
+    if not action.op.is_compute and col >= ncols:  # e.g. the STEP: after every column
+        note += f" (a {action.op.value}, after the last compute column)"
+        return rank, ([ncols - 1] if ncols else []), note
     if not action.op.is_compute:
         note += f" (a {action.op.value}, shown before compute column {col})"
     return rank, [col], note
