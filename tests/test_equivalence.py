@@ -19,12 +19,18 @@ D2 = [
     ("chimera", {}, 2), ("chimera", {}, 4), ("chimera", {"strategy": "doubling"}, 4),
     ("chimera", {"strategy": "halving"}, 2), ("chimera", {"strategy": "halving"}, 4),
     ("chimera", {"recompute": True}, 4),
+    ("zb-v", {}, 4), ("dualpipev", {}, 4), ("dualpipe", {}, 4),
+    ("chimera-zb", {}, 4), ("chimera-zb", {}, 5), ("chimera-zb", {"recompute": True}, 4),
 ]
 D4 = [
     ("gpipe", {}, 4), ("1f1b", {}, 8), ("interleaved", {"chunks": 2}, 4), ("gems", {}, 8),
     ("chimera", {}, 4), ("chimera", {}, 8), ("chimera", {"strategy": "doubling"}, 8),
     ("chimera", {"strategy": "halving"}, 4), ("chimera", {"pipes": 4}, 8), ("zb-h1", {}, 8),
+    ("zb-v", {}, 8), ("dualpipev", {}, 8), ("dualpipe", {}, 8), ("chimera-zb", {}, 8),
+    ("chimera-zb", {"pipes": 4}, 8),
 ]
+W2_ZB = [("chimera-zb", {}, 4)]
+BIDIRECTIONAL = ("chimera", "gems", "chimera-zb", "dualpipe")  # two (or Q) copies of each stage
 W2 = [("chimera", {}, 2), ("chimera", {}, 4), ("1f1b", {}, 4), ("chimera", {"strategy": "doubling"}, 4)]
 
 
@@ -44,7 +50,7 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    return check_equivalence(_configs(D4, 4) + _configs(W2, 2, dp=2))
+    return check_equivalence(_configs(D4, 4) + _configs(W2 + W2_ZB, 2, dp=2))
 
 
 def _check(report):
@@ -63,15 +69,14 @@ def test_world_of_two(world2):
     assert len(world2) == len(D2) + 2
     for report in world2:
         c = _check(report)
-        bidirectional = c["schedule"] in ("chimera", "gems")
-        assert report["min_replicas"] == (2 if bidirectional else 1)
+        assert report["min_replicas"] == (2 if c["schedule"] in BIDIRECTIONAL else 1)
 
 
 def test_world_of_four(world4):
-    assert len(world4) == len(D4) + len(W2)
+    assert len(world4) == len(D4) + len(W2) + len(W2_ZB)
     for report in world4:
         c = _check(report)
-        replicas = (c["pipes"] or 2) if c["schedule"] in ("chimera", "gems") else 1
+        replicas = (c["pipes"] or 2) if c["schedule"] in BIDIRECTIONAL else 1
         assert report["min_replicas"] == replicas * c["data_parallel"]
 
 

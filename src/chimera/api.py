@@ -38,6 +38,7 @@ from torch import nn
 
 from chimera.ir import ScheduleError
 from chimera.passes import lower
+from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.executor import ActionRecord, MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.pipeline import PipelineRuntime
@@ -138,6 +139,7 @@ def _entry(rank: int, world: int, fn, port: int, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    keep_freed_memory()
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world)

@@ -26,12 +26,14 @@ import torch.multiprocessing as mp
 
 from chimera.bench.rows import BenchConfig, Row
 from chimera.bench.runners import make_runner, peak_activation_bytes
+from chimera.runtime.allocator import keep_freed_memory
 from chimera.train.launch import free_port
 
 
 def _init(rank: int, world: int, port: int, cfg: BenchConfig) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(cfg.threads)
+    keep_freed_memory()  # as `chimera train` runs: every row, torch's too, gets the same malloc
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg.comm_timeout))
 

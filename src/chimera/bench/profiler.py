@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from chimera.bench.calibrate import PROFILE_SCHEMA
 from chimera.bench.runners import ActivationMeter
 from chimera.models import build_layers, get_config, layer_names, loss_fn
+from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.split_backward import backward_input, backward_weight
 from chimera.train.launch import free_port
 
@@ -179,6 +180,7 @@ def measure_links(repeat: int = 20) -> dict:
 def build_profile(model: str, micro_batch: int, threads: int = 1, repeat: int = 5,
                   link_repeat: int = 20) -> dict:
     torch.set_num_threads(threads)
+    keep_freed_memory()  # the layers run as they do in `chimera train`
     layers = profile_layers(model, micro_batch, repeat)
     data = {"schema": PROFILE_SCHEMA, "model": model, "micro_batch": micro_batch,
             "threads": threads, "dtype": "float32", "layers": layers,

@@ -62,29 +62,40 @@ def _graph(root) -> tuple[list, dict]:
 def _boundaries(root, x: torch.Tensor, params: list[torch.nn.Parameter]) -> list[tuple]:
     """(node, weights below it) for nodes on the input's path with a weight-only child."""
     order, kids = _graph(root)
-    param_ids = {id(p) for p in params}
-    to_x, below = set(), {}  # below[node] = ids of the parameters a node leads to
-    empty: frozenset = frozenset()
+    to_x = set()
     for node in order:  # children first, so their flags are known
         var = getattr(node, "variable", None)
         if var is not None:
             if var is x:
                 to_x.add(node)
-            below[node] = frozenset((id(var),)) if id(var) in param_ids else empty
-            continue
-        children = kids[node]
-        if any(c in to_x for c in children):
+        elif any(c in to_x for c in kids[node]):
             to_x.add(node)
-        below[node] = empty.union(*(below[c] for c in children)) if children else empty
     by_id = {id(p): p for p in params}
     out = []
     for node in order:
-        if node not in to_x:
-            continue
-        weights = empty.union(*(below[c] for c in kids[node] if c not in to_x))
-        if weights:
-            out.append((node, [by_id[i] for i in sorted(weights)]))
+        if node in to_x:
+            off_path = [c for c in kids[node] if c not in to_x]
+            weights = _params_below(off_path, kids, by_id) if off_path else ()
+            if weights:
+                out.append((node, [by_id[i] for i in sorted(weights)]))
     return out
+
+
+def _params_below(starts: list, kids: dict, by_id: dict) -> set[int]:
+    """Ids of the parameters reached from ``starts`` (subgraphs off the input's path)."""
+    found, seen, stack = set(), set(), list(starts)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            if id(var) in by_id:
+                found.add(id(var))
+            continue
+        stack.extend(kids[node])
+    return found
 
 
 def backward_input(y: torch.Tensor, x: torch.Tensor | None, grad: torch.Tensor | None,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.p2p import CommTimeout
 from chimera.train import checkpoint, faults
 from chimera.train.config import TrainConfig
@@ -59,6 +60,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
              hooks=None) -> dict | None:
     """Body of one rank: init the group, train, gather results on rank 0."""
     torch.set_num_threads(cfg.threads)
+    keep_freed_memory()
     device, backend = pick_device(cfg)
     if cfg.reference:
         trainer = Trainer(cfg, 0, device)
