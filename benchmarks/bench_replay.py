@@ -1,6 +1,6 @@
-"""Trace replay against measurement: `python benchmarks/bench_replay.py [D ...] [--schedule S]`.
+"""Trace replay against measurement: `python benchmarks/bench_replay.py [D ...] [--schedule S,...]`.
 
-For each D (default 2 4 8): train gpt2-bench with the schedule (default chimera) on D local
+For each schedule (default chimera and chimera-zb) and D (default 2 4 8): train gpt2-bench on D local
 processes (16 sequences per step, N=8 micro-batches of 2, one thread per rank) for a few
 steps, record the last step's trace, and replay it through the simulator with the costs
 measured in it: on the wall clock (what this machine did) and on thread CPU time (what one
@@ -72,12 +72,13 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stages", nargs="*", type=int, default=[2, 4, 8])
-    ap.add_argument("--schedule", default="chimera")
+    ap.add_argument("--schedule", default="chimera,chimera-zb", help="comma-separated schedules")
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
     prof = profile(os.path.join(OUT, "profile-gpt2-bench.json"))
-    rows = [one(args.schedule, d, prof, args.steps) for d in args.stages]
+    rows = [one(s.strip(), d, prof, args.steps) for s in args.schedule.split(",") if s.strip()
+            for d in args.stages]
     data = {"date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(), "rows": rows}
     with open(os.path.join(OUT, "bench_replay.json"), "w") as f:
         json.dump(data, f, indent=1)

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import subprocess
 import sys
 from contextlib import redirect_stdout
@@ -275,3 +276,35 @@ def test_profile_errors_are_plan_errors():
              "layers": [{"forward_s": 1, "backward_s": 1, "activation_bytes": 0, "output_bytes": 0}],
              "p2p": {"alpha_s": 0, "beta_bytes_per_s": 1}, "allreduce": {"alpha_s": 0, "beta_bytes_per_s": 1}}))
     assert issubclass(PlanError, ValueError) and not issubclass(PlanError, ScheduleError)
+
+
+def _plan_vs_bench():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "plan_vs_bench.py")
+    spec = importlib.util.spec_from_file_location("plan_vs_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ranking_comparison_of_plan_against_measurement():
+    pvb = _plan_vs_bench()
+    assert pvb.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert pvb.kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    cmp = pvb.compare({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 1.0, "b": 1.01, "c": 0.5})
+    # a-b are within the noise; a-c and b-c are separated and both ordered the other way
+    assert cmp["separated_pairs"] == 2 and cmp["agreeing_pairs"] == 0
+    assert cmp["measured_rank"] == {"c": 1, "a": 2, "b": 3}
+    assert cmp["predicted_rank"]["a"] == 1
+
+
+def test_plan_prices_the_bench_layouts_from_a_profile():
+    pvb = _plan_vs_bench()
+    profile = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "profile-gpt2-bench.json")
+    rows = [("chimera", {}), ("chimera", {"strategy": "doubling"}), ("1f1b", {}), ("interleaved", {})]
+    for width in (1, 2):
+        times = pvb.predict(profile, width, rows)
+        assert set(times) == {"chimera", "chimera (doubling)", "1f1b", "interleaved"}
+        assert all(0 < t < 10 for t in times.values())
+        assert times["chimera"] < times["1f1b"]  # fewer bubbles on the same costs

@@ -158,7 +158,7 @@ def cost_from_trace(schedule: Schedule, events: list[Event], other: dict, clock:
     aligned = other.get("aligned", True)
     kw: dict = {}
     if profile is not None:
-        base = cost_from_profile(profile, schedule)
+        base = cost_from_profile(profile, schedule, data_parallel=int(other.get("data_parallel", 1)))
         kw.update(p2p=base.p2p, allreduce=base.allreduce, act_bytes=base.act_bytes,
                   weight_bytes=base.weight_bytes)
         sources["p2p"] = sources["allreduce"] = "alpha-beta links of the profile"

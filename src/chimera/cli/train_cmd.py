@@ -32,7 +32,7 @@ def add_parsers(sub) -> None:
     m.add_argument("--partition", metavar="RANGES", help="layer ranges per stage, e.g. 0-3,4-7 "
                    "(default: balanced by estimated cost; embedding and head count as layers)")
     s = p.add_argument_group("layout and schedule")
-    s.add_argument("--schedule", default="chimera", help=f"{names} (default: chimera; "
+    s.add_argument("--schedule", "-s", default="chimera", help=f"{names} (default: chimera; "
                    "'none' with --stages 1 is plain single-process training, the reference)")
     s.add_argument("--stages", "-D", type=positive_int, default=2, help="pipeline depth D (default: 2)")
     s.add_argument("--micro-batches", "-N", type=positive_int, help="micro-batches per step N (default: 2D)")

@@ -32,7 +32,8 @@ def measured_timeline(schedule: Schedule, result: dict) -> Timeline | None:
                 busy += end - start
         stats.append(RankStats(rank, busy, 0.0, float(len(schedule.placement.held(rank)))))
     makespan = max(e.end for e in events)
-    meta = {"source": "measured", "aligned": base is not None}
+    meta = {"source": "measured", "aligned": base is not None,
+            "data_parallel": max(1, len(result["ranks"]) // schedule.ranks)}
     traced = _traced_step(result)
     if traced is not None:
         meta.update(step=traced["step"], step_s=traced["seconds"])
