@@ -59,8 +59,3 @@ class ProcessGrid:
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if self.rank in ranks:
                 self.stage_groups[stage] = group
-
-    def owns(self, pipe: int, stage: int) -> bool:
-        """True on exactly one replica of each stage: the one counted in global norms."""
-        return self.stage_ranks[stage][0] == self.rank and \
-            min(p for p, s in self.held() if s == stage) == pipe
