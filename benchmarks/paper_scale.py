@@ -27,6 +27,7 @@ import time
 from chimera.modelcfg import get_config
 from chimera.plan import Planner, Workload, get_hardware
 from chimera.plan.report import parts
+from chimera.plan.search import gc_paused
 from chimera.plan.shapes import ShapeCache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -119,6 +120,11 @@ def _schemes(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
+    with gc_paused():  # as `chimera plan` does: the collector only slows the search down
+        _main()
+
+
+def _main() -> None:
     quick = "--quick" in sys.argv
     shapes = ShapeCache()  # shapes do not depend on the model: shared by every plan
     variants = [False] if quick else [True, False]

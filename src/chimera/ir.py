@@ -131,7 +131,16 @@ class Placement:
 
     def held(self, rank: int) -> list[tuple[int, int]]:
         """The (pipe, stage) replicas a rank holds."""
-        return [(p, s) for p, row in enumerate(self.table) for s, r in enumerate(row) if r == rank]
+        return list(self._held[rank])
+
+    @cached_property
+    def _held(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per rank, its replicas in (pipe, stage) order: simulators ask for every rank often."""
+        out: list[list[tuple[int, int]]] = [[] for _ in range(self.ranks)]
+        for p, row in enumerate(self.table):
+            for s, r in enumerate(row):
+                out[r].append((p, s))
+        return tuple(map(tuple, out))
 
     # -- the standard styles --------------------------------------------------------
     @classmethod
@@ -209,12 +218,17 @@ class Schedule:
         return len(self.micro_pipe)
 
     @cached_property
-    def split_backward(self) -> bool:
-        return any(a.op is Op.I for prog in self.programs for a in prog)
+    def ops(self) -> frozenset[Op]:
+        """The ops that occur in the programs."""
+        return frozenset(a.op for prog in self.programs for a in prog)
 
-    @cached_property
+    @property
+    def split_backward(self) -> bool:
+        return Op.I in self.ops
+
+    @property
     def lowered(self) -> bool:
-        return any(not a.op.is_compute for prog in self.programs for a in prog)
+        return not self.ops <= COMPUTE_OPS
 
     def actions(self) -> Iterator[tuple[int, int, Action]]:
         """(rank, index, action) for every action of every rank."""

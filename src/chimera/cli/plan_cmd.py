@@ -66,6 +66,13 @@ def workload_from_args(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from chimera.plan.search import gc_paused
+
+    with gc_paused():  # the planner is gone when it resumes (see gc_paused)
+        return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
     from chimera.plan import Planner
     from chimera.plan.report import explain, table, to_json
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from chimera.ir import Op, Placement, Schedule, ScheduleError
-from chimera.schedules.engine import Costs, build_tasks, list_schedule
+from chimera.schedules.engine import Costs, Tasks, build_tasks, list_schedule
 from chimera.schedules.registry import register
 
 STRATEGIES = ("direct", "doubling", "halving")
@@ -61,10 +61,11 @@ def chimera(stages: int, micro_batches: int, pipes: int = 2, strategy: str = "di
                             "strategy": strategy})
 
 
-def _chimera_priority(task) -> tuple:
+def _chimera_priority(tasks: Tasks) -> list[tuple]:
     # 1F1B on each pipe: backwards first (they free memory and unblock the previous stage),
     # then the forward nearest to its turn (highest stage), which keeps the merge conflict-free
-    return (0 if task.op is Op.B else 1, -task.stage, task.micros[0])
+    return [(0 if op is Op.B else 1, -stage, micros[0])
+            for op, stage, micros in zip(tasks.op, tasks.stage, tasks.micros)]
 
 
 @register("gems", "GEMS: two model replicas in opposite directions, one micro-batch in flight "

@@ -18,22 +18,36 @@ from chimera.ir import Action, Op, Placement, ScheduleError
 
 
 @dataclass
-class Task:
-    """A slot on one rank: one or more actions of one replica run back to back."""
+class Tasks:
+    """Slots as parallel lists (index = task id); a slot is one or more actions of one
+    replica run back to back on its rank."""
 
-    id: int
-    rank: int
-    op: Op
-    pipe: int
-    stage: int
-    micros: tuple[int, ...]
-    duration: float
-    deps: list[int] = field(default_factory=list)
-    succs: list[int] = field(default_factory=list)
+    op: list[Op] = field(default_factory=list)
+    pipe: list[int] = field(default_factory=list)
+    stage: list[int] = field(default_factory=list)
+    micros: list[tuple[int, ...]] = field(default_factory=list)
+    rank: list[int] = field(default_factory=list)
+    duration: list[float] = field(default_factory=list)
+    deps: list[list[int]] = field(default_factory=list)
+    succs: list[list[int]] = field(default_factory=list)
 
-    @property
-    def actions(self) -> list[Action]:
-        return [Action(self.op, self.pipe, self.stage, m) for m in self.micros]
+    def __len__(self) -> int:
+        return len(self.op)
+
+    def add(self, rank: int, op: Op, pipe: int, stage: int, micros: tuple[int, ...],
+            duration: float, deps: list[int]) -> int:
+        t = len(self.op)
+        for column, value in ((self.op, op), (self.pipe, pipe), (self.stage, stage),
+                              (self.micros, micros), (self.rank, rank), (self.duration, duration),
+                              (self.deps, deps), (self.succs, [])):
+            column.append(value)
+        for d in deps:
+            self.succs[d].append(t)
+        return t
+
+    def actions(self, t: int) -> list[Action]:
+        op, pipe, stage = self.op[t], self.pipe[t], self.stage[t]
+        return [Action(op, pipe, stage, m) for m in self.micros[t]]
 
 
 @dataclass(frozen=True)
@@ -49,7 +63,7 @@ class Costs:
         return {Op.F: self.f, Op.B: self.b, Op.I: self.i, Op.W: self.w}[op]
 
 
-Priority = Callable[[Task], tuple]
+Priority = Callable[[Tasks], list]  # every task's priority key (least first)
 
 
 def build_tasks(
@@ -59,46 +73,37 @@ def build_tasks(
     split: bool = False,
     forward_groups: Sequence[Sequence[int]] | None = None,
     scale: float = 1.0,
-) -> list[Task]:
+) -> Tasks:
     """Tasks for every (pipe, stage, micro): F down the stages, then B (or I, W) back up.
 
     ``forward_groups`` lists micro-batches whose forwards share one slot (forward doubling);
     a group's micro-batches must belong to the same pipe.
     """
     groups = [tuple(g) for g in forward_groups] if forward_groups else [(m,) for m in range(len(micro_pipe))]
-    tasks: list[Task] = []
-
-    def add(op: Op, pipe: int, stage: int, micros: tuple[int, ...], deps: list[int]) -> int:
-        task = Task(len(tasks), placement.rank_of(pipe, stage), op, pipe, stage, micros,
-                    costs.of(op) * scale * len(micros), list(deps))
-        tasks.append(task)
-        for d in deps:
-            tasks[d].succs.append(task.id)
-        return task.id
-
+    tasks, table = Tasks(), placement.table
+    cost = {op: costs.of(op) * scale for op in (Op.F, Op.B, Op.I, Op.W)}
     stages = placement.stages
     for group in groups:
         pipe = micro_pipe[group[0]]
         if any(micro_pipe[m] != pipe for m in group):
             raise ScheduleError(f"forward group {group} mixes pipes")
-        prev: list[int] = []
-        fwd = []
+        row, prev, fwd = table[pipe], [], []
         for s in range(stages):
-            prev = [add(Op.F, pipe, s, group, prev)]
+            prev = [tasks.add(row[s], Op.F, pipe, s, group, cost[Op.F] * len(group), prev)]
             fwd.append(prev[0])
         for m in group:
             prev = [fwd[-1]]
             for s in reversed(range(stages)):
                 if split:
-                    prev = [add(Op.I, pipe, s, (m,), prev + [fwd[s]])]
-                    add(Op.W, pipe, s, (m,), prev)
+                    prev = [tasks.add(row[s], Op.I, pipe, s, (m,), cost[Op.I], prev + [fwd[s]])]
+                    tasks.add(row[s], Op.W, pipe, s, (m,), cost[Op.W], prev)
                 else:
-                    prev = [add(Op.B, pipe, s, (m,), prev + [fwd[s]])]
+                    prev = [tasks.add(row[s], Op.B, pipe, s, (m,), cost[Op.B], prev + [fwd[s]])]
     return tasks
 
 
 def list_schedule(
-    tasks: list[Task],
+    tasks: Tasks,
     ranks: int,
     priority: Priority,
     window: Callable[[int, int], int],
@@ -108,57 +113,112 @@ def list_schedule(
 
     A rank that is idle takes the ready task of least ``priority``; a forward on replica
     (pipe, stage) may start only while fewer than ``window(pipe, stage)`` micro-batches of
-    that replica hold activations (freed by ``free_on``).
+    that replica hold activations (freed by ``free_on``). When every task takes as long
+    (Chimera's and GEMS's shaping costs), what starts together ends together: the play is a
+    sequence of rounds, with no heap of end times.
     """
-    missing = [len(t.deps) for t in tasks]
-    ready: list[list[Task]] = [[] for _ in range(ranks)]
-    for t in tasks:
-        if not t.deps:
-            ready[t.rank].append(t)
-    held: dict[tuple[int, int], int] = {}
-    busy_until = [0.0] * ranks
-    programs: list[list[Action]] = [[] for _ in range(ranks)]
-    running: list[tuple[float, int]] = []
-    now, done = 0.0, 0
-    while done < len(tasks):
+    play = _Slots(tasks, ranks, priority(tasks), window, free_on)
+    durations = set(tasks.duration)
+    if len(durations) == 1 and min(durations) > 0:
+        _rounds(play, ranks, min(durations))
+    else:
+        _events(play, ranks)
+    return play.programs
+
+
+def _events(play: _Slots, ranks: int) -> None:
+    now, done, running, busy_until = 0.0, 0, [], [0.0] * ranks
+    while done < len(play.tasks):
         for r in range(ranks):
-            if busy_until[r] <= now:
-                task = _pick(ready[r], priority, window, held)
-                if task is not None:
-                    ready[r].remove(task)
-                    if task.op is Op.F:
-                        key = (task.pipe, task.stage)
-                        held[key] = held.get(key, 0) + len(task.micros)
-                    busy_until[r] = now + task.duration
-                    programs[r].extend(task.actions)
-                    heapq.heappush(running, (busy_until[r], task.id))
+            if busy_until[r] <= now and (play.forwards[r] or play.others[r]):
+                t = play.pick(r)
+                if t is not None:
+                    busy_until[r] = now + play.tasks.duration[t]
+                    heapq.heappush(running, (busy_until[r], t))
         if not running:
-            stuck = [t for r in ready for t in r]
-            raise ScheduleError(f"list scheduler is stuck at t={now} with {len(stuck)} ready tasks "
-                                f"blocked by their windows (e.g. {stuck[0].actions[0] if stuck else '-'})")
+            raise play.stuck(now)
         now = running[0][0]
         while running and running[0][0] <= now:
-            _, tid = heapq.heappop(running)
             done += 1
-            _finish(tasks[tid], tasks, missing, ready, held, free_on)
-    return programs
+            play.finish(heapq.heappop(running)[1])
 
 
-def _pick(ready: list[Task], priority: Priority, window, held) -> Task | None:
-    best, best_key = None, None
-    for t in ready:
-        if t.op is Op.F and held.get((t.pipe, t.stage), 0) + len(t.micros) > window(t.pipe, t.stage):
-            continue
-        key = priority(t)
-        if best_key is None or key < best_key:
-            best, best_key = t, key
-    return best
+def _rounds(play: _Slots, ranks: int, duration: float) -> None:
+    now, done = 0.0, 0
+    while done < len(play.tasks):
+        started = [t for r in range(ranks) if play.forwards[r] or play.others[r]
+                   for t in (play.pick(r),) if t is not None]
+        if not started:
+            raise play.stuck(now)
+        now = now + duration
+        done += len(started)
+        for t in sorted(started):  # as the heap of (end, id) would pop them
+            play.finish(t)
 
 
-def _finish(task: Task, tasks, missing, ready, held, free_on: Op) -> None:
-    if task.op is free_on:
-        held[(task.pipe, task.stage)] -= len(task.micros)
-    for s in task.succs:
-        missing[s] -= 1
-        if missing[s] == 0:
-            ready[tasks[s].rank].append(tasks[s])
+class _Slots:
+    """The state of one :func:`list_schedule` play. Ready forwards wait in heaps by priority,
+    one per (replica, slot size), as whether one may start depends only on those; the rest,
+    which always may, in one heap per rank. A priority is never tied on one rank, so this
+    picks what a scan of every ready task would."""
+
+    def __init__(self, tasks: Tasks, ranks: int, prio: list, window, free_on: Op):
+        self.tasks, self.prio, self.window = tasks, prio, window
+        self.missing = [len(d) for d in tasks.deps]
+        self.frees = [op is free_on for op in tasks.op]
+        self.group = [((p, s), len(ms)) if op is Op.F else None
+                      for op, p, s, ms in zip(tasks.op, tasks.pipe, tasks.stage, tasks.micros)]
+        self.forwards: list[dict[tuple, list]] = [{} for _ in range(ranks)]  # heaps of (prio, id)
+        self.others: list[list[tuple]] = [[] for _ in range(ranks)]
+        self.held: dict[tuple[int, int], int] = {}
+        self.programs: list[list[Action]] = [[] for _ in range(ranks)]
+        for t, missing in enumerate(self.missing):
+            if not missing:
+                self.ready(t)
+
+    def ready(self, t: int) -> None:
+        group, rank = self.group[t], self.tasks.rank[t]
+        if group is None:
+            heapq.heappush(self.others[rank], (self.prio[t], t))
+        else:
+            heapq.heappush(self.forwards[rank].setdefault(group, []), (self.prio[t], t))
+
+    def pick(self, r: int) -> int | None:
+        """Take rank r's best ready task that its window allows, if any, into its program."""
+        held, groups, others = self.held, self.forwards[r], self.others[r]
+        best = others[0] if others else None
+        best_group = None
+        for group, heap in groups.items():  # the window is asked only of a would-be best
+            (pipe, stage), size = replica, _ = group
+            if (best is None or heap[0] < best) and held.get(replica, 0) + size <= self.window(pipe, stage):
+                best, best_group = heap[0], group
+        if best is None:
+            return None
+        if best_group is None:
+            heapq.heappop(others)
+        else:
+            heap = groups[best_group]
+            heapq.heappop(heap)
+            if not heap:
+                del groups[best_group]
+            replica, size = best_group
+            held[replica] = held.get(replica, 0) + size
+        t = best[1]
+        self.programs[r].extend(self.tasks.actions(t))
+        return t
+
+    def finish(self, t: int) -> None:
+        tasks = self.tasks
+        if self.frees[t]:
+            replica = (tasks.pipe[t], tasks.stage[t])
+            self.held[replica] -= len(tasks.micros[t])
+        for s in tasks.succs[t]:
+            self.missing[s] -= 1
+            if self.missing[s] == 0:
+                self.ready(s)
+
+    def stuck(self, now: float) -> ScheduleError:
+        waiting = [i for r in self.forwards for heap in r.values() for _, i in heap]
+        example = self.tasks.actions(waiting[0])[0] if waiting else "-"
+        return ScheduleError(f"list scheduler is stuck at t={now} with {len(waiting)} ready tasks "
+                             f"blocked by their windows (e.g. {example})")

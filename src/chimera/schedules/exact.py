@@ -12,7 +12,8 @@ solver gets a time limit and returns the best order it found (never worse than t
 from __future__ import annotations
 
 from chimera.ir import Action, Op, Placement, ScheduleError
-from chimera.schedules.chimera_zb import Dag, OpTimes, build_dag
+from chimera.schedules.chimera_zb import OpTimes
+from chimera.schedules.list_play import Dag, build_dag
 
 _SCALE = 1000  # time resolution of the integer model: 1/1000 of a unit
 

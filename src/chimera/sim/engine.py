@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 
 from chimera.ir import Action, Op, Schedule, ScheduleError
 from chimera.sim.cost import CostModel
@@ -93,6 +94,22 @@ class CompiledSchedule:
     def ranks(self) -> int:
         return self.schedule.ranks
 
+    @cached_property
+    def slots(self) -> tuple[list[tuple[Op, int]], list[int]]:
+        """The (op, stage) pairs of the compute actions, and per action of :attr:`order` the
+        index of its pair plus one (0: not a compute action): durations are priced per pair."""
+        index: dict[tuple[int, int], int] = {}
+        pairs: list[tuple[Op, int]] = []
+        out = [0] * len(self.order)
+        for i, (_, a) in enumerate(self.order):
+            if self.kinds[i] == _COMPUTE:
+                key = (_CODE[id(a.op)], a.stage)
+                if key not in index:
+                    pairs.append((a.op, a.stage))
+                    index[key] = len(pairs)
+                out[i] = index[key]
+        return pairs, out
+
     def run(self, cost: CostModel) -> Timeline:
         """Time every action under ``cost``: the full Timeline (events, stats, memory)."""
         s, t = self.schedule, self.times(cost)
@@ -164,18 +181,10 @@ class CompiledSchedule:
 
 
 def _durations(c: CompiledSchedule, cost: CostModel) -> list[float]:
-    s = c.schedule
-    table: dict[tuple[int, int], float] = {}
-    out = [0.0] * len(c.order)
-    for i, (_, a) in enumerate(c.order):
-        if c.kinds[i] != _COMPUTE:
-            continue
-        key = (_CODE[id(a.op)], a.stage)
-        value = table.get(key)
-        if value is None:
-            value = table[key] = cost.compute(a.op, a.stage, s.stages, s.ranks, s.micro_scale)
-        out[i] = value
-    return out
+    """Each action's duration, priced once per (op, stage) pair."""
+    s, (pairs, slot) = c.schedule, c.slots
+    table = [0.0] + [cost.compute(op, stage, s.stages, s.ranks, s.micro_scale) for op, stage in pairs]
+    return [table[k] for k in slot]
 
 
 class _Sweep:
@@ -202,16 +211,29 @@ class _Sweep:
         while self.ready:
             rank = self.ready.popleft()
             self.queued[rank] = False
-            prog = progs[rank]
-            while self.pos[rank] < len(prog):
-                missing = self.step(rank, prog[self.pos[rank]])
-                if missing is not None:
-                    self.waiters.setdefault(missing, []).append(rank)
-                    break
+            self.advance(rank, progs[rank])
         blocked = {r: (self.pos[r], progs[r][self.pos[r]])
                    for r in range(self.s.ranks) if self.pos[r] < len(progs[r])}
         if blocked:
             raise Deadlock(self.s, blocked)
+
+    def advance(self, rank: int, prog: tuple[Action, ...]) -> None:
+        """Place rank's actions in program order until one lacks an input, which it then
+        waits for."""
+        while self.pos[rank] < len(prog):
+            a = prog[self.pos[rank]]
+            code = _CODE[id(a.op)]
+            if _KIND_OF[code] == _COMPUTE:  # most actions: placed here, without step()
+                deps, missing = self.inputs(rank, a)
+                if missing is None:
+                    self.place(rank, a, deps, (_DONE_CODE[code], a.pipe, a.stage, a.micro))
+                    continue
+            else:
+                missing = self.step(rank, a)
+                if missing is None:
+                    continue
+            self.waiters.setdefault(missing, []).append(rank)
+            return
 
     def wake(self, key: object) -> None:
         for rank in self.waiters.pop(key, ()):
@@ -230,15 +252,10 @@ class _Sweep:
             self.wake(key)
 
     def step(self, rank: int, a: Action) -> object | None:
-        """Place ``a``; or return the key of what it waits for."""
+        """Place communication action ``a``; or return the key of what it waits for."""
         code = _CODE[id(a.op)]
         kind = _KIND_OF[code]
-        if kind == _COMPUTE:
-            deps, missing = self.inputs(rank, a)
-            if missing is not None:
-                return missing
-            self.place(rank, a, deps, (_DONE_CODE[code], a.pipe, a.stage, a.micro))
-        elif kind == _SEND:
+        if kind == _SEND:
             self.place(rank, a, (), (code, a.pipe, a.stage, a.micro))
         elif kind == _RECV:
             forward = a.op is Op.RECV_F
@@ -279,25 +296,22 @@ class _Sweep:
 
     def inputs(self, rank: int, a: Action) -> tuple[tuple, tuple | None]:
         """(producers of a compute action's inputs, None), or ((), key of one not run yet)."""
-        stages = self.stages
-        needs: list[tuple[int, int]] = []  # (done code, stage)
-        if a.op is Op.F:
-            if a.stage > 0:
-                needs.append((_F, a.stage - 1))
-        elif a.op is Op.W:
-            needs.append((_B, a.stage))
+        op, pipe, at, micro = a.op, a.pipe, a.stage, a.micro
+        if op is Op.F:
+            needs = ((_F, at - 1),) if at > 0 else ()
+        elif op is Op.W:
+            needs = ((_B, at),)
         else:  # B or I
-            needs.append((_F, a.stage))
-            if a.stage < stages - 1:
-                needs.append((_B, a.stage + 1))
+            needs = ((_F, at), (_B, at + 1)) if at < self.stages - 1 else ((_F, at),)
         deps = []
-        for op, stage in needs:
-            key = (op, a.pipe, stage, a.micro)
-            index = self.produced.get(key)
+        produced, row = self.produced, self.table[pipe]
+        for code, stage in needs:
+            key = (code, pipe, stage, micro)
+            index = produced.get(key)
             if index is None:
                 return (), key
-            remote = not self.lowered and self.table[a.pipe][stage] != rank
-            deps.append((index, (stage if stage < a.stage else a.stage) if remote else -1))
+            remote = not self.lowered and row[stage] != rank
+            deps.append((index, (stage if stage < at else at) if remote else -1))
         return tuple(deps), None
 
 
