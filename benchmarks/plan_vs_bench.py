@@ -64,13 +64,18 @@ def predict(profile_path: str, width: int, rows: list[tuple[str, dict]]) -> dict
     return out
 
 
-def measure_w1(steps: int) -> tuple[list[tuple[str, dict]], dict[str, float]]:
+def measure_w1(steps: int, bench_json: str | None) -> tuple[list[tuple[str, dict]], dict[str, float]]:
+    """Our rows of a bench run: a new one, or those of ``bench_json`` (`chimera bench` output)."""
     from chimera.bench.harness import measure
     from chimera.bench.report import result_rows
 
-    cfg = BenchConfig(rows=("chimera",), memory=False, steps=steps)
-    rows = select_rows(cfg)
-    results = result_rows(cfg, rows, measure(cfg, rows))
+    if bench_json:
+        with open(bench_json) as f:
+            results = [r for r in json.load(f)["results"] if r["impl"] == "chimera"]
+    else:
+        cfg = BenchConfig(rows=("chimera",), memory=False, steps=steps)
+        rows = select_rows(cfg)
+        results = result_rows(cfg, rows, measure(cfg, rows))
     pairs = [(r["schedule"], {k: v for k, v in r["options"].items() if k != "chunks"}) for r in results]
     return pairs, {_label(s, o): r["median_step_s"] for (s, o), r in zip(pairs, results)}
 
@@ -156,6 +161,8 @@ def main() -> None:
                     help="cost profile (measured first if missing: `chimera profile`)")
     ap.add_argument("--steps", type=int, default=7, help="bench rounds (W=1)")
     ap.add_argument("--train-steps", type=int, default=3, help="steps of each W=2 run")
+    ap.add_argument("--bench", metavar="FILE", help="take the W=1 measurements from this `chimera "
+                    "bench` JSON (e.g. benchmarks/results/bench.json) instead of running them")
     args = ap.parse_args()
     if not os.path.exists(args.profile):
         from chimera.bench.profiler import build_profile
@@ -163,11 +170,12 @@ def main() -> None:
         with open(args.profile, "w") as f:
             json.dump(build_profile(MODEL, B), f, indent=1)
     started = time.strftime("%Y-%m-%d %H:%M")
-    rows, w1 = measure_w1(args.steps)
+    rows, w1 = measure_w1(args.steps, args.bench)
     w2 = measure_w2(rows, args.train_steps, args.profile)
     one = compare(predict(args.profile, 1, rows), w1)
     two = compare(predict(args.profile, 2, rows), {k: v["replay_cpu_profile_links_step_s"] for k, v in w2.items()})
     data = {"date": started, "load_average": os.getloadavg(), "profile": os.path.relpath(args.profile, OUT),
+            "w1_source": args.bench or f"chimera bench --rows chimera --steps {args.steps} --no-memory",
             "w1": one, "w2": two, "w2_runs": w2}
     with open(os.path.join(OUT, "plan_vs_bench.json"), "w") as f:
         json.dump(data, f, indent=1)
@@ -175,7 +183,8 @@ def main() -> None:
                         markdown("D=2, W=2 (4 processes; replayed on CPU time with the profile's "
                                  "links)", two, "replayed step")])
     with open(os.path.join(OUT, "plan_vs_bench.md"), "w") as f:
-        f.write(f"`python benchmarks/plan_vs_bench.py` ({started})\n\n{text}\n")
+        how = f" --bench {args.bench}" if args.bench else ""
+        f.write(f"`python benchmarks/plan_vs_bench.py{how}` ({started})\n\n{text}\n")
     print(text)
 
 
