@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import tempfile
 import time
@@ -120,11 +121,13 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
         else:
             disc += 1
     denom = ((conc + disc + ties_a) * (conc + disc + ties_b)) ** 0.5
-    return (conc - disc) / denom if denom else 1.0
+    return (conc - disc) / denom if denom else float("nan")  # every pair tied: undefined
 
 
-def compare(predicted: dict[str, float], measured: dict[str, float]) -> dict:
-    names = [n for n in measured if n in predicted]
+def compare(predicted: dict[str, float], measured: dict[str, float | None]) -> dict:
+    """Rankings of the schemes that have both a finite prediction and a measurement."""
+    finite = lambda v: v is not None and math.isfinite(v)
+    names = [n for n in measured if finite(measured[n]) and finite(predicted.get(n))]
     p, m = [predicted[n] for n in names], [measured[n] for n in names]
     separated = agree = 0
     wrong = []

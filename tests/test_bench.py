@@ -8,6 +8,7 @@
 """
 
 import json
+import os
 import math
 
 import pytest
@@ -138,3 +139,19 @@ def test_replay_of_a_recorded_run(tmp_path):
     assert wall.predicted_step_s >= wall.predicted.makespan
     # thread CPU time never exceeds wall time, action by action
     assert cpu.predicted.makespan <= wall.predicted.makespan * 1.05
+
+
+def test_replay_with_profile_links_prices_the_allreduce_over_the_trace_width(tmp_path):
+    from chimera.bench.calibrate import load_profile
+
+    profile = load_profile(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                                        "profile-gpt2-bench.json"))
+    timeline = simulate(lower(build("chimera", 2, 4)), CostModel.unit(1, 2))
+    replays = {}
+    for width in (1, 2):
+        timeline.meta["data_parallel"] = width
+        save_trace(timeline, tmp_path / f"w{width}.json")
+        replays[width] = replay(str(tmp_path / f"w{width}.json"), "wall", profile)
+    assert replays[1].cost.data_parallel == 1 and replays[2].cost.data_parallel == 2
+    # the same stage replicas, allreduced over twice the ranks: never cheaper
+    assert replays[2].predicted.makespan >= replays[1].predicted.makespan

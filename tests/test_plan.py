@@ -2,6 +2,7 @@
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -297,6 +298,10 @@ def test_ranking_comparison_of_plan_against_measurement():
     assert cmp["separated_pairs"] == 2 and cmp["agreeing_pairs"] == 0
     assert cmp["measured_rank"] == {"c": 1, "a": 2, "b": 3}
     assert cmp["predicted_rank"]["a"] == 1
+    # a scheme the planner cannot price, or a run that gave no figure, is left out
+    cmp = pvb.compare({"a": 1.0, "b": float("nan"), "c": 3.0}, {"a": 1.0, "b": 2.0, "c": None})
+    assert cmp["names"] == ["a"] and cmp["separated_pairs"] == 0
+    assert math.isnan(pvb.kendall_tau([1, 1], [2, 2]))
 
 
 def test_plan_prices_the_bench_layouts_from_a_profile():

@@ -69,3 +69,33 @@ def test_first_stage_has_no_input_gradient():
     backward_weight(pending)
     for p, r in zip(params, ref):
         assert torch.equal(p.grad, r)
+
+
+class _Twice(nn.Module):
+    """One weight on the input path twice (a layer applied twice) plus a tied weight term."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6).double()
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x))) + self.lin.weight.sum()
+
+
+def test_weight_below_two_boundaries_falls_back_to_a_plain_w():
+    stage = _Twice()
+    params = list(stage.parameters())
+    x0 = torch.randn(4, 6, dtype=torch.float64)
+    g = torch.randn(4, 6, dtype=torch.float64)
+    x = x0.clone().requires_grad_()
+    torch.autograd.backward(stage(x), g)
+    ref_dx, ref = x.grad, [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    x = x0.clone().requires_grad_()
+    dx, pending = backward_input(stage(x), x, g, params)
+    assert torch.allclose(dx, ref_dx, rtol=1e-12)
+    assert all(p.grad is None for p in params)
+    backward_weight(pending)
+    for p, r in zip(params, ref):
+        assert torch.allclose(p.grad, r, rtol=1e-12)

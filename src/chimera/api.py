@@ -73,6 +73,7 @@ class Pipeline:
         if not dist.is_initialized():
             raise RuntimeError("chimera.api.Pipeline needs torch.distributed initialized "
                                "(use chimera.api.spawn or torchrun)")
+        keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
         if example_input is None:
             raise ValueError("example_input (one row of input, batch dimension first) is required")
         world = dist.get_world_size()
@@ -136,6 +137,8 @@ class Pipeline:
 
 
 def _entry(rank: int, world: int, fn, port: int, backend: str) -> None:
+    from chimera.train.launch import end_group
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -143,9 +146,10 @@ def _entry(rank: int, world: int, fn, port: int, backend: str) -> None:
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world)
-        dist.barrier()  # no rank tears its connections down while a peer still uses them
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: a peer may be gone
+        raise
+    end_group(torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu"))
 
 
 def spawn(fn: Callable[[int, int], None], world: int, backend: str = "gloo") -> None:

@@ -160,7 +160,7 @@ def cost_from_trace(schedule: Schedule, events: list[Event], other: dict, clock:
     if profile is not None:
         base = cost_from_profile(profile, schedule, data_parallel=int(other.get("data_parallel", 1)))
         kw.update(p2p=base.p2p, allreduce=base.allreduce, act_bytes=base.act_bytes,
-                  weight_bytes=base.weight_bytes)
+                  weight_bytes=base.weight_bytes, data_parallel=base.data_parallel)
         sources["p2p"] = sources["allreduce"] = "alpha-beta links of the profile"
     else:
         hop, sources["p2p"] = _p2p_latency(per_rank, aligned)

@@ -8,7 +8,9 @@ buffers. Measured here (gpt2-bench, 4 blocks, micro-batch 2, one thread,
 `python benchmarks/split_backward.py`): I + W went from 1.26 B to 1.10 B, B itself 1% faster.
 PyTorch's CPU performance guide recommends jemalloc or tcmalloc for the same reason; this
 gets most of it from glibc alone. The cost is that a rank's RSS stays at its peak, which a
-training step reaches every iteration anyway. ``CHIMERA_MALLOC=default`` turns it off.
+training step reaches every iteration anyway. The setting is process-wide: the training
+entry points call it in the process that trains (a spawned or torchrun rank, a `--schedule
+none` run, `chimera.api.Pipeline`); ``CHIMERA_MALLOC=default`` turns it off.
 """
 
 from __future__ import annotations

@@ -98,6 +98,18 @@ def _params_below(starts: list, kids: dict, by_id: dict) -> set[int]:
     return found
 
 
+def _shared(boundaries: list[tuple]) -> bool:
+    """Whether a weight lies below two boundaries (a layer applied twice, tied weights used on
+    the input path): W restarted at the upper one would also run the lower one's part."""
+    seen: set[int] = set()
+    for _, weights in boundaries:
+        ids = {id(p) for p in weights}
+        if ids & seen:
+            return True
+        seen |= ids
+    return False
+
+
 def backward_input(y: torch.Tensor, x: torch.Tensor | None, grad: torch.Tensor | None,
                    params: list[torch.nn.Parameter]) -> tuple[torch.Tensor | None, PendingWeightGrad]:
     """I: return dL/dx and what W needs. ``grad`` is dL/dy (None when y is the loss)."""
@@ -105,8 +117,13 @@ def backward_input(y: torch.Tensor, x: torch.Tensor | None, grad: torch.Tensor |
     if x is None or y.grad_fn is None:
         pending.output, pending.output_grad = y, grad
         return None, pending
+    found = _boundaries(y.grad_fn, x, pending.params)
+    if _shared(found):  # W at one boundary would walk into another's: no split, W redoes it
+        (dx,) = torch.autograd.grad(y, (x,), grad, retain_graph=True)
+        pending.output, pending.output_grad = y, grad
+        return dx, pending
     handles = []
-    for node, weights in _boundaries(y.grad_fn, x, pending.params):
+    for node, weights in found:
         boundary = Boundary(weights)
         pending.boundaries.append(boundary)
 

@@ -192,6 +192,10 @@ def _check_runnable(name: str) -> None:
     """Simulation-only schemes (PipeDream's asynchronous ones) have no synchronous runtime."""
     from chimera.schedules import get_scheme
 
-    if not get_scheme(name).runnable:  # an unknown name raises ScheduleError here
+    try:
+        runnable = get_scheme(name).runnable
+    except ScheduleError as exc:  # an unknown name
+        raise ConfigError(str(exc)) from None
+    if not runnable:
         raise ConfigError(f"--schedule {name} is simulation only (asynchronous, stale weights); "
                           f"train with a synchronous scheme (see `chimera schedules`)")

@@ -73,9 +73,15 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
         print(f"chimera train: {exc}", file=sys.stderr, flush=True)
         exc.reported = True
         raise  # no destroy_process_group: its peers may be gone
-    dist.barrier()  # no rank tears its connections down while a peer still uses them
-    dist.destroy_process_group()
+    end_group(device)
     return result
+
+
+def end_group(device: torch.device) -> None:
+    """Barrier, then tear the group down: no rank closes its connections while a peer still
+    uses them (gloo aborted at exit under load without it)."""
+    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+    dist.destroy_process_group()
 
 
 def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta) -> None:
