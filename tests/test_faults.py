@@ -4,6 +4,7 @@ was, and torchrun's restart resumes from the last checkpoint to the same paramet
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -142,3 +143,19 @@ def test_the_report_marks_any_position(where):
     text = str(explain(exc, schedule, SimpleNamespace(d=1, w=0, rank=1, world=4)))
     assert text.splitlines()[0] == "rank 1: it failed"
     assert "marked:" in text and ">" in text and "P3 |" in text
+
+
+@pytest.mark.parametrize("rank,world,want", [(0, 2, "peer rank 1"), (1, 3, "peer ranks 0, 2"),
+                                             (5, 64, "its 63 peers (ranks 0-63)"), (0, 1, "no peer")])
+def test_a_failed_collective_names_its_peers(monkeypatch, rank, world, want):
+    from chimera.train import faults
+
+    monkeypatch.setattr(faults.dist, "get_world_size", lambda: world)
+    monkeypatch.setattr(faults.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(faults.dist, "get_rank", lambda: rank)
+    assert faults._peers(rank, None) == want
+
+    def broken():
+        raise RuntimeError("Connection reset by peer")
+    with pytest.raises(faults.CommTimeout, match=re.escape(f"rank {rank}: the loss with {want} failed")):
+        faults.collective("the loss", broken)

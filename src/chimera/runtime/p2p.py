@@ -67,6 +67,19 @@ def incoming_order(schedule: Schedule, rank: int) -> dict[int, list[Message]]:
     return dict(out)
 
 
+def peers_text(rank: int, ranks) -> str:
+    """``peer rank 1``, ``peer ranks 1, 3`` or ``its 63 peers (ranks 0-63)``: who ``rank``
+    waited on in a group of ``ranks``."""
+    others = [r for r in ranks if r != rank]
+    if not others:
+        return "no peer"
+    if len(others) == 1:
+        return f"peer rank {others[0]}"
+    if len(others) > 4:
+        return f"its {len(others)} peers (ranks {others[0]}-{others[-1]})"
+    return "peer ranks " + ", ".join(map(str, others))
+
+
 class Mailbox:
     """Posts, waits for, and sends the p2p messages of one rank, iteration after iteration."""
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from chimera.runtime.p2p import CommTimeout
+from chimera.runtime.p2p import CommTimeout, peers_text
 
 BUCKET_BYTES = 4 * 2**20  # allreduce granularity inside the last backward (0: one allreduce at SYNC)
 
@@ -101,7 +101,7 @@ class GradSync:
 
     def _error(self, pipe: int, stage: int, how: str) -> CommTimeout:
         peers = dist.get_process_group_ranks(self.groups[stage])
-        what = f"gradient allreduce of stage {stage} (pipe {pipe}) with ranks {peers}"
+        what = f"gradient allreduce of stage {stage} (pipe {pipe}) with {peers_text(self.rank, peers)}"
         return CommTimeout(f"rank {self.rank}: {what} {how}", self.rank, peer=peers, what=what)
 
 

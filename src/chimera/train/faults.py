@@ -26,7 +26,7 @@ import time
 import torch.distributed as dist
 
 from chimera.ir import Op, Schedule
-from chimera.runtime.p2p import CommTimeout
+from chimera.runtime.p2p import CommTimeout, peers_text
 
 ENV = "CHIMERA_FAULT"
 GRACE_S = 1.5  # how long a failing rank waits for the others' positions
@@ -95,14 +95,23 @@ def schedule_for(schedule: Schedule, rank: int) -> Schedule:
 
 # -- explaining -------------------------------------------------------------------------
 def collective(what: str, fn, *args, **kwargs):
-    """Run a blocking collective; a failure or timeout becomes a CommTimeout naming ``what``."""
+    """Run a blocking collective; a failure or timeout becomes a CommTimeout naming ``what``
+    and the peers it waited on (any of them may be the one that died)."""
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        raise CommTimeout(f"rank {rank}: {what} failed or timed out: "
-                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+        raise CommTimeout(f"rank {rank}: {what} with {_peers(rank, kwargs.get('group'))} failed or "
+                          f"timed out: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
                           rank=rank, what=what) from exc
+
+
+def _peers(rank: int, group) -> str:
+    try:
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    except (RuntimeError, ValueError):  # the group is already gone
+        return "its peers"
+    return peers_text(rank, ranks)
 
 
 def explain(exc: CommTimeout, schedule: Schedule, grid) -> CommTimeout:
