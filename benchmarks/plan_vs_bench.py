@@ -32,7 +32,8 @@ from chimera.bench.rows import BenchConfig, select_rows
 from chimera.modelcfg import get_config
 from chimera.plan import Planner
 from chimera.plan.hardware import get_hardware, load_profile
-from chimera.plan.search import Candidate
+from chimera.plan.search import Candidate, variants
+from chimera.schedules import build
 from chimera.plan.workload import Workload
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -40,15 +41,11 @@ MODEL, D, B, G = "gpt2-bench", 2, 2, 16
 NOISE = 0.03  # step-time differences below this are within run-to-run noise here
 
 
-def _options(schedule: str, opts: dict) -> tuple:
-    """The planner's option tuple for a bench row's scheme."""
-    if schedule == "chimera":
-        return (("pipes", 2), ("strategy", opts.get("strategy", "direct")))
-    if schedule == "chimera-zb":
-        return (("pipes", 2),)
-    if schedule == "interleaved":
-        return (("chunks", opts.get("chunks", 2)),)
-    return ()
+def _options(schedule: str, opts: dict, layers: int) -> tuple:
+    """The planner's variant of the schedule a bench row runs (its options, defaults filled in
+    by the generator)."""
+    params = build(schedule, D, G // B, **opts).params
+    return next(v for v in variants(schedule, D, layers) if all(params.get(k) == x for k, x in v))
 
 
 def _label(schedule: str, opts: dict) -> str:
@@ -61,7 +58,8 @@ def predict(profile_path: str, width: int, rows: list[tuple[str, dict]]) -> dict
     planner = Planner(work, sorted({s for s, _ in rows}), recompute=(False,))
     out = {}
     for schedule, opts in rows:
-        c = Candidate(schedule, _options(schedule, opts), D, width, B, G // (width * B), False)
+        c = Candidate(schedule, _options(schedule, opts, work.model.n_layers_total), D, width, B,
+                      G // (width * B), False)
         ev = planner.evaluate(c)
         out[_label(schedule, opts)] = ev.iteration_s if ev else float("nan")
     return out
@@ -79,7 +77,7 @@ def measure_w1(steps: int, bench_json: str | None) -> tuple[list[tuple[str, dict
         cfg = BenchConfig(rows=("chimera",), memory=False, steps=steps)
         rows = select_rows(cfg)
         results = result_rows(cfg, rows, measure(cfg, rows))
-    pairs = [(r["schedule"], {k: v for k, v in r["options"].items() if k != "chunks"}) for r in results]
+    pairs = [(r["schedule"], r["options"]) for r in results]
     return pairs, {_label(s, o): r["median_step_s"] for (s, o), r in zip(pairs, results)}
 
 
@@ -90,21 +88,19 @@ def measure_w2(rows: list[tuple[str, dict]], steps: int, profile_path: str) -> d
     from chimera.train.report import measured_timeline
     from chimera.viz import save_trace
 
-    out = {}
+    out, links = {}, load_links(profile_path)
     with tempfile.TemporaryDirectory() as tmp:
         for schedule, opts in rows:
             label = _label(schedule, opts)
             print(f"plan_vs_bench: W=2 {label}", flush=True)
             cfg = TrainConfig(model=MODEL, schedule=schedule, stages=D, data_parallel=2,
                               micro_batches=G // (2 * B), micro_batch_size=B, steps=steps,
-                              progress=False, **({"chunks": 2} if schedule == "interleaved" else {}),
-                              **opts)
+                              progress=False, **opts)
             trace = os.path.join(tmp, "t.json")
             save_trace(measured_timeline(cfg.build_schedule(), launch(cfg)), trace)
-            own, links = replay(trace, "cpu"), replay(trace, "cpu", load_links(profile_path))
-            out[label] = {"wall_step_s": own.measured_step_s, "replay_cpu_step_s": own.predicted_step_s,
-                          "replay_cpu_profile_links_step_s": links.predicted_step_s,
-                          "replay_cpu_profile_links_makespan_s": links.predicted.makespan}
+            r = replay(trace, "cpu", links)
+            out[label] = {"wall_step_s": r.measured_step_s, "replay_cpu_profile_links_step_s": r.predicted_step_s,
+                          "replay_cpu_profile_links_makespan_s": r.predicted.makespan}
     return out
 
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -54,19 +53,28 @@ def isolated(model: str, blocks: int, reps: int) -> dict:
         backward_weight(pending)
         return t1 - t, time.perf_counter() - t1
 
-    full(), split()  # warm-up
-    b, i, w = [], [], []
+    def input_only():  # I without the bookkeeping W needs: what that bookkeeping costs
+        x = x0.clone().requires_grad_()
+        y = stage(x)
+        t = time.perf_counter()
+        torch.autograd.grad(y, (x,), g, retain_graph=True)
+        return time.perf_counter() - t
+
+    full(), split(), input_only()  # warm-up
+    b, i, w, plain = [], [], [], []
     for _ in range(reps):
         b.append(full())
         ii, ww = split()
         i.append(ii)
         w.append(ww)
+        plain.append(input_only())
     return {"blocks": blocks, "reps": reps, "B_ms": statistics.median(b) * 1e3,
             "I_ms": statistics.median(i) * 1e3, "W_ms": statistics.median(w) * 1e3,
+            "I_without_bookkeeping_ms": statistics.median(plain) * 1e3,
             "ratio_I_plus_W_over_B": statistics.median([x + y for x, y in zip(i, w)]) / statistics.median(b)}
 
 
-def _action_cpu_times(schedule: str, model: str, tmp: str) -> dict:
+def _action_cpu_times(schedule: str, model: str) -> dict:
     """Thread CPU seconds of every B, I, W action of one traced step, by (op, stage)."""
     from chimera.train import TrainConfig
     from chimera.train.launch import launch
@@ -84,11 +92,10 @@ def _action_cpu_times(schedule: str, model: str, tmp: str) -> dict:
 
 def in_pipeline(model: str, runs: int) -> dict:
     samples: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(runs):
-            for schedule in ("1f1b", "zb-h1"):
-                for key, values in _action_cpu_times(schedule, model, tmp).items():
-                    samples.setdefault(key, []).extend(values)
+    for _ in range(runs):
+        for schedule in ("1f1b", "zb-h1"):
+            for key, values in _action_cpu_times(schedule, model).items():
+                samples.setdefault(key, []).extend(values)
     per_stage = []
     for stage in range(2):
         b, i, w = (statistics.median(samples[(op, stage)]) * 1e3 for op in "BIW")
@@ -116,7 +123,8 @@ def main():
     res["isolated"] = iso = isolated(args.model, args.blocks, args.reps)
     print(f"isolated: {args.model}, {args.blocks} blocks, micro-batch 2, 1 thread, median of "
           f"{args.reps}: B {iso['B_ms']:.1f} ms, I {iso['I_ms']:.1f} ms, W {iso['W_ms']:.1f} ms, "
-          f"(I+W)/B = {iso['ratio_I_plus_W_over_B']:.3f}")
+          f"(I+W)/B = {iso['ratio_I_plus_W_over_B']:.3f}; I without the kept gradients and hooks "
+          f"{iso['I_without_bookkeeping_ms']:.1f} ms")
     if args.runs:
         res["in_pipeline"] = run = in_pipeline(args.model, args.runs)
         for s in run["stages"]:

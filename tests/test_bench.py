@@ -8,8 +8,8 @@
 """
 
 import json
-import os
 import math
+import os
 
 import pytest
 

@@ -40,9 +40,9 @@ from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.executor import ActionRecord, MicroData
-from chimera.runtime.grid import ProcessGrid
+from chimera.runtime.grid import ProcessGrid, end_group
 from chimera.runtime.pipeline import PipelineRuntime
-from chimera.schedules import build, get_scheme
+from chimera.schedules import build, require_runnable
 from chimera.validate import validate
 
 __all__ = ["Pipeline", "balanced_partition", "spawn"]
@@ -80,8 +80,7 @@ class Pipeline:
         if world != stages * data_parallel:
             raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
         n = micro_batches or stages
-        if not get_scheme(schedule).runnable:
-            raise ScheduleError(f"schedule {schedule!r} is simulation only (asynchronous)")
+        require_runnable(schedule)
         self.schedule = validate(lower(build(schedule, stages, n, **schedule_options), sync))
         torch.manual_seed(seed)
         layers = list(make_layers())
@@ -137,12 +136,9 @@ class Pipeline:
 
 
 def _entry(rank: int, world: int, fn, port: int, backend: str) -> None:
-    from chimera.train.launch import end_group
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    keep_freed_memory()
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world)

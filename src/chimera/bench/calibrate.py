@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from chimera.ir import COMPUTE_OPS, Op, Schedule, ScheduleError
 from chimera.sim import CostModel, Link, Timeline, simulate
@@ -156,17 +156,13 @@ def cost_from_trace(schedule: Schedule, events: list[Event], other: dict, clock:
     sources = {"compute": f"median per (op, stage) of {clock} time, with the receives', sends', "
                           f"syncs' {'CPU' if clock == 'cpu' else 'wall'} time folded in"}
     aligned = other.get("aligned", True)
-    kw: dict = {}
-    if profile is not None:
+    if profile is not None:  # the profile's links, bytes and width; the trace's compute
         base = cost_from_profile(profile, schedule, data_parallel=int(other.get("data_parallel", 1)))
-        kw.update(p2p=base.p2p, allreduce=base.allreduce, act_bytes=base.act_bytes,
-                  weight_bytes=base.weight_bytes, data_parallel=base.data_parallel)
         sources["p2p"] = sources["allreduce"] = "alpha-beta links of the profile"
-    else:
-        hop, sources["p2p"] = _p2p_latency(per_rank, aligned)
-        reduce_s, sources["allreduce"] = _allreduce_time(schedule, per_rank, other, aligned)
-        kw.update(p2p_time=hop, allreduce_time=reduce_s)
-    return CostModel(**times, **kw), sources
+        return replace(base, **times), sources
+    hop, sources["p2p"] = _p2p_latency(per_rank, aligned)
+    reduce_s, sources["allreduce"] = _allreduce_time(schedule, per_rank, other, aligned)
+    return CostModel(**times, p2p_time=hop, allreduce_time=reduce_s), sources
 
 
 def _programs(schedule: Schedule, events: list[Event]) -> list[list[Event]]:

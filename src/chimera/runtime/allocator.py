@@ -5,7 +5,7 @@ trim), so the next step's activations and gradients of the same sizes come back 
 pages and every first touch page-faults. A pipeline makes that worse than plain training:
 split backward keeps the gradients at its boundaries until W, so I cannot reuse their
 buffers. Measured here (gpt2-bench, 4 blocks, micro-batch 2, one thread,
-`python benchmarks/split_backward.py`): I + W went from 1.26 B to 1.10 B, B itself 1% faster.
+`python benchmarks/split_backward.py [--default-malloc]`): I + W went from 1.25 B to 1.11 B.
 PyTorch's CPU performance guide recommends jemalloc or tcmalloc for the same reason; this
 gets most of it from glibc alone. The cost is that a rank's RSS stays at its peak, which a
 training step reaches every iteration anyway. The setting is process-wide: the training

@@ -9,6 +9,14 @@ import torch.distributed as dist
 from chimera.ir import Placement
 
 
+def end_group(device) -> None:
+    """Barrier, then tear the default group down: no rank closes its connections while a peer
+    still uses them (gloo aborted at exit under load without it). Only on success: after a
+    failure a peer may be gone, so skip the barrier."""
+    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+    dist.destroy_process_group()
+
+
 @dataclass
 class ProcessGrid:
     """Where this process sits: data-parallel replica ``w`` of pipeline rank ``d``.

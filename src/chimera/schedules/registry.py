@@ -50,6 +50,16 @@ def get_scheme(name: str) -> Scheme:
         raise ScheduleError(f"unknown schedule {name!r}; known: {known}") from None
 
 
+def require_runnable(name: str) -> Scheme:
+    """The scheme ``name`` if the runtime can execute it; simulation-only schemes (PipeDream's
+    asynchronous ones) have no synchronous runtime."""
+    scheme = get_scheme(name)
+    if not scheme.runnable:
+        raise ScheduleError(f"schedule {name} is simulation only (asynchronous, stale weights); "
+                            f"train with a synchronous scheme (see `chimera schedules`)")
+    return scheme
+
+
 def build(name: str, stages: int, micro_batches: int, **options) -> Schedule:
     """Build schedule ``name``. Options the scheme does not take must be None (unset)."""
     scheme = get_scheme(name)

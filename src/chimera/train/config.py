@@ -188,14 +188,11 @@ class TrainConfig:
         return [f.name for f in fields(cls)]
 
 
+
 def _check_runnable(name: str) -> None:
-    """Simulation-only schemes (PipeDream's asynchronous ones) have no synchronous runtime."""
-    from chimera.schedules import get_scheme
+    from chimera.schedules import require_runnable
 
     try:
-        runnable = get_scheme(name).runnable
-    except ScheduleError as exc:  # an unknown name
+        require_runnable(name)
+    except ScheduleError as exc:  # an unknown or a simulation-only scheme
         raise ConfigError(str(exc)) from None
-    if not runnable:
-        raise ConfigError(f"--schedule {name} is simulation only (asynchronous, stale weights); "
-                          f"train with a synchronous scheme (see `chimera schedules`)")

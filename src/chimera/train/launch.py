@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from chimera.runtime.allocator import keep_freed_memory
+from chimera.runtime.grid import end_group
 from chimera.runtime.p2p import CommTimeout
 from chimera.train import checkpoint, faults
 from chimera.train.config import TrainConfig
@@ -75,13 +76,6 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
         raise  # no destroy_process_group: its peers may be gone
     end_group(device)
     return result
-
-
-def end_group(device: torch.device) -> None:
-    """Barrier, then tear the group down: no rank closes its connections while a peer still
-    uses them (gloo aborted at exit under load without it)."""
-    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
-    dist.destroy_process_group()
 
 
 def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta) -> None:

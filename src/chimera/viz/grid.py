@@ -64,7 +64,7 @@ def render_programs(schedule: Schedule, mark=None, color: bool = False) -> str:
     cells = [list(p) + [None] * (ncols - len(p)) for p in programs]
     grid = _Grid(cells, _ticks(ncols, str), "1 column = 1 program slot (no timing)")
     if mark is not None:
-        grid.mark = _program_mark(schedule, mark)
+        grid.mark = _program_mark(schedule, mark, ncols)
     return _draw(grid, color)
 
 
@@ -132,7 +132,7 @@ def _find_event(timeline: Timeline, mark) -> Event:
     return events[index]
 
 
-def _program_mark(schedule: Schedule, mark) -> tuple[int, list[int], str]:
+def _program_mark(schedule: Schedule, mark, ncols: int) -> tuple[int, list[int], str]:
     if isinstance(mark, Action):
         where = [(r, i) for r, i, a in schedule.actions() if a == mark]
         if not where:
@@ -145,7 +145,6 @@ def _program_mark(schedule: Schedule, mark) -> tuple[int, list[int], str]:
     col = sum(1 for a in program[:index] if a.op.is_compute)
     action = program[index]
     note = f"marked: {action} on P{rank}, action #{index} of its program"
-    ncols = max((len(p) for p in schedule.compute_programs()), default=0)
     if not action.op.is_compute and col >= ncols:  # e.g. the STEP: after every column
         note += f" (a {action.op.value}, after the last compute column)"
         return rank, ([ncols - 1] if ncols else []), note
