@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from chimera.comm_plan import Launch, Post
 from chimera.ir import Action, Op, Schedule
 from chimera.runtime.split_backward import backward_input, backward_weight
 
@@ -40,13 +41,14 @@ class ActionRecord:
 class Executor:
     def __init__(self, schedule: Schedule, modules: dict[tuple[int, int], nn.Module], loss_fn,
                  mailbox, sync, recompute: bool = False, autocast: torch.dtype | None = None,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), early: frozenset = frozenset()):
         self.schedule, self.modules, self.loss_fn = schedule, modules, loss_fn
+        self.arm = early  # last backwards inside which buckets may reduce (CommPlan.early)
         self.mailbox, self.sync = mailbox, sync
         self.recompute, self.autocast, self.device = recompute, autocast, device
         self.last = schedule.stages - 1
         self.record_epoch: float | None = None  # wall-clock time of the recorded run's t0
-        self._arm_of: tuple = (None, frozenset())  # (program, its last B per replica)
+        self._calls_of: tuple = (None, [])  # (program, its handler per step)
         self.params = {k: [p for p in m.parameters() if p.requires_grad] for k, m in modules.items()}
         self.handlers = {
             Op.F: self._forward, Op.B: self._backward, Op.I: self._backward_input,
@@ -55,24 +57,37 @@ class Executor:
         }
 
     def run(self, program, data: MicroData, record: list[ActionRecord] | None = None) -> float:
-        """Run ``program``; return the sum of the (weighted) losses computed on this rank."""
+        """Run ``program`` (a CommPlan's steps for this rank: actions, receive posts and
+        allreduce launches); return the sum of the (weighted) losses computed on this rank."""
         self.data, self.loss_sum = data, 0.0
-        self.arm = self._last_backwards(program)
         self.inp: dict[tuple, torch.Tensor] = {}
         self.out: dict[tuple, torch.Tensor] = {}
         self.recv: dict[tuple, torch.Tensor] = {}
-        self.mailbox.start_iteration()
         t0 = time.perf_counter()
         if record is not None:  # t0 on the wall clock: aligns the ranks' records with each other
             self.record_epoch = time.time()
-        for action in program:
-            if record is None:
-                self.handlers[action.op](action)
+        for call, step in self._calls(program):
+            if record is None or not isinstance(step, Action):
+                call(step)
                 continue
             c, s = time.thread_time(), time.perf_counter()
-            self.handlers[action.op](action)
-            record.append(ActionRecord(action, s - t0, time.perf_counter() - t0, time.thread_time() - c))
+            call(step)
+            record.append(ActionRecord(step, s - t0, time.perf_counter() - t0, time.thread_time() - c))
         return self.loss_sum
+
+    def _calls(self, program) -> list:
+        """(handler, step) per step of ``program``, worked out once per program."""
+        if self._calls_of[0] is not program:
+            calls = []
+            for step in program:
+                if isinstance(step, Post):
+                    calls.append((self._post, step))
+                elif isinstance(step, Launch):
+                    calls.append((self._launch, step))
+                else:
+                    calls.append((self.handlers[step.op], step))
+            self._calls_of = (program, calls)
+        return self._calls_of[1]
 
     # -- compute ------------------------------------------------------------------
     def _autocast(self):
@@ -121,16 +136,6 @@ class Executor:
             self.sync.arm(a.pipe, a.stage)
         torch.autograd.backward(y, None if g is None else g.to(y.dtype))
 
-    def _last_backwards(self, program) -> frozenset:
-        """The B actions after which a replica's gradients are complete (a SYNC follows)."""
-        if self._arm_of[0] is not program:
-            last: dict[tuple[int, int], Action] = {}
-            for a in program:
-                if a.op in (Op.B, Op.W):
-                    last[(a.pipe, a.stage)] = a
-            self._arm_of = (program, frozenset(a for a in last.values() if a.op is Op.B))
-        return self._arm_of[1]
-
     def _backward_input(self, a: Action) -> None:
         """I: the input gradient only (what the previous stage waits for)."""
         y, g = self.out.pop(a.key), self._output_grad(a)
@@ -154,8 +159,14 @@ class Executor:
     def _recv(self, a: Action) -> None:
         self.recv[(a.op, a.pipe, a.stage, a.micro)] = self.mailbox.receive(a)
 
+    def _post(self, post: Post) -> None:
+        self.mailbox.post(post.message)
+
+    def _launch(self, launch: Launch) -> None:
+        self.sync.start(launch.pipe, launch.stage)
+
     def _sync(self, a: Action) -> None:
-        self.sync.start(a.pipe, a.stage)
+        """The replica's gradients are final; the plan's Launch (here or later) reduces them."""
 
     def _step(self, a: Action) -> None:
         """End of the iteration's communication; the optimizer step is the trainer's."""

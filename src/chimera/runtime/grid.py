@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
+from chimera.comm_plan import CommPlan
 from chimera.ir import Placement
 
 
@@ -67,3 +69,29 @@ class ProcessGrid:
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if self.rank in ranks:
                 self.stage_groups[stage] = group
+
+    def pairs(self, plan: CommPlan) -> list[tuple[int, int]]:
+        """Every pair of global ranks that exchanges p2p messages, sorted."""
+        inner = {tuple(sorted(msg.ranks(plan.schedule))) for msg in plan.order}
+        return sorted((self.global_rank(a, w), self.global_rank(b, w))
+                      for w in range(self.data_parallel) for a, b in inner)
+
+    def warm_up(self, plan: CommPlan, device: torch.device) -> None:
+        """Create every communicator now, in one order on every rank.
+
+        NCCL creates a communicator at its first use, and creation blocks until every member
+        arrives: inside the pipeline that is a barrier nobody planned for. So, before the
+        first iteration: a one-element allreduce on each stage group (stages in order), then
+        a one-element exchange for each pair of ranks that talks (pairs in sorted order).
+        Each rank's list is a subsequence of one global list, so these blocking steps cannot
+        wait on each other in a cycle. Cheap on gloo, where it only opens the connections.
+        """
+        one = torch.zeros(1, device=device)
+        for stage in sorted(self.stage_groups):
+            if self.stage_groups[stage] is not None:
+                dist.all_reduce(one, group=self.stage_groups[stage])
+        for a, b in self.pairs(plan):
+            if self.rank == a:
+                dist.send(one, dst=b)
+            elif self.rank == b:
+                dist.recv(one, src=a)

@@ -1,22 +1,31 @@
-"""Point-to-point messages of a lowered schedule: who sends what to whom, in which order.
+"""Point-to-point messages of a lowered schedule, issued in the order of its CommPlan.
 
-Every RECV is posted in the order its *sender* issues the matching SENDs (backends such as
-NCCL match messages between a pair of ranks by order, not by tag), and with a tag that names
-the message (gloo checks it). On gloo all receives of an iteration are posted up front, so
-data moves while the receiver computes; elsewhere a receive is posted just before it is
-waited on. Buffers are allocated once and reused every iteration.
+The plan (:mod:`chimera.comm_plan`) fixes where every receive is posted; this module only
+carries it out: :meth:`Mailbox.post` at a Post, :meth:`Mailbox.receive` at a RECV (waits for
+the posted receive), :meth:`Mailbox.send` at a SEND. Receive buffers are allocated once and
+reused every iteration; a sent tensor is released as soon as its send is complete.
+
+Waits: on gloo a wait takes ``--comm-timeout`` (gloo has no watchdog, and a CPU wait is what
+gloo does anyway). On NCCL ``Work.wait()`` only makes the compute stream wait for the
+communication stream: no CPU blocking and no polling in the hot path; hangs are the process
+group's timeout and watchdog's job (``init_process_group(timeout=--comm-timeout)``).
+
+The calls go through a :class:`Transport` so that CI can run the same calls under an
+emulation of NCCL's rendezvous semantics on gloo (:mod:`chimera.runtime.nccl_emulation`).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections import defaultdict
-from dataclasses import dataclass
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from chimera.ir import Action, Op, Schedule
+from chimera.comm_plan import CommPlan, Message
+from chimera.ir import Action
+
+__all__ = ["CommTimeout", "Mailbox", "Message", "Transport", "peers_text"]
 
 
 class CommTimeout(RuntimeError):
@@ -32,39 +41,14 @@ class CommTimeout(RuntimeError):
         self.rank, self.action, self.peer, self.what = rank, action, peer, what
 
 
-@dataclass(frozen=True)
-class Message:
-    kind: Op  # RECV_F (activation into `stage`) or RECV_B (gradient into `stage`)
-    pipe: int
-    stage: int
-    micro: int
+class Transport:
+    """The p2p calls the Mailbox makes: plain ``torch.distributed``."""
 
-    def tag(self, schedule: Schedule) -> int:
-        pipes, stages = schedule.placement.pipes, schedule.stages
-        return (((self.micro * pipes + self.pipe) * stages + self.stage) << 1) | (self.kind is Op.RECV_B)
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
+        return dist.isend(tensor, dst=dst, tag=tag)
 
-    def source_stage(self) -> int:
-        return self.stage - 1 if self.kind is Op.RECV_F else self.stage + 1
-
-
-def message_of_send(a: Action) -> Message:
-    """The message a SEND action produces, named by its receiving side."""
-    if a.op is Op.SEND_F:
-        return Message(Op.RECV_F, a.pipe, a.stage + 1, a.micro)
-    return Message(Op.RECV_B, a.pipe, a.stage - 1, a.micro)
-
-
-def incoming_order(schedule: Schedule, rank: int) -> dict[int, list[Message]]:
-    """For pipeline rank ``rank``: per source rank, its messages in the sender's order."""
-    place = schedule.placement
-    out: dict[int, list[Message]] = defaultdict(list)
-    for src, prog in enumerate(schedule.programs):
-        for a in prog:
-            if a.op in (Op.SEND_F, Op.SEND_B):
-                msg = message_of_send(a)
-                if place.rank_of(msg.pipe, msg.stage) == rank:
-                    out[src].append(msg)
-    return dict(out)
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int):
+        return dist.irecv(tensor, src=src, tag=tag)
 
 
 def peers_text(rank: int, ranks) -> str:
@@ -80,64 +64,64 @@ def peers_text(rank: int, ranks) -> str:
     return "peer ranks " + ", ".join(map(str, others))
 
 
+def wait_work(work, timeout: datetime.timedelta | None, rank: int, what: str, peer,
+              action: Action | None = None) -> None:
+    """Wait for ``work``; a failure or a timeout becomes a CommTimeout naming ``what``."""
+    try:
+        ok = work.wait() if timeout is None else work.wait(timeout)
+    except RuntimeError as exc:
+        limit = f" (--comm-timeout {timeout.total_seconds():g}s)" if timeout else ""
+        raise CommTimeout(f"rank {rank}: {what} failed{limit}: {str(exc).splitlines()[0]}",
+                          rank, action, peer, what) from exc
+    if ok is False:
+        raise CommTimeout(f"rank {rank}: {what} timed out after {timeout.total_seconds():g}s",
+                          rank, action, peer, what)
+
+
 class Mailbox:
     """Posts, waits for, and sends the p2p messages of one rank, iteration after iteration."""
 
-    def __init__(self, schedule: Schedule, grid, shape_of, dtype: torch.dtype,
-                 device: torch.device, prepost: bool, timeout_s: float):
-        self.schedule, self.grid = schedule, grid
-        self.order = incoming_order(schedule, grid.d)
-        self.src_of = {m: src for src, msgs in self.order.items() for m in msgs}
-        self.index_of = {m: i for msgs in self.order.values() for i, m in enumerate(msgs)}
-        self.buffers = {m: torch.empty(shape_of(m), dtype=dtype, device=device) for m in self.src_of}
-        self.prepost, self.timeout = prepost, datetime.timedelta(seconds=timeout_s)
+    def __init__(self, plan: CommPlan, grid, shape_of, dtype: torch.dtype,
+                 device: torch.device, timeout_s: float | None, transport: Transport | None = None):
+        self.schedule, self.grid = plan.schedule, grid
+        incoming = plan.incoming[grid.d]
+        self.buffers = {m: torch.empty(shape_of(m), dtype=dtype, device=device) for m in incoming}
+        self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        self.transport = transport or Transport()
         self.dtype = dtype
         self.pending: dict[Message, object] = {}
-        self.next_index: dict[int, int] = {}
-        self.sends: list[tuple[object, torch.Tensor, Action, int]] = []
+        self.sends: deque[tuple[object, torch.Tensor | None, Action, int]] = deque()
 
-    def start_iteration(self) -> None:
-        self.next_index = {src: 0 for src in self.order}
-        if self.prepost:
-            for src, msgs in self.order.items():
-                self._post_until(src, len(msgs))
-
-    def _post_until(self, src: int, count: int) -> None:
-        msgs = self.order[src]
-        while self.next_index[src] < count:
-            msg = msgs[self.next_index[src]]
-            peer = self.grid.global_rank(src)
-            self.pending[msg] = dist.irecv(self.buffers[msg], src=peer, tag=msg.tag(self.schedule))
-            self.next_index[src] += 1
+    def post(self, msg: Message) -> None:
+        src = self.grid.peer(msg.pipe, msg.source_stage())
+        self.pending[msg] = self.transport.irecv(self.buffers[msg], src, msg.tag(self.schedule))
 
     def receive(self, action: Action) -> torch.Tensor:
-        msg = Message(action.op, action.pipe, action.stage, action.micro)
-        src = self.src_of[msg]
-        self._post_until(src, self.index_of[msg] + 1)
-        work = self.pending.pop(msg)
-        self._wait(work, action, self.grid.global_rank(src))
+        msg = Message.of(action)
+        src = self.grid.peer(msg.pipe, msg.source_stage())
+        wait_work(self.pending.pop(msg), self.timeout, self.grid.rank,
+                  f"{action} with peer rank {src}", src, action)
         return self.buffers[msg]
 
     def send(self, action: Action, tensor: torch.Tensor) -> None:
-        msg = message_of_send(action)
+        msg = Message.of(action)
         peer = self.grid.peer(msg.pipe, msg.stage)
         tensor = tensor.detach().to(self.dtype).contiguous()  # bf16 autocast may change it
-        work = dist.isend(tensor, dst=peer, tag=msg.tag(self.schedule))
+        work = self.transport.isend(tensor, peer, msg.tag(self.schedule))
         self.sends.append((work, tensor, action, peer))
+        self._release_sent()
+
+    def _release_sent(self) -> None:
+        """Drop completed sends from the front (their tensors' memory goes back)."""
+        while self.sends and self.sends[0][0].is_completed():
+            self.sends.popleft()
 
     def finish_iteration(self) -> None:
         """Wait for every send of the iteration (their buffers may be reused after this)."""
-        for work, _, action, peer in self.sends:
-            self._wait(work, action, peer)
-        self.sends.clear()
-
-    def _wait(self, work, action: Action, peer: int) -> None:
-        try:
-            ok = work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise CommTimeout(f"rank {self.grid.rank}: {action} with peer rank {peer} failed "
-                              f"(--comm-timeout {self.timeout.total_seconds():g}s): "
-                              f"{str(exc).splitlines()[0]}", self.grid.rank, action, peer) from exc
-        if ok is False:
-            raise CommTimeout(f"rank {self.grid.rank}: {action} with peer rank {peer} timed out "
-                              f"after {self.timeout.total_seconds():g}s", self.grid.rank, action, peer)
+        while self.sends:
+            work, _, action, peer = self.sends.popleft()
+            wait_work(work, self.timeout, self.grid.rank, f"{action} with peer rank {peer}",
+                      peer, action)
+        if self.pending:  # cannot happen with a plan from plan_comm: every Post has its RECV
+            raise RuntimeError(f"rank {self.grid.rank}: receives never waited for: "
+                               + ", ".join(map(str, self.pending)))

@@ -8,10 +8,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from chimera.comm_plan import Message, plan_comm
 from chimera.ir import Schedule, ScheduleError
 from chimera.runtime.executor import ActionRecord, Executor, MicroData
 from chimera.runtime.grid import ProcessGrid
-from chimera.runtime.p2p import Mailbox, Message
+from chimera.runtime.nccl_emulation import transport_from_env
+from chimera.runtime.p2p import Mailbox
 from chimera.runtime.sync import BUCKET_BYTES, GradSync, ReplicaGrads
 
 
@@ -69,19 +71,23 @@ class PipelineRuntime:
         self.rows = rows  # rows of one schedule micro-batch
         self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
         self.grads = {key: ReplicaGrads(m) for key, m in self.modules.items()}
+        self.plan = plan_comm(schedule)
         grid.build_groups()
+        grid.warm_up(self.plan, self.device)
         self.shapes = infer_boundary_shapes(grid, self.modules, input_shape, input_dtype)
         wire = next(iter(self.modules.values())).parameters().__next__().dtype
-        self.mailbox = Mailbox(schedule, grid, self._message_shape, wire, self.device,
-                               prepost=dist.get_backend() == "gloo", timeout_s=comm_timeout)
+        # NCCL: no timed (CPU-blocking, polling) waits; its timeout and watchdog catch hangs
+        timeout = None if dist.get_backend() == "nccl" else comm_timeout
+        self.mailbox = Mailbox(self.plan, grid, self._message_shape, wire, self.device, timeout,
+                               transport_from_env(grid.rank))
         # Buckets reduced inside the last backward pay off where the allreduce runs beside the
         # compute (NCCL); with gloo on CPU cores the reduction competes with the compute for the
         # same cores and measured no faster than one allreduce per replica at SYNC (README).
         buckets = BUCKET_BYTES if self.device.type == "cuda" else 0
-        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, comm_timeout, buckets)
+        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, timeout, buckets)
         self.executor = Executor(schedule, self.modules, loss_fn, self.mailbox, self.sync,
-                                 recompute, autocast, self.device)
-        self.program = schedule.programs[grid.d]
+                                 recompute, autocast, self.device, self.plan.early[grid.d])
+        self.program = self.plan.steps[grid.d]
 
     def _message_shape(self, msg: Message) -> tuple:
         # an activation into stage s is stage s-1's output; a gradient into s is s's output's

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from chimera.runtime.p2p import CommTimeout, peers_text
+from chimera.runtime.p2p import peers_text, wait_work
 
 BUCKET_BYTES = 4 * 2**20  # allreduce granularity inside the last backward (0: one allreduce at SYNC)
 
@@ -59,15 +59,21 @@ class ReplicaGrads:
 
 
 class GradSync:
-    """Launches each replica's allreduce at its SYNC action and waits for all at STEP."""
+    """Launches each replica's allreduce where the CommPlan puts its Launch; waits at STEP.
+
+    Launches follow the plan's global order of collectives on every rank (what NCCL needs of
+    communicators used concurrently); ``arm`` is called only for replicas the plan allows to
+    reduce bucket by bucket inside their last backward.
+    """
 
     def __init__(self, grads: dict[tuple[int, int], ReplicaGrads], groups: dict[int, object],
-                 rank: int, timeout_s: float, bucket_bytes: int = BUCKET_BYTES):
+                 rank: int, timeout_s: float | None, bucket_bytes: int = BUCKET_BYTES):
         self.grads, self.groups, self.rank = grads, groups, rank
-        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.bucket_bytes = bucket_bytes
         self.inflight: list[tuple[object, tuple[int, int]]] = []
         self.early: dict[tuple[int, int], _EarlySync] = {}
+        self.peers = {stage: dist.get_process_group_ranks(g) for stage, g in groups.items() if g}
 
     def arm(self, pipe: int, stage: int) -> None:
         """Called right before the replica's last backward: reduce buckets as they finish."""
@@ -91,18 +97,10 @@ class GradSync:
 
     def wait_all(self) -> None:
         for work, (pipe, stage) in self.inflight:
-            try:
-                ok = work.wait(self.timeout)
-            except RuntimeError as exc:
-                raise self._error(pipe, stage, f"failed: {str(exc).splitlines()[0]}") from exc
-            if ok is False:
-                raise self._error(pipe, stage, f"timed out after {self.timeout.total_seconds():g}s")
+            what = (f"gradient allreduce of stage {stage} (pipe {pipe}) with "
+                    f"{peers_text(self.rank, self.peers[stage])}")
+            wait_work(work, self.timeout, self.rank, what, self.peers[stage])
         self.inflight.clear()
-
-    def _error(self, pipe: int, stage: int, how: str) -> CommTimeout:
-        peers = dist.get_process_group_ranks(self.groups[stage])
-        what = f"gradient allreduce of stage {stage} (pipe {pipe}) with {peers_text(self.rank, peers)}"
-        return CommTimeout(f"rank {self.rank}: {what} {how}", self.rank, peer=peers, what=what)
 
 
 class _EarlySync:
