@@ -38,6 +38,29 @@ class ActionRecord:
     cpu: float  # thread CPU seconds spent in the action
 
 
+class _Clock:
+    """Action times in seconds since the iteration started: the host clock on CPU; on CUDA,
+    events on the compute stream (the host only says when a kernel was queued, not when it
+    ran), resolved after one synchronize at the end of the recorded iteration."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t0 = self.mark()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        if not self.cuda:
+            return mark - self.t0
+        mark.synchronize()
+        return self.t0.elapsed_time(mark) / 1000.0
+
+
 class Executor:
     def __init__(self, schedule: Schedule, modules: dict[tuple[int, int], nn.Module], loss_fn,
                  mailbox, sync, recompute: bool = False, autocast: torch.dtype | None = None,
@@ -63,16 +86,22 @@ class Executor:
         self.inp: dict[tuple, torch.Tensor] = {}
         self.out: dict[tuple, torch.Tensor] = {}
         self.recv: dict[tuple, torch.Tensor] = {}
-        t0 = time.perf_counter()
-        if record is not None:  # t0 on the wall clock: aligns the ranks' records with each other
-            self.record_epoch = time.time()
+        if record is None:
+            for call, step in self._calls(program):
+                call(step)
+            return self.loss_sum
+        self.record_epoch = time.time()  # t0 on the wall clock: aligns the ranks' records
+        clock = _Clock(self.device)
+        marks = []
         for call, step in self._calls(program):
-            if record is None or not isinstance(step, Action):
+            if not isinstance(step, Action):
                 call(step)
                 continue
-            c, s = time.thread_time(), time.perf_counter()
+            c, start = time.thread_time(), clock.mark()
             call(step)
-            record.append(ActionRecord(step, s - t0, time.perf_counter() - t0, time.thread_time() - c))
+            marks.append((step, start, clock.mark(), time.thread_time() - c))
+        record.extend(ActionRecord(a, clock.seconds(s), clock.seconds(e), cpu)
+                      for a, s, e, cpu in marks)
         return self.loss_sum
 
     def _calls(self, program) -> list:

@@ -11,6 +11,14 @@ from chimera.comm_plan import CommPlan
 from chimera.ir import Placement
 
 
+def collective_device() -> torch.device:
+    """Where tensors handed to a collective of the default group must live: the current CUDA
+    device under NCCL (which rejects CPU tensors), the CPU otherwise."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def end_group(device) -> None:
     """Barrier, then tear the default group down: no rank closes its connections while a peer
     still uses them (gloo aborted at exit under load without it). Only on success: after a

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from chimera.runtime.grid import collective_device
 from chimera.train.faults import collective
 
 FORMAT = "chimera-checkpoint/1"
@@ -253,7 +254,7 @@ def save(trainer, directory: str | os.PathLike, step: int, keep: int) -> Path:
 
 def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
     bad = _first_nonfinite(state)
-    flag = torch.tensor([0.0 if bad is None else 1.0])
+    flag = torch.tensor([0.0 if bad is None else 1.0], device=collective_device())
     if world > 1:
         collective("checkpoint: agreeing that the state is finite", dist.all_reduce, flag)
     if flag.item():
@@ -352,7 +353,8 @@ def restore(trainer, directory: str | os.PathLike) -> int:
 
 def _agree_on_latest(directory, rank: int, world: int) -> Path | None:
     found = latest(directory)
-    step = torch.tensor([-1 if found is None else int(found.name[len("step-"):])])
+    step = torch.tensor([-1 if found is None else int(found.name[len("step-"):])],
+                        device=collective_device())
     if world > 1:
         collective("checkpoint: choosing the one to resume from", dist.broadcast, step, 0)
     return None if step.item() < 0 else step_dir(directory, int(step.item()))
@@ -368,8 +370,9 @@ def _replicas_by_name(trainer) -> dict[str, list[torch.Tensor]]:
 def _init_adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
     """The state AdamW creates on its first step, to be overwritten by the checkpoint's."""
     state = optimizer.state[p]
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
+    if not state:  # fused or capturable AdamW keeps its step count on the parameter's device
+        on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 

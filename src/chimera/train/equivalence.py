@@ -33,8 +33,8 @@ def _grads(trainer: Trainer) -> list[tuple[str, int, torch.Tensor]]:
     return [(n, pipe, p.grad.detach().clone()) for n, pipe, p in trainer.replica_parameters()]
 
 
-def _one(rank: int, cfg: TrainConfig) -> dict | None:
-    trainer = Trainer(cfg, rank)
+def _one(rank: int, cfg: TrainConfig, device: torch.device | None = None) -> dict | None:
+    trainer = Trainer(cfg, rank, device)
     box: dict = {}
     losses = [trainer.step(0, on_grads=lambda t: box.setdefault("g", _grads(t))).loss]
     losses += [trainer.step(s).loss for s in range(1, cfg.steps)]
@@ -44,25 +44,27 @@ def _one(rank: int, cfg: TrainConfig) -> dict | None:
     dist.all_gather_object(gathered, mine)
     if rank != 0:
         return None
-    return _compare(cfg, gathered, losses)
+    return _compare(cfg, gathered, losses, device)
 
 
-def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float]) -> dict:
-    ref = Trainer(_reference(cfg), 0)
+def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float],
+             device: torch.device | None = None) -> dict:
+    ref = Trainer(_reference(cfg), 0, device)
     box: dict = {}
     ref_losses = [ref.step(0, on_grads=lambda t: box.setdefault("g", _grads(t))).loss]
     ref_losses += [ref.step(s).loss for s in range(1, cfg.steps)]
     ref_grad = {n: g for n, _, g in box["g"]}
     worst, seen = 0.0, set()
+    ref_grad = {n: g.cpu() for n, g in ref_grad.items()}
     params: dict[str, list[torch.Tensor]] = {}
     for rank, got in enumerate(gathered):
         for name, pipe, g in got["grads"]:
-            r = ref_grad[name]
+            r, g = ref_grad[name], g.cpu()
             err = float((g - r).norm() / max(r.norm(), 1e-30))
             worst = max(worst, err)
             seen.add(name)
         for name, pipe, p in got["params"]:
-            params.setdefault(name, []).append(p)
+            params.setdefault(name, []).append(p.cpu())
     identical = all(all(torch.equal(ps[0], q) for q in ps[1:]) for ps in params.values())
     replicas = {n: len(ps) for n, ps in params.items()}
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -96,3 +98,11 @@ def check_equivalence(configs: list[TrainConfig]) -> list[dict]:
                            nprocs=configs[0].world, start_method="spawn")
         with open(out) as f:
             return json.load(f)
+
+
+def check_virtual(cfg: TrainConfig, device: torch.device | None = None) -> dict:
+    """The same report with every rank a thread of this process (``chimera.runtime.virtual``):
+    no process group, so it runs where only one device exists (all ranks on one GPU)."""
+    from chimera.runtime.virtual import run_virtual
+
+    return run_virtual(cfg.world, lambda rank: _one(rank, cfg, device))[0]

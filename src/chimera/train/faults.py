@@ -25,7 +25,8 @@ import time
 
 import torch.distributed as dist
 
-from chimera.ir import Op, Schedule
+from chimera.comm_plan import Message, Post
+from chimera.ir import Action, Op, Schedule
 from chimera.runtime.p2p import CommTimeout, peers_text
 
 ENV = "CHIMERA_FAULT"
@@ -79,18 +80,19 @@ def grad_hook(rank: int, step: int):
     return poison
 
 
-def schedule_for(schedule: Schedule, rank: int) -> Schedule:
-    """``deadlock``: rank ``rank``'s program with its last receive moved to the front."""
-    d = rank % schedule.ranks
+def program_for(program: tuple, schedule: Schedule, rank: int) -> tuple:
+    """``deadlock``: rank ``rank``'s steps (a CommPlan's) with its last receive, posted and
+    waited for, moved to the front: it waits for a message its peer sends only later."""
     if not any(f.kind == "deadlock" and f.rank == rank for f in active()):
-        return schedule
-    program = list(schedule.programs[d])
-    recvs = [i for i, a in enumerate(program) if a.op in (Op.RECV_F, Op.RECV_B)]
-    if recvs:
-        program.insert(0, program.pop(recvs[-1]))
-    programs = list(schedule.programs)
-    programs[d] = tuple(program)
-    return schedule.with_programs(programs)
+        return program
+    recvs = [i for i, a in enumerate(program) if isinstance(a, Action)
+             and a.op in (Op.RECV_F, Op.RECV_B)]
+    if not recvs:
+        return program
+    wait = program[recvs[-1]]
+    post = next(s for s in program if isinstance(s, Post) and s.message == Message.of(wait))
+    rest = [s for s in program if s is not wait and s is not post]
+    return (post, wait, *rest)
 
 
 # -- explaining -------------------------------------------------------------------------

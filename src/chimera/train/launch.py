@@ -66,7 +66,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
     if cfg.reference:
         trainer = Trainer(cfg, 0, device)
         return _train(trainer, cfg, result_path, hooks)
-    _init_group(backend, rank, world, datetime.timedelta(seconds=cfg.comm_timeout))
+    _init_group(backend, rank, world, datetime.timedelta(seconds=cfg.comm_timeout), device)
     try:
         trainer = Trainer(cfg, rank, device)
         result = _train(trainer, cfg, result_path, hooks)
@@ -78,16 +78,20 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
     return result
 
 
-def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta) -> None:
+def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta,
+                device: torch.device) -> None:
+    # device_id binds the group to this rank's GPU: NCCL creates its communicator now (not
+    # inside the first iteration) and barriers know their device
+    kw = {"device_id": device} if backend == "nccl" else {}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
         return
     # torchrun keeps one store across restarts, so a restarted rank may read the dead
     # attempt's gloo addresses and fail to connect: give each attempt its own key prefix.
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     dist.init_process_group(backend, store=dist.PrefixStore(f"chimera/attempt_{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+                            rank=rank, world_size=world, timeout=timeout, **kw)
 
 
 def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -> dict | None:

@@ -15,7 +15,7 @@ from chimera.data import IGNORE_INDEX, get_batch, load_corpus
 from chimera.models import (build_layers, get_config, layer_costs, layer_names, loss_fn,
                             parse_partition, partition)
 from chimera.runtime.executor import ActionRecord, MicroData
-from chimera.runtime.grid import ProcessGrid
+from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.pipeline import PipelineRuntime
 from chimera.train import faults
@@ -90,6 +90,14 @@ def loss_weights(cfg: TrainConfig, targets: torch.Tensor, rows: int, n: int) -> 
     return {m: rows / targets.shape[0] for m in range(n)}, "mean"
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; to CUDA through pinned memory without blocking the host (the
+    copy is ordered before the kernels that read it on the same stream)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -118,7 +126,7 @@ class Trainer:
 
     def _build_pipeline(self) -> None:
         cfg = self.cfg
-        schedule = faults.schedule_for(cfg.build_schedule(), self.rank)  # unchanged unless a drill
+        schedule = cfg.build_schedule()
         self.schedule = schedule
         self.grid = ProcessGrid(schedule.placement, cfg.data_parallel, self.rank)
         self.ranges = stage_ranges(cfg, schedule.stages)
@@ -129,6 +137,8 @@ class Trainer:
             input_shape=(self.model_cfg.seq_len,), input_dtype=torch.long, rows=self.rows,
             recompute=cfg.recompute, autocast=self.autocast, device=self.device,
             comm_timeout=cfg.comm_timeout)
+        # unchanged unless a drill
+        self.runtime.program = faults.program_for(self.runtime.program, schedule, self.rank)
         self.params = self.runtime.parameters()
         self.optimizer = make_optimizer(self.params, cfg)
 
@@ -185,8 +195,8 @@ class Trainer:
     def _pipeline_backward(self, inputs, targets, record) -> float:
         data = self._micro_data(inputs, targets)
         self.runtime.zero_grad()
-        local = self.runtime.run(data, record)
-        total = torch.tensor([local], dtype=torch.float64)
+        local = self.runtime.run(data, record)  # on the device: read once per step, here
+        total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
         faults.collective("all-reduce of the loss", dist.all_reduce, total)
         return float(total.item())
 
@@ -194,15 +204,16 @@ class Trainer:
         s, grid, rows = self.schedule, self.grid, self.rows
         per_replica = s.micro_batches * rows
         lo = grid.w * per_replica
-        inputs, mine = inputs[lo:lo + per_replica], targets[lo:lo + per_replica]
         weights, _ = loss_weights(self.cfg, targets, rows, s.micro_batches)
+        inputs = to_device(inputs[lo:lo + per_replica], self.device)  # one copy per step
+        mine = to_device(targets[lo:lo + per_replica], self.device)
         data = MicroData(weights=weights)
         held = set(grid.held())
         for m, pipe in enumerate(s.micro_pipe):
             if (pipe, 0) in held:
-                data.inputs[m] = inputs[m * rows:(m + 1) * rows].to(self.device)
+                data.inputs[m] = inputs[m * rows:(m + 1) * rows]
             if (pipe, s.stages - 1) in held:
-                data.targets[m] = mine[m * rows:(m + 1) * rows].to(self.device)
+                data.targets[m] = mine[m * rows:(m + 1) * rows]
         return data
 
     def _clip(self) -> float:
@@ -211,7 +222,7 @@ class Trainer:
             norms = torch._foreach_norm([p.grad for p in self.params if p.grad is not None])
             sq = torch.stack(norms).double().pow(2).sum()
         else:
-            sq = self.runtime.owned_sq_norm().cpu()
+            sq = self.runtime.owned_sq_norm().to(collective_device())
             faults.collective("all-reduce of the gradient norm", dist.all_reduce, sq)
         norm = float(sq.sqrt())
         if self.cfg.clip > 0 and math.isfinite(norm) and norm > self.cfg.clip:

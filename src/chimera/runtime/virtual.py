@@ -1,0 +1,217 @@
+"""Virtual ranks: every rank of a pipeline as a thread of one process, p2p as tensor copies.
+
+For a machine with one device (NCCL refuses two ranks on one GPU) and for quick checks:
+``run_virtual(world, fn)`` runs ``fn(rank)`` on ``world`` threads while the runtime's
+``torch.distributed`` calls go to an in-process stand-in. The runtime code is the real one
+(plan, executor, mailbox, gradient sync); only the transport differs. Messages are matched
+by (source, destination, tag) and buffered, as gloo does: this checks values, not NCCL's
+ordering rules (the rendezvous check and the gloo emulation do that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import sys
+import threading
+from collections import defaultdict, deque
+from typing import Callable
+from unittest import mock
+
+import torch
+
+# Modules whose ``dist`` the runtime (and the trainer) call through.
+PATCHED = ("chimera.runtime.p2p", "chimera.runtime.sync", "chimera.runtime.pipeline",
+           "chimera.runtime.grid", "chimera.train.loop", "chimera.train.faults",
+           "chimera.train.equivalence")
+
+
+class VirtualAbort(RuntimeError):
+    """Another virtual rank failed; this one stops waiting."""
+
+
+class _Work:
+    def __init__(self, world: "VirtualWorld", done: bool = False):
+        self.world, self.done = world, done
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        limit = None if timeout is None else timeout.total_seconds()
+        with self.world.cond:
+            ok = self.world.cond.wait_for(lambda: self.done or self.world.failed, limit)
+            if self.world.failed and not self.done:
+                raise VirtualAbort("a virtual rank failed")
+        return bool(ok)
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class _Group:
+    def __init__(self, key: int, ranks: list[int]):
+        self.key, self.ranks = key, sorted(ranks)
+
+
+class VirtualWorld:
+    """The shared state of ``world`` virtual ranks; methods mirror ``torch.distributed``."""
+
+    class ReduceOp:
+        SUM = "sum"
+
+    def __init__(self, world: int):
+        self.world, self.local = world, threading.local()
+        self.cond = threading.Condition()
+        self.failed = False
+        self.sent: dict[tuple, deque] = defaultdict(deque)  # (src, dst, tag) -> tensors
+        self.posted: dict[tuple, deque] = defaultdict(deque)  # (src, dst, tag) -> (buf, work)
+        self.calls: dict[tuple, int] = defaultdict(int)  # (rank, group key) -> collectives
+        self.pending: dict[tuple, list] = {}  # (group key, seq) -> [(rank, payload, work)]
+        self.group_count: dict[int, int] = defaultdict(int)
+        self.everyone = _Group(-1, list(range(world)))
+
+    # -- who am I ---------------------------------------------------------------------
+    def get_rank(self, group=None) -> int:
+        return self.local.rank
+
+    def get_world_size(self, group=None) -> int:
+        return self.world if group is None else len(group.ranks)
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_backend(self, group=None) -> str:
+        return "virtual"
+
+    def get_process_group_ranks(self, group) -> list[int]:
+        return list((group or self.everyone).ranks)
+
+    def new_group(self, ranks, **_) -> _Group:
+        rank = self.local.rank
+        self.group_count[rank] += 1  # every rank creates groups in one order: same key
+        return _Group(self.group_count[rank], list(ranks))
+
+    # -- p2p --------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, group=None) -> _Work:
+        key = (self.local.rank, dst, tag)
+        with self.cond:
+            if self.posted[key]:
+                buf, work = self.posted[key].popleft()
+                buf.copy_(tensor)
+                work.done = True
+                self.cond.notify_all()
+            else:
+                self.sent[key].append(tensor.detach().clone())
+        return _Work(self, done=True)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, group=None) -> _Work:
+        key = (src, self.local.rank, tag)
+        with self.cond:
+            if self.sent[key]:
+                tensor.copy_(self.sent[key].popleft())
+                return _Work(self, done=True)
+            work = _Work(self)
+            self.posted[key].append((tensor, work))
+            return work
+
+    def send(self, tensor, dst, tag=0, group=None) -> None:
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor, src, tag=0, group=None) -> None:
+        self.irecv(tensor, src, tag).wait()
+
+    # -- collectives ------------------------------------------------------------------
+    def _collective(self, group, payload, finish) -> _Work:
+        group = group or self.everyone
+        rank = self.local.rank
+        with self.cond:
+            self.calls[(rank, group.key)] += 1
+            key = (group.key, self.calls[(rank, group.key)])
+            work = _Work(self)
+            entries = self.pending.setdefault(key, [])
+            entries.append((rank, payload, work))
+            if len(entries) == len(group.ranks):
+                finish(sorted(entries, key=lambda e: e[0]))
+                for *_, w in entries:
+                    w.done = True
+                del self.pending[key]
+                self.cond.notify_all()
+        return work
+
+    def all_reduce(self, tensor, op=None, group=None, async_op: bool = False):
+        def finish(entries):
+            total = sum(t.detach().clone() for _, t, _ in entries)
+            for _, t, _ in entries:
+                t.copy_(total)
+        work = self._collective(group, tensor, finish)
+        return work if async_op else work.wait()
+
+    def broadcast(self, tensor, src: int, group=None, async_op: bool = False):
+        def finish(entries):
+            source = next(t for r, t, _ in entries if r == src).detach().clone()
+            for _, t, _ in entries:
+                t.copy_(source)
+        work = self._collective(group, tensor, finish)
+        return work if async_op else work.wait()
+
+    def broadcast_object_list(self, objects: list, src: int = 0, group=None, **_) -> None:
+        def finish(entries):
+            source = list(next(o for r, o, _ in entries if r == src))
+            for _, o, _ in entries:
+                o[:] = source
+        self._collective(group, objects, finish).wait()
+
+    def all_gather_object(self, out: list, obj, group=None) -> None:
+        def finish(entries):
+            values = [o for _, (o, _), _ in entries]
+            for _, (_, target), _ in entries:
+                target[:] = values
+        self._collective(group, (obj, out), finish).wait()
+
+    def barrier(self, group=None, **_) -> None:
+        self._collective(group, None, lambda entries: None).wait()
+
+    def fail(self) -> None:
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
+
+
+@contextlib.contextmanager
+def patched(world: VirtualWorld):
+    """The runtime's modules call ``world`` instead of ``torch.distributed``."""
+    with contextlib.ExitStack() as stack:
+        for name in PATCHED:
+            if name in sys.modules:
+                stack.enter_context(mock.patch.object(sys.modules[name], "dist", world))
+        yield
+
+
+def run_virtual(world: int, fn: Callable[[int], object]) -> list:
+    """``fn(rank)`` for every rank on its own thread; their results, by rank. The first
+    failure is raised here (the other ranks stop waiting)."""
+    import chimera.runtime.pipeline  # noqa: F401  (import what PATCHED names before patching)
+    import chimera.train.equivalence  # noqa: F401
+    import chimera.train.loop  # noqa: F401
+
+    vw = VirtualWorld(world)
+    results: list = [None] * world
+    errors: list = [None] * world
+
+    def body(rank: int) -> None:
+        vw.local.rank = rank
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            errors[rank] = exc
+            vw.fail()
+
+    with patched(vw):
+        threads = [threading.Thread(target=body, args=(r,), name=f"virtual-rank-{r}")
+                   for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    root = [e for e in errors if e is not None and not isinstance(e, VirtualAbort)]
+    if root or any(errors):
+        raise (root or [e for e in errors if e is not None])[0]
+    return results
