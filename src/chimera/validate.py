@@ -1,4 +1,6 @@
-"""Validator: counts, per-rank dependency order, matched communication, and a deadlock dry run.
+"""Validator: counts, per-rank dependency order, matched communication, a deadlock dry run,
+and, for lowered schedules, a rendezvous replay of the runtime's calls under NCCL's rules
+(:mod:`chimera.rendezvous`).
 
 Every failure raises :class:`ValidationError` whose message ends with the rank-by-slot grid
 of the schedule, the offending action marked.
@@ -36,6 +38,8 @@ def validate(schedule: Schedule) -> Schedule:
     if schedule.lowered:
         _check_comm(schedule)
     _dry_run(schedule)
+    if schedule.lowered:
+        _check_rendezvous(schedule)
     return schedule
 
 
@@ -131,3 +135,16 @@ def _dry_run(s: Schedule) -> None:
         index, action = exc.blocked[rank]
         waits = "; ".join(f"rank {r} at {a}" for r, (_, a) in sorted(exc.blocked.items()))
         raise ValidationError(f"deadlock: no rank can proceed ({waits})", s, rank, index) from None
+
+
+def _check_rendezvous(s: Schedule) -> None:
+    """The runtime's calls for ``s`` (its CommPlan) finish under NCCL's rules, one stream per
+    pair of ranks or per rank, communicators created eagerly. Two data-parallel copies: then
+    every stage group reduces (with one copy, single-replica stages issue nothing), and more
+    copies run in lock-step with these two."""
+    from chimera.comm_plan import plan_comm
+    from chimera.rendezvous import MODES, check
+
+    plan = plan_comm(s)
+    for mode in MODES:
+        check(plan, mode, data_parallel=2)
