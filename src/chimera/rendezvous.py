@@ -19,10 +19,11 @@ order; a test records the real runtime's calls and compares) under these rules:
   posts, sends and launches never block.
 - **Collectives.** Each rank has one FIFO of collectives over all communicators (NCCL needs
   one consistent order across communicators used concurrently); the k-th allreduce on a
-  group completes when it is at the head of every member's FIFO. A replica whose gradients
-  the plan lets reduce bucket by bucket (``CommPlan.early``) issues its allreduce inside its
-  last backward; its buckets are consecutive in the FIFO, so they count as one collective.
-  A group of one rank issues nothing.
+  group completes when it is at the head of every member's FIFO. On CUDA a replica whose
+  gradients the plan lets reduce bucket by bucket (``CommPlan.early``) issues its allreduce
+  inside its last backward (``buckets=True``; on CPU, one allreduce at the Launch); its
+  buckets are consecutive in every member's FIFO, so they count as one collective. A group
+  of one rank issues nothing.
 - **Lazy communicators** (``lazy_communicators=True``): the first use of a communicator (a
   pair's first p2p call in ``pair`` mode, a group's first collective) blocks the CPU until
   every member reaches its own first use: NCCL creates it then. The runtime creates every
@@ -86,10 +87,16 @@ def stage_group(schedule: Schedule, stage: int, data_parallel: int = 1) -> tuple
                          for d in schedule.placement.replicas(stage)}))
 
 
-def issued_ops(plan: CommPlan, rank: int, data_parallel: int = 1) -> list[Issued]:
-    """The ``torch.distributed`` calls global ``rank`` makes, in order, executing ``plan``."""
+def issued_ops(plan: CommPlan, rank: int, data_parallel: int = 1,
+               buckets: bool = True) -> list[Issued]:
+    """The ``torch.distributed`` calls global ``rank`` makes, in order, executing ``plan``.
+
+    ``buckets``: the runtime reduces a replica bucket by bucket inside its last backward
+    where ``plan.early`` allows (what it does on CUDA); False: one allreduce at its Launch
+    (``bucket_bytes=0``, what it does on CPU)."""
     depth = plan.schedule.ranks
-    return _shifted(_pipeline_calls(plan, rank % depth, data_parallel), (rank // depth) * depth)
+    calls = _pipeline_calls(plan, rank % depth, data_parallel, buckets)
+    return _shifted(calls, (rank // depth) * depth)
 
 
 def _shifted(calls: list[Issued], base: int) -> list[Issued]:
@@ -100,10 +107,11 @@ def _shifted(calls: list[Issued], base: int) -> list[Issued]:
             if c.peer >= 0 else c for c in calls]
 
 
-def _pipeline_calls(plan: CommPlan, d: int, data_parallel: int) -> list[Issued]:
+def _pipeline_calls(plan: CommPlan, d: int, data_parallel: int, buckets: bool) -> list[Issued]:
     """The calls of pipeline rank ``d`` in copy 0 (the other copies differ only in peers)."""
     s = plan.schedule
-    early = {(a.pipe, a.stage) for a in plan.early[d]}
+    early_b = plan.early[d] if buckets else frozenset()
+    early = {(a.pipe, a.stage) for a in early_b}
     calls: list[Issued] = []
     posted: dict[Message, int] = {}
     sends: list[int] = []
@@ -121,7 +129,7 @@ def _pipeline_calls(plan: CommPlan, d: int, data_parallel: int) -> list[Issued]:
             calls.append(Issued(ISEND, i, msg.ranks(s)[1], msg))
         elif step.op in (Op.RECV_F, Op.RECV_B):
             calls.append(Issued(WAIT, i, target=_posted(plan, d, i, step, posted)))
-        elif step.op is Op.B and step in plan.early[d]:
+        elif step.op is Op.B and step in early_b:
             _all_reduce(calls, reduces, s, i, step.stage, data_parallel)
         elif step.op is Op.STEP:
             calls += [Issued(WAIT, i, target=t) for t in sends + reduces]
@@ -156,15 +164,15 @@ class RendezvousDeadlock(ValidationError):
 
 
 def check(plan: CommPlan, mode: str = "pair", data_parallel: int = 1,
-          lazy_communicators: bool = False) -> None:
+          lazy_communicators: bool = False, buckets: bool = True) -> None:
     """Replay ``plan`` under NCCL's rules (module docstring); raise RendezvousDeadlock if
-    some rank can never finish its iteration."""
+    some rank can never finish its iteration. ``buckets`` as in :func:`issued_ops`."""
     if mode not in MODES:
         raise ValueError(f"unknown stream mode {mode!r}; choose one of {', '.join(MODES)}")
     if data_parallel < 1:
         raise ValueError(f"data_parallel must be at least 1, got {data_parallel}")
     depth = plan.schedule.ranks
-    copy0 = [_pipeline_calls(plan, d, data_parallel) for d in range(depth)]
+    copy0 = [_pipeline_calls(plan, d, data_parallel, buckets) for d in range(depth)]
     calls = [_shifted(c, w * depth) for w in range(data_parallel) for c in copy0]
     _Replay(plan, calls, mode, lazy_communicators).run()
 
@@ -187,13 +195,14 @@ class _Replay:
     # -- set-up -------------------------------------------------------------------------
     @staticmethod
     def _number_collectives(calls: list[Issued]) -> dict[int, tuple]:
-        """NCCL matches the k-th collective on a communicator with every member's k-th."""
-        count: dict[tuple, int] = {}
+        """NCCL matches the k-th collective on a communicator with every member's k-th.
+        Each stage has its own group, even where two have the same members."""
+        count: dict[int, int] = {}
         out = {}
         for i, c in enumerate(calls):
             if c.kind == ALL_REDUCE:
-                k = count[c.group] = count.get(c.group, -1) + 1
-                out[i] = (c.group, k)
+                k = count[c.stage] = count.get(c.stage, -1) + 1
+                out[i] = (c.group, c.stage, k)
         return out
 
     def _first_uses(self, rank: int, calls: list[Issued]) -> dict[int, tuple]:
@@ -201,7 +210,7 @@ class _Replay:
         seen, out = set(), {}
         for i, c in enumerate(calls):
             if c.kind == ALL_REDUCE:
-                comm = ("group", c.group)
+                comm = (f"stage {c.stage}", c.group)
             elif c.kind in (ISEND, IRECV) and self.mode == "pair":
                 comm = ("pair", tuple(sorted((rank, c.peer))))
             else:
@@ -329,9 +338,9 @@ class _Replay:
         if self.lazy and i in self.first[r] and self.first[r][i] not in self.created:
             comm = self.first[r][i]
             missing = sorted(set(comm[1]) - self.waiting_for.get(comm, set()))
-            return (f"rank {r} blocks at {where}: creating the communicator of ranks "
-                    f"{_ranks_text(comm[1])} for {c.describe(self.calls[r])} "
-                    f"(rank {_ranks_text(missing)} not there)")
+            return (f"rank {r} blocks at {where}: creating the communicator of {comm[0]} "
+                    f"(ranks {_ranks_text(comm[1])}) for {c.describe(self.calls[r])}; "
+                    f"rank {_ranks_text(missing)} not there")
         return f"rank {r} blocks at {where}: {c.describe(self.calls[r])}"
 
     def _heads(self) -> list[str]:
@@ -355,8 +364,10 @@ class _Replay:
 
 
 def _action_index(steps, step: int) -> int:
-    """Index in the rank's program of the action at (or right after) ``steps[step]``."""
-    return sum(1 for x in steps[:step] if isinstance(x, Action))
+    """Index in the rank's program of the action to mark for ``steps[step]``: itself, the
+    action a Launch follows (its SYNC or last backward), or the action a Post precedes."""
+    before = sum(1 for x in steps[:step] if isinstance(x, Action))
+    return max(0, before - 1) if isinstance(steps[step], Launch) else before
 
 
 def _ranks_text(ranks) -> str:

@@ -1,0 +1,154 @@
+"""The rendezvous check: every runnable schedule's plan finishes under NCCL's rules, crossing
+sends and opposite collective orders fail with a picture, and the calls it replays are the
+calls the real runtime makes (recorded through a fake ``torch.distributed``)."""
+
+import pytest
+
+from chimera import rendezvous as rv
+from chimera.comm_plan import CommPlan, Launch, Message, Post, plan_comm
+from chimera.ir import Action, Op, ScheduleError
+from chimera.passes import SYNC_MODES, lower
+from chimera.schedules import build, schemes
+from chimera.validate import ValidationError
+
+OPTIONS = {  # options worth sweeping; every other runnable scheme runs with its defaults
+    "chimera": [{"pipes": q, "strategy": st} for q in (2, 4)
+                for st in ("direct", "doubling", "halving")],
+    "chimera-zb": [{"pipes": 2}, {"pipes": 4}],
+    "interleaved": [{"chunks": 2}, {"chunks": 3}],
+}
+VARIANTS = [(s.name, opts) for s in schemes(runnable=True) for opts in OPTIONS.get(s.name, [{}])]
+
+
+def _plans(name, options, depths=(2, 4, 8), sync_modes=SYNC_MODES):
+    """(label, plan) for every (D, N in {D, 2D, 4D}, sync) the generator accepts."""
+    for d in depths:
+        for n in (d, 2 * d, 4 * d):
+            for sync in sync_modes:
+                try:
+                    s = lower(build(name, d, n, **options), sync)
+                except ScheduleError:  # e.g. pipes=4 on D=2, doubling with N not a multiple of 2Q
+                    continue
+                yield f"{name} {options} D={d} N={n} sync={sync}", plan_comm(s)
+
+
+# W only changes who is in a stage group: p2p stays inside a pipeline copy and the copies run
+# in lock-step, so W=2 is W=1 with every stage group reducing (single-replica stages too) and
+# W>2 is W=2 again. Both are replayed; the validator replays W=2.
+@pytest.mark.parametrize("name,options", VARIANTS, ids=[f"{n}-{o}" for n, o in VARIANTS])
+def test_every_runnable_plan_passes(name, options):
+    checked = 0
+    for label, plan in _plans(name, options):
+        for mode in rv.MODES:
+            for w in (1, 2):
+                try:
+                    rv.check(plan, mode, data_parallel=w, buckets=w == 2)
+                except rv.RendezvousDeadlock as exc:  # pragma: no cover - the failure's picture
+                    pytest.fail(f"{label} mode={mode} W={w}:\n{exc}")
+                checked += 1
+    assert checked >= 8
+
+
+def _posts_before_recv(plan: CommPlan) -> CommPlan:
+    """The old order: each receive posted right before the RECV that waits for it."""
+    steps = []
+    for prog in plan.schedule.programs:
+        out = []
+        for a in prog:
+            if a.op in (Op.RECV_F, Op.RECV_B):
+                out.append(Post(Message.of(a)))
+            out.append(a)
+        steps.append(tuple(out))
+    return CommPlan(plan.schedule, tuple(steps), plan.early, plan.order, plan.collective_order)
+
+
+def _deadlock(plan, mode="pair", **kw) -> rv.RendezvousDeadlock:
+    with pytest.raises(rv.RendezvousDeadlock) as info:
+        rv.check(plan, mode, **kw)
+    return info.value
+
+
+@pytest.mark.parametrize("mode", rv.MODES)
+def test_crossing_sends_deadlock_1f1b(mode):
+    plan = _posts_before_recv(plan_comm(lower(build("1f1b", 4, 8))))
+    exc = _deadlock(plan, mode)
+    text = str(exc)
+    assert isinstance(exc, ValidationError) and set(exc.stuck) == {0, 1, 2, 3}
+    # the last pair crosses: rank 3 sends the first gradient, rank 2 the next activation
+    assert "rank 3 blocks at p0s3RECV_F1: wait for irecv p0s3F1 from rank 2" in exc.stuck[3]
+    assert any("isend p0s2B0 to rank 2 (p0s3SEND_B0)" in h for h in exc.heads)
+    assert any("isend p0s3F1 to rank 3 (p0s2SEND_F1)" in h for h in exc.heads)
+    assert "rendezvous deadlock" in text.splitlines()[0]
+    assert "P0 |" in text and "marked: p0s0RECV_B0 on P0" in text  # the grid, one wait marked
+
+
+@pytest.mark.parametrize("mode", rv.MODES)
+def test_crossing_sends_deadlock_chimera(mode):
+    exc = _deadlock(_posts_before_recv(plan_comm(lower(build("chimera", 4, 8)))), mode)
+    assert exc.stuck and all("RECV" in t or "STEP" in t for t in exc.stuck.values())
+    assert any("isend" in h for h in exc.heads) and "marked:" in str(exc)
+
+
+def test_crossing_sends_deadlock_chimera_d2_as_in_the_issue():
+    exc = _deadlock(_posts_before_recv(plan_comm(lower(build("chimera", 2, 4)))))
+    assert "rank 0 blocks at p1s1RECV_F1" in exc.stuck[0]
+    assert "rank 1 blocks at p0s1RECV_F0" in exc.stuck[1]
+    assert "stream 0<->1 on rank 0: isend p0s1F0 to rank 1 (p0s0SEND_F0)" in exc.heads
+    assert "stream 1<->0 on rank 1: isend p1s1F1 to rank 0 (p1s0SEND_F1)" in exc.heads
+
+
+def _launch_at_each_sync(plan: CommPlan) -> CommPlan:
+    """chimera-zb's old collective order: each replica's allreduce at its SYNC, in program
+    order, so ranks issue the stage allreduces in opposite orders."""
+    steps = []
+    for prog in plan.steps:
+        out = []
+        for x in prog:
+            if not isinstance(x, Launch):
+                out.append(x)
+            if isinstance(x, Action) and x.op is Op.SYNC:
+                out.append(Launch(x.pipe, x.stage))
+        steps.append(tuple(out))
+    early = tuple(frozenset() for _ in steps)
+    return CommPlan(plan.schedule, tuple(steps), early, plan.order, plan.collective_order)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_opposite_collective_order_deadlocks_with_lazy_communicators(d):
+    plan = plan_comm(lower(build("chimera-zb", d, 2 * d)))
+    old = _launch_at_each_sync(plan)
+    exc = _deadlock(old, "pair", lazy_communicators=True)
+    assert all("creating the communicator of stage" in t for t in exc.stuck.values())
+    if d == 2:
+        assert "rank 0 blocks at launch(p0s0): creating the communicator of stage 0" in exc.stuck[0]
+        assert "rank 1 blocks at launch(p0s1): creating the communicator of stage 1" in exc.stuck[1]
+    # eager communicators do not save it: each rank's collectives run in one FIFO
+    eager = _deadlock(old, "rank")
+    assert any(h.startswith("collectives of rank") for h in eager.heads)
+    for mode in rv.MODES:  # the plan's order passes, lazily created communicators and all
+        for w in (1, 2):
+            rv.check(plan, mode, data_parallel=w, lazy_communicators=True)
+
+
+def test_cli_reports_a_deadlock_with_the_grid(monkeypatch, capsys):
+    import chimera.comm_plan
+    from chimera.cli import main
+
+    real = chimera.comm_plan.plan_comm
+    monkeypatch.setattr(chimera.comm_plan, "plan_comm", lambda s: _posts_before_recv(real(s)))
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "-s", "1f1b", "-D", "4", "-N", "8"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("chimera simulate: rendezvous deadlock under NCCL semantics")
+    assert "blocks at p0s3RECV_F1" in err and "marked:" in err and "Traceback" not in err
+
+
+def test_unknown_mode_and_unposted_receive_are_refused():
+    plan = plan_comm(lower(build("1f1b", 2, 2)))
+    with pytest.raises(ValueError, match="stream mode"):
+        rv.check(plan, "device")
+    steps = tuple(tuple(x for x in prog if not isinstance(x, Post)) for prog in plan.steps)
+    bare = CommPlan(plan.schedule, steps, plan.early, plan.order, plan.collective_order)
+    with pytest.raises(ValidationError, match="never posted"):
+        rv.check(bare)
