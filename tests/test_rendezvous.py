@@ -152,3 +152,113 @@ def test_unknown_mode_and_unposted_receive_are_refused():
     bare = CommPlan(plan.schedule, steps, plan.early, plan.order, plan.collective_order)
     with pytest.raises(ValidationError, match="never posted"):
         rv.check(bare)
+
+
+# -- the check stays honest: the real runtime's calls are the ones replayed ----------------
+ROWS, WIDTH = 2, 3
+
+
+class _Work:
+    def __init__(self, log: list, index: int):
+        self.log, self.index = log, index
+
+    def wait(self, timeout=None) -> bool:
+        self.log.append(("wait", self.index))
+        return True
+
+    def is_completed(self) -> bool:
+        return False  # every send is then waited for at STEP, as the replay assumes
+
+
+class _Group:
+    def __init__(self, ranks):
+        self.ranks = list(ranks)
+
+
+class _RecordingDist:
+    """Stands in for ``torch.distributed``: logs each call in order, returns a done work."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+
+    def _call(self, *entry) -> _Work:
+        self.log.append(entry)
+        return _Work(self.log, len(self.log) - 1)
+
+    def isend(self, tensor, dst, tag=0):
+        return self._call("isend", dst, tag)
+
+    def irecv(self, tensor, src, tag=0):
+        return self._call("irecv", src, tag)
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        return self._call("all_reduce", group)
+
+    def new_group(self, ranks, **kw):
+        return _Group(ranks)
+
+    def get_process_group_ranks(self, group):
+        return group.ranks
+
+
+def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int) -> list[tuple]:
+    """The dist calls rank ``rank`` makes running one iteration of ``plan`` (tiny model)."""
+    import torch
+
+    from chimera.runtime.executor import Executor, MicroData
+    from chimera.runtime.grid import ProcessGrid
+    from chimera.runtime.p2p import Mailbox
+    from chimera.runtime.sync import GradSync, ReplicaGrads
+
+    fake = _RecordingDist()
+    for module in ("p2p", "sync", "grid"):
+        monkeypatch.setattr(f"chimera.runtime.{module}.dist", fake)
+    s = plan.schedule
+    grid = ProcessGrid(s.placement, w, rank)
+    grid.build_groups()
+    modules = {key: torch.nn.Linear(WIDTH, WIDTH) for key in grid.held()}
+    grads = {key: ReplicaGrads(m) for key, m in modules.items()}
+    mailbox = Mailbox(plan, grid, lambda m: (ROWS, WIDTH), torch.float32, torch.device("cpu"), None)
+    sync = GradSync(grads, grid.stage_groups, rank, None, bucket_bytes)
+    loss = lambda y, t: ((y - t) ** 2).mean()  # noqa: E731
+    executor = Executor(s, modules, loss, mailbox, sync, early=plan.early[grid.d])
+    zeros = {m: torch.zeros(ROWS, WIDTH) for m in range(s.micro_batches)}
+    executor.run(plan.steps[grid.d], MicroData(zeros, dict(zeros), dict.fromkeys(zeros, 1.0)))
+    stage_of = {id(g): stage for stage, g in grid.stage_groups.items() if g is not None}
+    return [("all_reduce", stage_of[id(c[1])], tuple(c[1].ranks)) if c[0] == "all_reduce" else c
+            for c in fake.log]
+
+
+def _replayed(plan: CommPlan, rank: int, w: int, buckets: bool) -> list[tuple]:
+    out = []
+    for c in rv.issued_ops(plan, rank, w, buckets):
+        if c.kind in (rv.ISEND, rv.IRECV):
+            out.append((c.kind, c.peer, c.message.tag(plan.schedule)))
+        elif c.kind == rv.ALL_REDUCE:
+            out.append(("all_reduce", c.stage, c.group))
+        else:
+            out.append(("wait", c.target))
+    return out
+
+
+HONEST = [(name, opts, d) for name, opts in
+          [(s.name, {}) for s in schemes(runnable=True)] + [("chimera", {"strategy": "halving"}),
+                                                            ("chimera", {"pipes": 4})]
+          for d in (2, 4) if not (opts.get("pipes") == 4 and d == 2)]
+
+
+@pytest.mark.parametrize("name,options,d", HONEST, ids=[f"{n}-{o}-D{d}" for n, o, d in HONEST])
+def test_runtime_calls_equal_the_replayed_calls(monkeypatch, name, options, d):
+    from chimera.runtime.sync import BUCKET_BYTES
+
+    # bucket_bytes 0: one allreduce per replica at its Launch (the runtime on CPU); otherwise
+    # buckets inside the last backward where the plan allows (on CUDA; a tiny model is one)
+    for sync in SYNC_MODES:
+        plan = plan_comm(lower(build(name, d, 2 * d, **options), sync))
+        for w in (1, 2):
+            for bucket_bytes in (0, BUCKET_BYTES):
+                for rank in range(w * d):
+                    got = _record(monkeypatch, plan, rank, w, bucket_bytes)
+                    want = _replayed(plan, rank, w, buckets=bucket_bytes > 0)
+                    assert got == want, f"{name} {options} D={d} sync={sync} W={w} rank {rank}"
+                    assert any(c[0] == "isend" for c in got)
