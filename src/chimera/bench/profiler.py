@@ -61,26 +61,32 @@ class _Layer:
     def _grad(self, y):
         return None if self.last else torch.ones_like(y) * 1e-3
 
+    def _now(self) -> float:
+        """The host clock once the device is idle (kernels run asynchronously on CUDA)."""
+        if self.x.device.type == "cuda":
+            torch.cuda.synchronize(self.x.device)
+        return time.perf_counter()
+
     def time_f(self) -> float:
-        t0 = time.perf_counter()
+        t0 = self._now()
         self.forward()
-        return time.perf_counter() - t0
+        return self._now() - t0
 
     def time_b(self) -> float:
         _, y = self.forward()
         g = self._grad(y)
-        t0 = time.perf_counter()
+        t0 = self._now()
         torch.autograd.backward(y, g)
-        return time.perf_counter() - t0
+        return self._now() - t0
 
     def time_iw(self) -> tuple[float, float]:
         x, y = self.forward()
         g = self._grad(y)
-        t0 = time.perf_counter()
+        t0 = self._now()
         _, pending = backward_input(y, x if x.requires_grad else None, g, self.params)
-        t1 = time.perf_counter()
+        t1 = self._now()
         backward_weight(pending)
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, self._now() - t1
 
     def saved_bytes(self) -> int:
         meter = ActivationMeter(self.params)
@@ -90,12 +96,13 @@ class _Layer:
         return meter.peak
 
 
-def profile_layers(model: str, micro_batch: int, repeat: int = 5, seed: int = 0) -> list[dict]:
+def profile_layers(model: str, micro_batch: int, repeat: int = 5, seed: int = 0,
+                   device: str = "cpu") -> list[dict]:
     cfg = get_config(model)
-    layers = build_layers(cfg, seed)
+    layers = [layer.to(device) for layer in build_layers(cfg, seed)]
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen)
-    targets = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen)
+    x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen).to(device)
+    targets = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen).to(device)
     lossf, names, out = loss_fn(cfg, "mean"), layer_names(cfg), []
     for k, module in enumerate(layers):
         layer = _Layer(module, x, k == len(layers) - 1, lossf, targets)

@@ -1,0 +1,198 @@
+"""The one-GPU check: what a machine with one CUDA device can prove about the runtime.
+
+NCCL refuses two ranks on one GPU, so multi-rank NCCL p2p cannot be tried on one device
+(the rendezvous check in ``chimera validate`` and the NCCL emulation on gloo cover its order
+on CPU). What one device can show, each as one row of the table:
+
+- ``train``: ``chimera train --device cuda`` at world size 1 (an NCCL group), fp32 and bf16;
+- ``resume``: a checkpoint written on CUDA and resumed gives the losses of a straight run;
+- ``virtual``: all D ranks of chimera D=4 (and 1f1b, zb-v) in one process on the GPU, every
+  rank a thread, p2p as copies: gradients against single-device training (float64);
+- ``host syncs``: ``torch.cuda.set_sync_debug_mode`` counts host syncs in one pipeline
+  iteration of every virtual rank (target 0: the loss is read once per step, outside);
+- ``profile``: per-layer F/B/I/W on the device, written as a ``chimera.profile/1`` file
+  (its links are gloo on the host: on one GPU there is no link to measure);
+- ``memory``: peak device memory of the virtual run, per stage's rank share.
+
+Run: ``python benchmarks/gpu_check.py`` (under 5 minutes on an H200). Writes
+``benchmarks/results/gpu_check.{md,json}`` and ``benchmarks/results/gpu_profile.json``.
+``--device cpu`` runs the same rows on the CPU (a smoke test of the script itself; the CPU
+results go to ``--out`` and say so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+from chimera.runtime.virtual import run_virtual  # noqa: E402
+from chimera.train.config import TrainConfig  # noqa: E402
+from chimera.train.equivalence import check_virtual  # noqa: E402
+from chimera.train.loop import Trainer  # noqa: E402
+
+
+def _train(device: str, dtype: str, steps: int, tmp: str, extra=()) -> dict:
+    log = os.path.join(tmp, f"log-{dtype}-{len(extra)}.jsonl")
+    cmd = [sys.executable, "-m", "chimera", "train", "--device", device, "-s", "1f1b", "-D", "1",
+           "--steps", str(steps), "--dtype", dtype, "--no-progress", "--log-json", log,
+           "--png", os.path.join(tmp, "t.png"), "--trace", os.path.join(tmp, "t.json"), *extra]
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    start = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    losses = {}
+    if os.path.exists(log):
+        with open(log) as f:
+            losses = {json.loads(line)["step"]: json.loads(line)["loss"] for line in f if line.strip()}
+    return {"ok": r.returncode == 0, "seconds": time.perf_counter() - start, "losses": losses,
+            "error": r.stderr.strip().splitlines()[-1] if r.returncode and r.stderr.strip() else ""}
+
+
+def check_train(device: str, tmp: str) -> list[dict]:
+    rows = []
+    for dtype in ("float32", "bf16"):
+        got = _train(device, dtype, 4, tmp)
+        rows.append({"check": f"train {dtype}", "ok": got["ok"] and len(got["losses"]) == 4,
+                     "detail": f"losses {[round(x, 4) for x in got['losses'].values()]} in {got['seconds']:.1f}s "
+                               f"{got['error']}".strip()})
+    straight = _train(device, "float32", 4, tmp)
+    ck = os.path.join(tmp, "ck")
+    first = _train(device, "float32", 2, tmp, ("--checkpoint-dir", ck))
+    resumed = _train(device, "float32", 4, tmp, ("--checkpoint-dir", ck, "--resume"))
+    diff = max((abs(loss - straight["losses"].get(step, float("inf")))
+                for step, loss in resumed["losses"].items()), default=float("inf"))
+    ok = first["ok"] and resumed["ok"] and sorted(resumed["losses"]) == [2, 3] and diff < 1e-5
+    rows.append({"check": "checkpoint resume", "ok": ok,
+                 "detail": f"steps 2-3 after resume vs straight: max |loss diff| {diff:.2e} "
+                           f"{resumed['error']}".strip()})
+    return rows
+
+
+def _cfg(schedule: str, dtype: str = "float64", **kw) -> TrainConfig:
+    return TrainConfig(schedule=schedule, stages=4, micro_batches=8, micro_batch_size=2,
+                       dtype=dtype, steps=2, **kw)
+
+
+def check_virtual_ranks(device: torch.device) -> list[dict]:
+    rows = []
+    for schedule in ("chimera", "1f1b", "zb-v"):
+        start = time.perf_counter()
+        r = check_virtual(_cfg(schedule), device)
+        ok = r["max_grad_rel_err"] < 1e-10 and r["replicas_identical"] and not r["missing"]
+        rows.append({"check": f"virtual {schedule} D=4 float64", "ok": ok,
+                     "detail": f"max grad rel err {r['max_grad_rel_err']:.1e}, loss rel err "
+                               f"{r['max_loss_rel_err']:.1e}, replicas identical "
+                               f"{r['replicas_identical']} ({time.perf_counter() - start:.1f}s)"})
+    return rows
+
+
+def check_host_syncs(device: torch.device) -> tuple[list[dict], dict]:
+    """Host syncs inside one pipeline iteration of every rank, and peak memory per rank."""
+    cfg = _cfg("chimera", "float32")
+    gate = threading.Barrier(cfg.world)
+    counted: list = []
+    peaks: dict = {}
+
+    def rank_body(rank: int) -> None:
+        trainer = Trainer(cfg, rank, device)
+        trainer.step(0)  # warm-up: allocations, lazy inits
+        data = trainer._micro_data(*trainer.batch(1))
+        if gate.wait() == 0 and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.set_sync_debug_mode("warn")
+        gate.wait()
+        trainer.runtime.zero_grad()
+        trainer.runtime.run(data)  # the hot path: no loss read, no optimizer
+        if gate.wait() == 0 and device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            peaks["all_ranks_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        gate.wait()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_virtual(cfg.world, rank_body)
+        counted = [w for w in caught if "synchroniz" in str(w.message)]
+    where = sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in counted})
+    detail = f"{len(counted)} in one iteration of {cfg.world} ranks" + (f" at {', '.join(where)}" if where else "")
+    if device.type != "cuda":
+        detail = "not measurable on the CPU"
+    return [{"check": "host syncs in the hot path", "ok": device.type != "cuda" or not counted,
+             "detail": detail}], peaks
+
+
+def check_profile(device: str, out: str) -> list[dict]:
+    from chimera.bench.calibrate import PROFILE_SCHEMA
+    from chimera.bench.profiler import profile_layers
+
+    start = time.perf_counter()
+    layers = profile_layers("gpt2-bench", 2, repeat=5, device=device)
+    profile = {"schema": PROFILE_SCHEMA, "model": "gpt2-bench", "micro_batch_size": 2,
+               "device": device, "layers": layers,
+               # one GPU has no link to measure: nominal NVLink-class figures, say so
+               "p2p": {"alpha_s": 10e-6, "beta_bytes_per_s": 100e9, "assumed": True},
+               "allreduce": {"alpha_s": 20e-6, "beta_bytes_per_s": 100e9, "assumed": True}}
+    with open(out, "w") as f:
+        json.dump(profile, f, indent=1)
+    f_ms = sum(x["forward_s"] for x in layers) * 1e3
+    b_ms = sum(x["backward_s"] for x in layers) * 1e3
+    return [{"check": "profile", "ok": True,
+             "detail": f"{len(layers)} layers, F {f_ms:.2f} ms B {b_ms:.2f} ms per micro-batch "
+                       f"-> {os.path.relpath(out, ROOT)} ({time.perf_counter() - start:.1f}s)"}]
+
+
+def write(rows: list[dict], extra: dict, out_dir: str, device: str) -> None:
+    head = f"# One-GPU check ({device}: {extra['device_name']}, torch {torch.__version__})\n\n"
+    table = "| check | ok | detail |\n|---|---|---|\n" + "".join(
+        f"| {r['check']} | {'yes' if r['ok'] else 'NO'} | {r['detail']} |\n" for r in rows)
+    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        f.write(head + table + f"\nPeak device memory of the virtual D=4 run: {extra.get('peak')}\n")
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump({"rows": rows, **extra}, f, indent=1)
+    print(head + table)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"),
+                    help="folder for gpu_check.{md,json} and gpu_profile.json")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (use --device cpu for a smoke test)", file=sys.stderr)
+        return 2
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    os.makedirs(args.out, exist_ok=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, fn in (("train", lambda: check_train(args.device, tmp)),
+                         ("virtual", lambda: check_virtual_ranks(device)),
+                         ("profile", lambda: check_profile(args.device, os.path.join(args.out, "gpu_profile.json")))):
+            try:
+                rows += fn()
+            except Exception as exc:  # noqa: BLE001 - a failed row is a result, not a crash
+                rows.append({"check": name, "ok": False, "detail": f"{type(exc).__name__}: {exc}"})
+        try:
+            sync_rows, peaks = check_host_syncs(device)
+            rows += sync_rows
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"check": "host syncs", "ok": False, "detail": f"{type(exc).__name__}: {exc}"})
+            peaks = {}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    write(rows, {"device_name": name, "peak": peaks, "when": time.strftime("%Y-%m-%d %H:%M")},
+          args.out, args.device)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
