@@ -9,7 +9,8 @@ order; a test records the real runtime's calls and compares) under these rules:
 - **Streams.** Each p2p call (``isend``/``irecv``) joins a FIFO stream when the rank's CPU
   reaches it. Mode ``pair``: one stream per pair of ranks on each side, shared by both
   directions (NCCL's lazily created 2-rank communicators). Mode ``rank``: one stream per
-  rank for all its p2p (``init_process_group(device_id=...)``).
+  rank for all its p2p (``init_process_group(device_id=...)``: p2p then runs on the default
+  communicator, created at start-up).
 - **Rendezvous.** A send and its receive complete together, and only while both are at the
   head of their streams: a send larger than NCCL's buffer waits for the peer's receive, and
   nothing behind it on its stream moves meanwhile. (Small messages may slip through the
@@ -31,7 +32,10 @@ order; a test records the real runtime's calls and compares) under these rules:
   with eager communicators; the lazy mode shows why that matters.
 - **Data parallelism.** ``data_parallel=W`` replays W pipeline copies (global rank
   ``w * D + d``): p2p stays inside a copy, stage groups span all copies. The copies run in
-  lock-step, so W >= 2 behaves like W = 2: every stage group then has two members or more.
+  lock-step, so W >= 2 behaves like W = 2, which is W = 1 with every stage group reducing
+  (with W = 1 a stage held once issues nothing). Progress here is monotone (a call that
+  may complete stays so until it does), so removing those calls cannot create a deadlock:
+  W = 2 passing implies W = 1 passing. The validator replays W = 2; tests replay both.
 
 Not modelled: timing (only whether progress is possible), buffering of small messages
 (which only hides deadlocks), p2p and collective kernels blocking each other across
@@ -185,7 +189,7 @@ class _Replay:
         self.done = [bytearray(len(c)) for c in calls]
         self.streams: dict[object, deque[tuple[int, int]]] = {}
         self.fifo = [deque() for _ in range(n)]  # per rank: indices of its queued collectives
-        self.arrived: dict[tuple, int] = {}  # (group, k) -> members with it at the head
+        self.arrived: dict[tuple, int] = {}  # (group, stage, k) -> members at the head
         self.coll_id = [self._number_collectives(c) for c in calls]
         self.first = [self._first_uses(r, c) for r, c in enumerate(calls)] if lazy else []
         self.created: set[tuple] = set()
@@ -231,28 +235,25 @@ class _Replay:
             raise self._deadlock()
 
     def _advance(self, r: int) -> None:
+        """Run rank ``r``'s CPU until it blocks or its calls are all issued."""
         calls, done = self.calls[r], self.done[r]
         while self.pc[r] < len(calls):
             i = self.pc[r]
             c = calls[i]
             if self.lazy and i in self.first[r] and not self._communicator_ready(r, i):
-                return
-            if c.kind == WAIT:
-                if not done[c.target]:
-                    return  # woken by _complete
-            elif c.kind == ALL_REDUCE:
-                self.pc[r] = i + 1
+                return  # woken when the last member arrives
+            if c.kind == WAIT and not done[c.target]:
+                return  # woken by _complete
+            self.pc[r] = i + 1  # before queueing: a completion looks at where the rank is
+            if c.kind == ALL_REDUCE:
                 self.fifo[r].append(i)
                 if len(self.fifo[r]) == 1:
                     self._collectives_from(r)
-            else:
-                self.pc[r] = i + 1
-                key = self._stream(r, c.peer)
-                queue = self.streams.setdefault(key, deque())
+            elif c.kind != WAIT:
+                queue = self.streams.setdefault(self._stream(r, c.peer), deque())
                 queue.append((r, i))
                 if len(queue) == 1:
-                    self._match_from(key)
-            self.pc[r] = i + 1
+                    self._match_from(self._stream(r, c.peer))
 
     def _communicator_ready(self, r: int, i: int) -> bool:
         comm = self.first[r][i]
