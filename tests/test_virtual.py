@@ -54,3 +54,13 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
                 "profile", "host syncs"):
         assert row in table
     assert (tmp_path / "gpu_profile.json").exists()
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe", "gems", "chimera-zb"])
+def test_a_pipe_without_micro_batches_still_syncs(schedule):
+    """N=1 on two pipes: the idle pipe's replicas join the allreduce (they hung before) and
+    get the other replica's gradient."""
+    cfg = TrainConfig(schedule=schedule, stages=2, micro_batches=1, micro_batch_size=2,
+                      dtype="float64", steps=2)
+    r = check_virtual(cfg)
+    assert r["replicas_identical"] and r["max_grad_rel_err"] < 1e-10, r

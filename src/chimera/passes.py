@@ -44,11 +44,15 @@ def add_sync(schedule: Schedule, mode: str = "eager") -> Schedule:
         raise ScheduleError(f"unknown sync mode {mode!r}; choose one of {', '.join(SYNC_MODES)}")
     grad_op = Op.W if schedule.split_backward else Op.B
     programs = []
-    for prog in schedule.programs:
+    for rank, prog in enumerate(schedule.programs):
         last_grad: dict[tuple[int, int], int] = {}
         for i, a in enumerate(prog):
             if a.op is grad_op:
                 last_grad[(a.pipe, a.stage)] = i
+        # a replica whose pipe got no micro-batch (N=1 on two pipes) still joins its stage's
+        # allreduce, at the end: its peers wait for it, and it must receive their gradients
+        for key in schedule.placement.held(rank):
+            last_grad.setdefault(key, len(prog) - 1)
         syncs = sorted((i, Action(Op.SYNC, p, s)) for (p, s), i in last_grad.items())
         out = list(prog)
         if mode == "eager":
