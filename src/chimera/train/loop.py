@@ -186,7 +186,7 @@ class Trainer:
         data = self._micro_data(inputs, targets)
         self.runtime.zero_grad()
         local = self.runtime.run(data, record)
-        total = torch.tensor([local], dtype=torch.float64)
+        total = torch.tensor([float(local)], dtype=torch.float64)  # one read of the device sum
         faults.collective("all-reduce of the loss", dist.all_reduce, total)
         return float(total.item())
 
