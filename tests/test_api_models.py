@@ -305,3 +305,29 @@ def test_byo_example_gpt_runs():
                        env={**os.environ, "PYTHONPATH": os.path.join(root, "src")})
     assert r.returncode == 0, r.stderr
     assert "exported" in r.stdout
+
+
+def test_compiled_layer_stays_compiled_in_its_copy():
+    """#11: a layer.compile() made in make_layers survives the per-stage copy (no run: lazy)."""
+    from chimera.byo import LayerSource
+
+    def make_layers():
+        layers = mlp()
+        layers[2].compile()
+        return layers
+    with pytest.warns(UserWarning, match="layer 2 was compiled in make_layers"):
+        stage = LayerSource(make_layers, None, 0, None).stage(range(0, 3), [], torch.device("cpu"), None)
+    assert stage.get_submodule("2")._compiled_call_impl is not None
+
+
+def test_partition_checks_without_processes():
+    """#6 in one process: the checks that run before any collective."""
+    from chimera.byo import check_partition
+
+    assert check_partition([[0, 1], range(2, 5)], 5, 2) == [range(0, 2), range(2, 5)]
+    for bad, words in [([range(0, 2), range(3, 5)], "no stage"), ([range(0, 3), range(2, 5)], "two stages"),
+                       ([range(0, 2), range(2, 6)], "past"), ([range(0, 2), range(2, 4)], "no stage"),
+                       ([range(0, 2), []], "non-empty"), ([[0, 2], range(2, 5)], "contiguous"),
+                       ([range(0, 5)], "needs 2")]:
+        with pytest.raises(ScheduleError, match=words):
+            check_partition(bad, 5, 2)

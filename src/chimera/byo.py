@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -132,6 +133,8 @@ class LayerSource:
     def stage(self, indices: range, ties: list[Tie], device: torch.device, compile_opts) -> Stage:
         if self.layers is not None:
             layers = copy.deepcopy([self.layers[i] for i in indices])  # one memo: ties inside survive
+            for i, layer in zip(indices, layers):
+                _carry_compile(self.layers[i], layer, i)
         else:
             layers = [self._build(i) for i in indices]
         for i, layer in zip(indices, layers):
@@ -139,7 +142,6 @@ class LayerSource:
                 layer.to_empty(device=device)
                 with seeded(layer_seed(self.seed, i)):
                     self.init(layer)
-            _recompile(layer)
         stage = Stage(dict(zip(indices, layers)))
         retie(stage, ties)
         if compile_opts is not None:
@@ -151,13 +153,15 @@ class LayerSource:
             return self.factory(i)
 
 
-def _recompile(layer: nn.Module) -> None:
-    """A ``layer.compile()`` made before the copy would run the original's weights (its
-    compiled call is bound to the original): compile the copy afresh."""
-    for m in layer.modules():
-        if getattr(m, "_compiled_call_impl", None) is not None:
-            m._compiled_call_impl = None
-            m.compile()
+def _carry_compile(original: nn.Module, copied: nn.Module, index: int) -> None:
+    """``deepcopy`` drops a ``module.compile()`` made in ``make_layers``: compile the copy
+    again (default options: the original's are not recoverable), and say so."""
+    for (name, a), b in zip(original.named_modules(), copied.modules()):
+        if getattr(a, "_compiled_call_impl", None) is not None and b._compiled_call_impl is None:
+            warnings.warn(f"layer {index}{'.' + name if name else ''} was compiled in make_layers; "
+                          "its stage copy is compiled again with default options (pass "
+                          "Pipeline(compile={...}) to choose them)", stacklevel=4)
+            b.compile()
 
 
 def find_ties(layers: list[nn.Module]) -> list[tuple[str, ...]]:
