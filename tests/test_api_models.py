@@ -19,13 +19,15 @@ from chimera.ir import ScheduleError
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 MAIN2 = [("chimera", 2, 1), ("1f1b", 2, 1), ("zb-h1", 2, 1)]  # (schedule, D, W) at world 2
-MAIN4 = [("chimera", 4, 1), ("chimera", 2, 2), ("1f1b", 2, 2), ("zb-h1", 4, 1)]
+MAIN4 = [("chimera", 4, 1), ("chimera", 2, 2), ("1f1b", 2, 2), ("1f1b", 4, 1), ("zb-h1", 4, 1)]
+RECOMPUTE = {("1f1b", 2, 2), ("zb-h1", 4, 1)}  # activation checkpointing with pytree boundaries
 N, B = 4, 2  # micro-batches, micro-batch size
 
 
 def _main_case(schedule: str, d: int, w: int) -> dict:
     pipe = chimera.Pipeline(bm.make_gpt, bm.gpt_loss, schedule=schedule, stages=d, data_parallel=w,
-                            micro_batches=N, micro_batch_size=B, loss_reduction="token_mean")
+                            micro_batches=N, micro_batch_size=B, loss_reduction="token_mean",
+                            recompute=(schedule, d, w) in RECOMPUTE)
     return bm.pipelined(pipe, N * B * w)
 
 

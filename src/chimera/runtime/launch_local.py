@@ -111,7 +111,7 @@ def _error(errdir: str, codes: list[int | None]) -> SpawnError:
     lines = [f"rank {root['rank']} failed (root cause): {root['error']}", root["traceback"].rstrip()]
     same = [e["rank"] for e in errors[1:] if e["error"] == root["error"]]
     if same:
-        lines.append(f"(ranks {', '.join(map(str, same))} raised the same error)")
+        lines.append(f"(the same error on rank {', '.join(map(str, same))})")
     for e in errors[1:]:
         if e["error"] != root["error"]:
             lines.append(f"then rank {e['rank']}: {e['error']}")
