@@ -333,3 +333,42 @@ def test_partition_checks_without_processes():
                        ([range(0, 5)], "needs 2")]:
         with pytest.raises(ScheduleError, match=words):
             check_partition(bad, 5, 2)
+
+
+def test_boundary_pytree_round_trip():
+    """#3 in one process: a tuple with float, int, bool-in-dict and None leaves packs into one
+    byte message and back bit-exact; gradients only for the float leaf that needs one; a
+    changed shape is refused with the stage named (#5)."""
+    from chimera.runtime.boundary import BoundaryMismatch, BoundarySpec
+
+    h = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[2**62 + 1, -7, 3]])  # int64 beyond float precision
+    x = (h * 2, ids, {"keep": torch.tensor([True, False])}, None)
+    spec = BoundarySpec.of(x)
+    buf = spec.pack(x, stage=0, device=torch.device("cpu"))
+    assert buf.dtype == torch.uint8 and buf.numel() == spec.nbytes(backward=False)
+    y = spec.unpack(buf)
+    assert torch.equal(y[0], x[0]) and torch.equal(y[1], ids) and y[3] is None
+    assert torch.equal(y[2]["keep"], x[2]["keep"])
+    assert spec.grads == [0]
+    g = torch.randn(2, 3, 5, dtype=torch.float64)
+    assert torch.equal(spec.unpack_grads(spec.pack_grads([g], torch.device("cpu")))[0], g)
+    with pytest.raises(BoundaryMismatch, match="stage 1 output leaf 0 has shape"):
+        spec.pack((torch.zeros(2, 4, 5), ids, x[2], None), stage=1, device=torch.device("cpu"))
+
+
+def test_zero_grad_set_to_none_reattaches_the_flat_buffer():
+    """#1 in one process: after zero_grad(set_to_none=True) or an assigned .grad, attach()
+    points .grad back into the buffer the allreduce reduces (keeping values if asked)."""
+    from chimera.runtime.sync import ReplicaGrads
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    grads = ReplicaGrads(model)
+    model.zero_grad(set_to_none=True)
+    model[1].bias.grad = torch.ones(2)
+    grads.attach(keep=True)
+    assert grads.flat[-2:].tolist() == [1.0, 1.0] and grads.flat[:-2].abs().sum() == 0
+    model(torch.randn(5, 3)).sum().backward()
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), grads.flat)
+    grads.attach(keep=False)
+    assert grads.flat.abs().sum() == 0

@@ -270,14 +270,14 @@ class Pipeline:
         """Clip the gradients by the model's global 2-norm (each stage once, each tie once)
         and return that norm: the value ``torch.nn.utils.clip_grad_norm_`` gives on one device."""
         sq = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        skip = self.tie_sync.skipped_names()
+        skip = self.tie_sync.counted_elsewhere()
         counted = set()
         for (pipe, stage), module in sorted(self.runtime.modules.items()):
             if stage in counted or self.grid.rank != self.grid.stage_ranks[stage][0]:
-                continue
+                continue  # each stage once, by the first rank among its replicas
             counted.add(stage)
-            for name, p in module.named_parameters():
-                if p.grad is not None and name not in skip:
+            for p in module.parameters():
+                if p.grad is not None and id(p) not in skip:
                     sq += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(sq)
         norm = sq.sqrt()
@@ -342,6 +342,6 @@ class Pipeline:
             raise KeyError(f"load_state_dict: missing keys {missing[:8]}, unexpected keys "
                            f"{unexpected[:8]}")
         for module in self.runtime.modules.values():
-            own = {k: v for k, v in state.items() if k in module.state_dict()}
-            module.load_state_dict(own, strict=False)
+            own = module.state_dict().keys()
+            module.load_state_dict({k: state[k] for k in own if k in state}, strict=False)
         self.tie_sync.equalize()

@@ -86,6 +86,8 @@ class TieSync:
             if self.grid.rank not in plan[0]:
                 continue
             copies = self.copies(tie)
+            if not next(iter(copies.values()))[0].requires_grad:
+                continue  # a frozen tie: nothing to sum (frozen alike on every holder)
             total = self._combine(tie, plan, {s: ps[0].grad for s, ps in copies.items()}, True)
             for ps in copies.values():
                 for p in ps:
@@ -103,9 +105,11 @@ class TieSync:
                 for p in ps:
                     p.copy_(value)
 
-    def skipped_names(self) -> set[str]:
-        """Names counted elsewhere (norms): every tied name but the first."""
-        return {n for t in self.ties for n in t.names[1:]}
+    def counted_elsewhere(self) -> set[int]:
+        """ids of this rank's tied copies outside the tie's first stage (a norm counts the
+        tie once, in that stage)."""
+        return {id(p) for t in self.ties for s, ps in self.copies(t).items()
+                if s != t.stages[0] for p in ps}
 
 
 @torch.no_grad()
