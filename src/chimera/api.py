@@ -57,6 +57,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from chimera.byo import LayerSource, build_layers, check_partition
+from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.executor import ActionRecord, MicroData
@@ -114,15 +115,8 @@ class Pipeline:
                  compile: bool | dict = False, device: torch.device | str | None = None,
                  sync_buffers: bool = True, example_target=None,
                  init: Callable[[nn.Module], None] | None = None):
-        if not dist.is_initialized():
-            raise RuntimeError("chimera.api.Pipeline needs torch.distributed initialized "
-                               "(use chimera.api.spawn or torchrun)")
-        if loss_reduction not in REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {loss_reduction!r}")
+        self._check_args(loss_reduction, stages, data_parallel)
         keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
-        world = dist.get_world_size()
-        if world != stages * data_parallel:
-            raise ValueError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
         n = micro_batches or stages
         require_runnable(schedule)
         self.schedule = validate(lower(build(schedule, stages, n, **(schedule_options or {})), sync))
@@ -134,10 +128,7 @@ class Pipeline:
         if self.rows * self.schedule.micro_batches * data_parallel != self.batch_rows:
             raise ValueError(f"micro_batch_size {micro_batch_size} cannot be halved for {schedule}")
         source = LayerSource(layers, num_layers, seed, ties, init)
-        if partition is None:
-            from chimera.models.partition import partition as balance
-            partition = balance(source.costs(), self.schedule.stages)
-        self.ranges = check_partition(partition, source.num_layers, self.schedule.stages)
+        self.ranges = self._partition(source, partition)
         self.ties = source.ties(self.ranges)
         device = torch.device(device) if device is not None else default_device()
         opts = None if not compile else ({} if compile is True else dict(compile))
@@ -148,8 +139,25 @@ class Pipeline:
             comm_timeout=comm_timeout, example=self._example(example_input, device),
             target_example=self._example(example_target, device))
         del source  # the layers a rank does not hold are garbage now
-        self.tie_sync = TieSync(self.ties, self.runtime)
+        self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
+
+    @staticmethod
+    def _check_args(loss_reduction: str, stages: int, data_parallel: int) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("chimera.api.Pipeline needs torch.distributed initialized "
+                               "(use chimera.api.spawn or torchrun)")
+        if loss_reduction not in REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {loss_reduction!r}")
+        world = dist.get_world_size()
+        if world != stages * data_parallel:
+            raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
+
+    def _partition(self, source: LayerSource, partition) -> list[range]:
+        if partition is None:
+            from chimera.models.partition import partition as balance
+            partition = balance(source.costs(), self.schedule.stages)
+        return check_partition(partition, source.num_layers, self.schedule.stages)
 
     def _example(self, tree, device):
         """A micro-batch like ``tree`` (its rows cycled to ``rows``)."""

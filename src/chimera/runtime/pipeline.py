@@ -100,9 +100,16 @@ def forward_only(schedule: Schedule) -> Schedule:
     """The forwards of a lowered schedule with their sends and receives, in the same order
     (evaluation). Dropping a rank's backward waits cannot create a cycle of waits: a forward
     depends only on the forwards before it, which keep their relative order."""
+    from chimera.sim.engine import Deadlock, simulate
+
     keep = {Op.F, Op.SEND_F, Op.RECV_F, Op.STEP}
     programs = tuple(tuple(a for a in prog if a.op in keep) for prog in schedule.programs)
-    return dataclasses.replace(schedule, programs=programs)
+    out = dataclasses.replace(schedule, programs=programs)
+    try:  # the argument above, checked: the simulator replays the programs' waits
+        simulate(out)
+    except Deadlock as exc:
+        raise ScheduleError(f"the forward-only programs of {schedule.name} deadlock: {exc}") from None
+    return out
 
 
 class PipelineRuntime:
