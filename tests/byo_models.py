@@ -93,7 +93,7 @@ def reference(rows: int, blocks: int = 3) -> dict:
         for (x, y) in batches:
             loss = gpt_loss(*forward(layers, x), y) / int((y != -100).sum())
             loss.backward()
-            out["losses"].append(float(loss))
+            out["losses"].append(float(loss.detach()))
         out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         # every name, a tied one twice: the pipeline's copies carry either name
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
