@@ -223,6 +223,7 @@ def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int) -
     """The dist calls rank ``rank`` makes running one iteration of ``plan`` (tiny model)."""
     import torch
 
+    from chimera.runtime.boundary import BoundarySpec
     from chimera.runtime.executor import Executor, MicroData
     from chimera.runtime.grid import ProcessGrid
     from chimera.runtime.p2p import Mailbox
@@ -236,10 +237,13 @@ def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int) -
     grid.build_groups()
     modules = {key: torch.nn.Linear(WIDTH, WIDTH) for key in grid.held()}
     grads = {key: ReplicaGrads(m) for key, m in modules.items()}
-    mailbox = Mailbox(plan, grid, lambda m: (ROWS, WIDTH), torch.float32, torch.device("cpu"), None)
+    spec = BoundarySpec.of(torch.nn.Linear(WIDTH, WIDTH)(torch.zeros(ROWS, WIDTH)))
+    mailbox = Mailbox(plan, grid, lambda m: (spec.nbytes(backward=m.kind is Op.RECV_B),),
+                      torch.uint8, torch.device("cpu"), None)
     sync = GradSync(grads, grid.stage_groups, rank, None, bucket_bytes)
     loss = lambda y, t: ((y - t) ** 2).mean()  # noqa: E731
     executor = Executor(s, modules, loss, mailbox, sync, early=plan.early[grid.d])
+    executor.boundaries = [spec] * s.stages
     zeros = {m: torch.zeros(ROWS, WIDTH) for m in range(s.micro_batches)}
     executor.run(plan.steps[grid.d], MicroData(zeros, dict(zeros), dict.fromkeys(zeros, 1.0)))
     stage_of = {id(g): stage for stage, g in grid.stage_groups.items() if g is not None}

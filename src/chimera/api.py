@@ -1,6 +1,6 @@
 """Bring your own model: pipeline-train any sequence of layers with any schedule.
 
-Example (runs as is; see ``examples/byo_model.py``)::
+Example (runs as is; see ``examples/byo_model.py`` and ``examples/gpt_tied.py``)::
 
     import torch
     from torch import nn
@@ -11,41 +11,65 @@ Example (runs as is; see ``examples/byo_model.py``)::
 
     def main(rank, world):                # one call per process
         pipe = chimera.Pipeline(make_layers, nn.functional.mse_loss, schedule="chimera",
-                                stages=2, micro_batches=4, micro_batch_size=8,
-                                example_input=torch.zeros(1, 16))
+                                stages=2, micro_batches=4, micro_batch_size=8)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
         for step in range(100):
             x, y = torch.randn(32, 16), torch.randn(32, 1)   # the same mini-batch on every rank
+            opt.zero_grad()
             loss = pipe.step(x, y)                            # forward, backward, gradient sync
+            pipe.clip_grad_norm_(1.0)
             opt.step()
 
     chimera.spawn(main, world=2)          # or run main under torchrun
 
-A layer is any module mapping one tensor to one tensor; the first takes the raw input, the
-last's output goes to ``loss_fn(output, target)`` (a mean over the micro-batch). Every rank
-receives the whole mini-batch and takes its rows, so the gradient equals single-device
-training on the same mini-batch (the tests check this to 1e-10 in float64).
+Conventions (the same as ``nn.Sequential`` with pytrees):
+
+- A layer takes what the previous one returned: a tuple is spread over its arguments
+  (``layer(*x)``), anything else (a tensor, a dict) is passed as is. Boundaries may be any
+  pytree of tensors (float and integer leaves: hidden states with an int mask), with shapes
+  that depend only on the input's shape; gradients flow back through the floating leaves.
+- ``step(inputs, targets)``: tensors or pytrees whose tensor leaves all have the mini-batch
+  (W x N x micro_batch_size rows) first; every rank gets the whole mini-batch and takes its
+  rows. The last stage's output reaches ``loss_fn(output, target)`` (``loss_fn(*output,
+  target)`` for a tuple, so extra outputs such as an auxiliary loss reach it too).
+- ``loss_reduction``: ``"mean"``: ``loss_fn`` returns the mean over its micro-batch, the
+  step's loss is the mini-batch mean; ``"sum"``: ``loss_fn`` returns a sum, the loss is the
+  sum; ``"token_mean"``: ``loss_fn`` returns a sum over tokens (e.g. ``cross_entropy(...,
+  reduction="sum")``) and the loss is divided by the number of targets != ``ignore_index``
+  in the whole mini-batch (all micro-batches and data-parallel copies): padding does not
+  change the gradient.
+- Exact: the gradient equals single-device training on the same mini-batch (tests check
+  1e-10 in float64), for models whose layers see rows independently. Layers that mix rows
+  (BatchNorm in training mode) see one micro-batch at a time, as under any pipeline: their
+  batch statistics are per micro-batch, and the running statistics of a stage's replicas are
+  averaged at every step (``sync_buffers=True``), so replicas stay equal but the statistics
+  differ from one device's.
 """
 
 from __future__ import annotations
 
-import os
+import math
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
+from chimera.byo import LayerSource, build_layers, check_partition
 from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.executor import ActionRecord, MicroData
-from chimera.runtime.grid import ProcessGrid, end_group
-from chimera.runtime.pipeline import PipelineRuntime
+from chimera.runtime.grid import ProcessGrid
+from chimera.runtime.launch_local import SpawnError, spawn
+from chimera.runtime.pipeline import PipelineRuntime, ProbeError
+from chimera.runtime.shared import TieSync, sync_buffers
 from chimera.schedules import build, require_runnable
 from chimera.validate import validate
 
-__all__ = ["Pipeline", "balanced_partition", "spawn"]
+__all__ = ["Pipeline", "ProbeError", "SpawnError", "balanced_partition", "build_layers", "spawn"]
+REDUCTIONS = ("mean", "sum", "token_mean")
 
 
 def balanced_partition(layers: Sequence[nn.Module], parts: int) -> list[range]:
@@ -56,103 +80,278 @@ def balanced_partition(layers: Sequence[nn.Module], parts: int) -> list[range]:
     return partition(costs, parts)
 
 
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is there and the backend is not gloo (which moves CPU tensors)."""
+    import os
+
+    if torch.cuda.is_available() and dist.get_backend() != "gloo":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _rows(tree, lo: int, hi: int, device):
+    return pytree.tree_map(lambda t: t[lo:hi].to(device) if isinstance(t, torch.Tensor) else t, tree)
+
+
 class Pipeline:
     """This rank's share of a pipelined model. Construct it on every rank, same arguments.
 
-    ``make_layers()`` must return the same layers with the same weights on every rank (it
-    is called after ``torch.manual_seed(seed)``). ``partition`` gives one range of layer
-    indices per stage (default: balanced by parameter count).
+    ``layers`` is ``make_layers()`` returning every layer (called with ``seed``, the caller's
+    RNG untouched), a list of layers, or, with ``num_layers``, ``make_layer(i)`` building one
+    layer (a rank then builds only the layers it holds; see :mod:`chimera.byo`). ``partition``
+    gives one range of layer indices per stage (default: balanced by parameter count).
+    Shared Parameters (tied weights) are found by identity, or named in ``ties``.
+    ``example_input`` (optional; one row or a micro-batch, a pytree) sizes the boundaries now;
+    otherwise the first ``step`` does, and a new input shape re-probes.
     """
 
-    def __init__(self, make_layers: Callable[[], Sequence[nn.Module]], loss_fn: Callable,
-                 schedule: str = "chimera", stages: int = 2, micro_batches: int | None = None,
-                 micro_batch_size: int = 1, example_input: torch.Tensor | None = None,
-                 data_parallel: int = 1,
-                 partition: Sequence[range] | None = None, seed: int = 0, sync: str = "eager",
-                 recompute: bool = False, comm_timeout: float = 300.0, **schedule_options):
-        if not dist.is_initialized():
-            raise RuntimeError("chimera.api.Pipeline needs torch.distributed initialized "
-                               "(use chimera.api.spawn or torchrun)")
+    def __init__(self, layers, loss_fn: Callable, schedule: str = "chimera", stages: int = 2,
+                 micro_batches: int | None = None, micro_batch_size: int = 1, example_input=None,
+                 data_parallel: int = 1, partition: Sequence | None = None, seed: int = 0,
+                 sync: str = "eager", recompute: bool = False, comm_timeout: float = 300.0, *,
+                 num_layers: int | None = None, ties: Sequence[Sequence[str]] | None = None,
+                 loss_reduction: str = "mean", ignore_index: int = -100,
+                 schedule_options: dict | None = None, autocast: torch.dtype | None = None,
+                 compile: bool | dict = False, device: torch.device | str | None = None,
+                 sync_buffers: bool = True, example_target=None,
+                 init: Callable[[nn.Module], None] | None = None):
+        self._check_args(loss_reduction, stages, data_parallel)
         keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
-        if example_input is None:
-            raise ValueError("example_input (one row of input, batch dimension first) is required")
-        world = dist.get_world_size()
-        if world != stages * data_parallel:
-            raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
         n = micro_batches or stages
         require_runnable(schedule)
-        self.schedule = validate(lower(build(schedule, stages, n, **schedule_options), sync))
-        torch.manual_seed(seed)
-        layers = list(make_layers())
-        self.ranges = list(partition) if partition else balanced_partition(layers, self.schedule.stages)
-        if len(self.ranges) != self.schedule.stages:
-            raise ScheduleError(f"partition has {len(self.ranges)} stages, the schedule needs "
-                                f"{self.schedule.stages}")
+        self.schedule = validate(lower(build(schedule, stages, n, **(schedule_options or {})), sync))
+        self.loss_reduction, self.ignore_index = loss_reduction, ignore_index
+        self.sync_buffers = sync_buffers
         self.grid = ProcessGrid(self.schedule.placement, data_parallel, dist.get_rank())
         self.batch_rows = micro_batch_size * n * data_parallel
         self.rows = int(micro_batch_size * self.schedule.micro_scale)
         if self.rows * self.schedule.micro_batches * data_parallel != self.batch_rows:
             raise ValueError(f"micro_batch_size {micro_batch_size} cannot be halved for {schedule}")
+        source = LayerSource(layers, num_layers, seed, ties, init)
+        self.ranges = self._partition(source, partition)
+        self.ties = source.ties(self.ranges)
+        device = torch.device(device) if device is not None else default_device()
+        if device.type == "cuda":  # NCCL's object collectives (probe, state_dict) use it
+            torch.cuda.set_device(device)
+        opts = None if not compile else ({} if compile is True else dict(compile))
         self.runtime = PipelineRuntime(
-            self.schedule, self.grid, lambda s: self._stage(layers, s), loss_fn,
-            input_shape=tuple(example_input.shape[1:]), input_dtype=example_input.dtype,
-            rows=self.rows, recompute=recompute, comm_timeout=comm_timeout)
+            self.schedule, self.grid,
+            lambda s: source.stage(self.ranges[s], self.ties, device, opts), loss_fn,
+            rows=self.rows, recompute=recompute, autocast=autocast, device=device,
+            comm_timeout=comm_timeout, example=self._example(example_input, device),
+            target_example=self._example(example_target, device))
+        del source  # the layers a rank does not hold are garbage now
+        self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
+        self.tie_sync.equalize()
 
-    def _stage(self, layers: list[nn.Module], stage: int) -> nn.Module:
-        import copy
+    @staticmethod
+    def _check_args(loss_reduction: str, stages: int, data_parallel: int) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("chimera.api.Pipeline needs torch.distributed initialized "
+                               "(use chimera.api.spawn or torchrun)")
+        if loss_reduction not in REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {loss_reduction!r}")
+        world = dist.get_world_size()
+        if world != stages * data_parallel:
+            raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
 
-        # each replica gets its own copy: two replicas of one stage may live on one rank's host
-        return nn.Sequential(*[copy.deepcopy(layers[i]) for i in self.ranges[stage]])
+    def _partition(self, source: LayerSource, partition) -> list[range]:
+        if partition is None:
+            from chimera.models.partition import partition as balance
+            partition = balance(source.costs(), self.schedule.stages)
+        return check_partition(partition, source.num_layers, self.schedule.stages)
 
+    def _example(self, tree, device):
+        """A micro-batch like ``tree`` (its rows cycled to ``rows``)."""
+        if tree is None:
+            return None
+        def cycle(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            return t[torch.arange(self.rows) % t.shape[0]].to(device)
+        return pytree.tree_map(cycle, tree)
+
+    # -- parameters ------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (all replicas it holds): give them to your optimizer."""
         return self.runtime.parameters()
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor,
-             record: list[ActionRecord] | None = None) -> float:
-        """Forward, backward and gradient sync of one mini-batch; returns the mean loss.
+    def named_parameters(self):
+        """(model-wide name, parameter) for every replica this rank holds: the names of
+        ``nn.Sequential(*layers)`` (``"3.attn.weight"``); a name repeats when a rank holds
+        two copies (a second replica, or both ends of a tie)."""
+        for _, module in sorted(self.runtime.modules.items()):
+            yield from module.named_parameters()
 
-        Gradients are left in ``.grad`` of :meth:`parameters` (zeroed here first): call your
-        optimizer's ``step()`` next.
-        """
-        if inputs.shape[0] != self.batch_rows:
-            raise ValueError(f"expected a mini-batch of {self.batch_rows} rows "
-                             f"(W x N x micro_batch_size), got {inputs.shape[0]}")
-        runtime, rows = self.runtime, self.rows
-        s, grid = self.schedule, self.grid
-        lo = grid.w * s.micro_batches * rows
-        data = MicroData(weights={m: rows / inputs.shape[0] for m in range(s.micro_batches)})
-        held = set(grid.held())
+    def train(self, mode: bool = True) -> "Pipeline":
+        for module in self.runtime.modules.values():
+            module.train(mode)
+        return self
+
+    def eval(self) -> "Pipeline":
+        return self.train(False)
+
+    # -- one step ----------------------------------------------------------------------------
+    def _check_rows(self, tree, what: str) -> None:
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != self.batch_rows):
+                got = tuple(t.shape)
+                raise ValueError(f"{what}: expected tensors of {self.batch_rows} rows first "
+                                 f"(W x N x micro_batch_size), got a leaf of shape {got}")
+
+    def _micro_data(self, inputs, targets, scale: float, outputs: bool = False) -> MicroData:
+        s, grid, rows, dev = self.schedule, self.grid, self.rows, self.runtime.device
+        self._check_rows(inputs, "inputs")
+        if targets is not None:
+            self._check_rows(targets, "targets")
+        self.runtime.prepare(_rows(inputs, 0, rows, dev),
+                             None if targets is None else _rows(targets, 0, rows, dev))
+        weight = scale * self._loss_weight(targets)
+        data = MicroData(weights={m: weight for m in range(s.micro_batches)},
+                         outputs={} if outputs else None)
+        held, lo = set(grid.held()), grid.w * s.micro_batches * rows
         for m, pipe in enumerate(s.micro_pipe):
-            sl = slice(lo + m * rows, lo + (m + 1) * rows)
+            a, b = lo + m * rows, lo + (m + 1) * rows
             if (pipe, 0) in held:
-                data.inputs[m] = inputs[sl].to(runtime.device)
-            if (pipe, s.stages - 1) in held:
-                data.targets[m] = targets[sl].to(runtime.device)
-        runtime.zero_grad()
-        loss = torch.tensor([runtime.run(data, record)], dtype=torch.float64)
+                data.inputs[m] = _rows(inputs, a, b, dev)
+            if (pipe, s.stages - 1) in held and targets is not None:
+                data.targets[m] = _rows(targets, a, b, dev)
+        return data
+
+    def _loss_weight(self, targets) -> float:
+        if self.loss_reduction == "mean":
+            return self.rows / self.batch_rows
+        if self.loss_reduction == "sum" or targets is None:
+            return 1.0
+        leaves = [t for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
+        count = int((leaves[0] != self.ignore_index).sum())  # the whole mini-batch: every rank has it
+        return 1.0 / max(count, 1)
+
+    def step(self, inputs, targets, accumulate: bool = False, loss_scale: float = 1.0,
+             record: list[ActionRecord] | None = None) -> float:
+        """Forward, backward and gradient sync of one mini-batch; returns its loss.
+
+        Gradients are left in ``.grad`` of :meth:`parameters`; call your optimizer next.
+        ``accumulate=False`` starts from zero (as if ``zero_grad()`` came first);
+        ``accumulate=True`` adds to the gradients already there, like a second
+        ``backward()`` (scale with ``loss_scale`` to average several mini-batches).
+        """
+        data = self._micro_data(inputs, targets, loss_scale)
+        self.runtime.zero_grad(keep=accumulate)
+        kept = [g.flat.clone() for g in self.runtime.grads.values()] if accumulate else None
+        if kept is not None:  # the sums below must cover only this step's gradients
+            self.runtime.zero_grad(keep=False)
+        loss = self.runtime.run(data, record)
+        self.tie_sync.reduce_grads()
+        if self.sync_buffers:
+            sync_buffers(self.runtime)
+        for g, k in zip(self.runtime.grads.values(), kept or []):
+            g.flat += k
         dist.all_reduce(loss)
         return float(loss)
 
+    @torch.no_grad()
+    def eval_step(self, inputs, targets=None, return_outputs: bool = False):
+        """Forwards only (no gradients, no sync; run ``eval()`` first for dropout/BatchNorm):
+        the mini-batch loss (None without targets), and with ``return_outputs`` also the last
+        stage's outputs for the whole mini-batch, on every rank, in row order."""
+        data = self._micro_data(inputs, targets, 1.0, outputs=return_outputs)
+        loss = self.runtime.run_forward(data)
+        dist.all_reduce(loss)
+        loss = None if targets is None else float(loss)
+        if not return_outputs:
+            return loss
+        return loss, self._gather_outputs(data.outputs)
 
-def _entry(rank: int, world: int, fn, port: int, backend: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        fn(rank, world)
-    except BaseException:
-        dist.destroy_process_group()  # no barrier: a peer may be gone
-        raise
-    end_group(torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu"))
+    def _gather_outputs(self, mine: dict):
+        w, n = self.grid.w, self.schedule.micro_batches
+        local = {w * n + m: pytree.tree_map(lambda t: t.detach().cpu(), y) for m, y in mine.items()}
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+        merged = {k: v for p in parts for k, v in p.items()}
+        ordered = [merged[k] for k in sorted(merged)]
+        leaves = [pytree.tree_flatten(y)[0] for y in ordered]
+        spec = pytree.tree_flatten(ordered[0])[1]
+        cat = [torch.cat(col) if isinstance(col[0], torch.Tensor) else col[0] for col in zip(*leaves)]
+        return pytree.tree_unflatten(cat, spec)
 
+    # -- model in and out ------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+        """Clip the gradients by the model's global 2-norm (each stage once, each tie once)
+        and return that norm: the value ``torch.nn.utils.clip_grad_norm_`` gives on one device."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        skip = self.tie_sync.counted_elsewhere()
+        counted = set()
+        for (pipe, stage), module in sorted(self.runtime.modules.items()):
+            if stage in counted or self.grid.rank != self.grid.stage_ranks[stage][0]:
+                continue  # each stage once, by the first rank among its replicas
+            counted.add(stage)
+            for p in module.parameters():
+                if p.grad is not None and id(p) not in skip:
+                    sq += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(sq)
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads and math.isfinite(float(norm)):
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm
 
-def spawn(fn: Callable[[int, int], None], world: int, backend: str = "gloo") -> None:
-    """Run ``fn(rank, world)`` in ``world`` local processes joined in one process group."""
-    import torch.multiprocessing as mp
+    def _owner(self, stage: int) -> int:
+        return self.grid.global_rank(self.grid.placement.rank_of(0, stage), 0)
 
-    from chimera.train.launch import free_port
+    def state_dict(self, all_ranks: bool = False) -> dict:
+        """The whole model's state dict, named as ``nn.Sequential(*layers)``'s, gathered on
+        rank 0 (on every rank with ``all_ranks``; ``{}`` elsewhere). Tied names map to one
+        tensor (``torch.save`` stores it once). Call on every rank."""
+        part = {}
+        for (pipe, stage), module in sorted(self.runtime.modules.items()):
+            if pipe == 0 and self.grid.rank == self._owner(stage):
+                part.update({k: v.detach().cpu().clone() for k, v in module.state_dict().items()})
+        parts: list = [None] * dist.get_world_size()
+        if all_ranks:
+            dist.all_gather_object(parts, part)
+        else:
+            dist.gather_object(part, parts if self.grid.rank == 0 else None, dst=0)
+            if self.grid.rank != 0:
+                return {}
+        merged = {k: v for p in parts for k, v in p.items()}
+        for tie in self.ties:
+            for name in tie.names[1:]:
+                merged[name] = merged[tie.names[0]]
+        order = {k: i for i, k in enumerate(self._all_keys(parts))}
+        return dict(sorted(merged.items(), key=lambda kv: order[kv[0]]))
 
-    mp.start_processes(_entry, args=(world, fn, free_port(), backend), nprocs=world,
-                       start_method="spawn")
+    @staticmethod
+    def _all_keys(parts) -> list[str]:
+        """Keys in model order: by layer index, then in each stage's own order."""
+        keys = [k for p in parts for k in p]
+        pos = {k: i for i, k in enumerate(keys)}
+        return sorted(keys, key=lambda k: (int(k.split(".", 1)[0]), pos[k]))
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Load a whole-model state dict (as :meth:`state_dict` returns, or the state dict of
+        ``nn.Sequential(*layers)``) on every rank; each rank copies what it holds. Tied copies
+        take the value of the tie's first name."""
+        state = dict(state)
+        for tie in self.ties:
+            src = next((n for n in tie.names if n in state), None)
+            for name in tie.names if src is not None else ():
+                state[name] = state[src]
+        keys, missing = set(), []
+        for module in self.runtime.modules.values():
+            own = module.state_dict().keys()
+            keys |= set(own)
+            missing += [k for k in own if k not in state]
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (sorted(keys), sorted(set(missing))))
+        known = {k for ks, _ in everyone for k in ks}
+        missing = sorted({k for _, ms in everyone for k in ms})
+        unexpected = sorted(set(state) - known)
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing[:8]}, unexpected keys "
+                           f"{unexpected[:8]}")
+        for module in self.runtime.modules.values():
+            own = module.state_dict().keys()
+            module.load_state_dict({k: state[k] for k in own if k in state}, strict=False)
+        self.tie_sync.equalize()

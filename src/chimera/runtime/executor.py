@@ -18,16 +18,20 @@ from torch.utils.checkpoint import checkpoint
 
 from chimera.comm_plan import Launch, Post
 from chimera.ir import Action, Op, Schedule
-from chimera.runtime.split_backward import backward_input, backward_weight
+from chimera.runtime.boundary import call_loss, detach_input
+from chimera.runtime.split_backward import PendingWeightGrad, backward_input, backward_weight
 
 
 @dataclass
 class MicroData:
-    """What one iteration feeds this rank: stage-0 inputs, last-stage targets, loss weights."""
+    """What one iteration feeds this rank: stage-0 inputs, last-stage targets, loss weights
+    (pytrees of tensors, per micro-batch); ``outputs``, when a dict, collects the last stage's
+    outputs of a forward-only run."""
 
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    targets: dict[int, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[int, object] = field(default_factory=dict)
+    targets: dict[int, object] = field(default_factory=dict)
     weights: dict[int, float] = field(default_factory=dict)
+    outputs: dict[int, object] | None = None
 
 
 @dataclass
@@ -64,9 +68,12 @@ class _Clock:
 class Executor:
     def __init__(self, schedule: Schedule, modules: dict[tuple[int, int], nn.Module], loss_fn,
                  mailbox, sync, recompute: bool = False, autocast: torch.dtype | None = None,
-                 device: torch.device = torch.device("cpu"), early: frozenset = frozenset()):
+                 device: torch.device = torch.device("cpu"), early: frozenset = frozenset(),
+                 forward_only: bool = False):
         self.schedule, self.modules, self.loss_fn = schedule, modules, loss_fn
         self.arm = early  # last backwards inside which buckets may reduce (CommPlan.early)
+        self.forward_only = forward_only  # evaluation: no graph kept, nothing sent back
+        self.boundaries: list = []  # per stage, the BoundarySpec of its output (set by the runtime)
         self.mailbox, self.sync = mailbox, sync
         self.recompute, self.autocast, self.device = recompute, autocast, device
         self.last = schedule.stages - 1
@@ -79,10 +86,12 @@ class Executor:
             Op.RECV_F: self._recv, Op.RECV_B: self._recv, Op.SYNC: self._sync, Op.STEP: self._step,
         }
 
-    def run(self, program, data: MicroData, record: list[ActionRecord] | None = None) -> float:
+    def run(self, program, data: MicroData, record: list[ActionRecord] | None = None) -> torch.Tensor:
         """Run ``program`` (a CommPlan's steps for this rank: actions, receive posts and
-        allreduce launches); return the sum of the (weighted) losses computed on this rank."""
-        self.data, self.loss_sum = data, 0.0
+        allreduce launches); return the sum of the (weighted) losses computed on this rank (a
+        float64 device scalar: read it once per step, not once per micro-batch)."""
+        self.data = data
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.inp: dict[tuple, torch.Tensor] = {}
         self.out: dict[tuple, torch.Tensor] = {}
         self.recv: dict[tuple, torch.Tensor] = {}
@@ -124,53 +133,80 @@ class Executor:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _stage_input(self, a: Action) -> torch.Tensor:
+    def _stage_input(self, a: Action) -> tuple[object, list[torch.Tensor]]:
+        """(input pytree, its leaves that get a gradient) of the forward ``a``."""
         p, s, m = a.key
         if s == 0:
-            return self.data.inputs[m]
+            return self.data.inputs[m], []
+        spec = self.boundaries[s - 1]
         if (Op.RECV_F, p, s, m) in self.recv:
-            x = self.recv.pop((Op.RECV_F, p, s, m))
+            x = spec.unpack(self.recv.pop((Op.RECV_F, p, s, m)))
         else:  # previous stage on this rank (V placement): hand the output over directly
             x = self.out[(p, s - 1, m)]
-        return x.detach().requires_grad_()
+        if self.forward_only:
+            return x, []
+        return detach_input(x, spec)
 
     def _forward(self, a: Action) -> None:
-        x = self._stage_input(a)
+        x, grad_leaves = self._stage_input(a)
         module = self.modules[(a.pipe, a.stage)]
         with self._autocast():
-            if self.recompute and a.stage != self.last:
+            if self.recompute and a.stage != self.last and not self.forward_only:
                 y = checkpoint(module, x, use_reentrant=False)
             else:
                 y = module(x)
             if a.stage == self.last:
-                y = self.loss_fn(y, self.data.targets[a.micro]) * self.data.weights[a.micro]
-                self.loss_sum += float(y.detach())
-        if a.stage > 0:
-            self.inp[a.key] = x
+                y = self._loss(y, a.micro)
+        if a.stage > 0 and not self.forward_only:
+            self.inp[a.key] = grad_leaves
         self.out[a.key] = y
 
-    def _output_grad(self, a: Action) -> torch.Tensor | None:
-        p, s, m = a.key
-        if s == self.last:
+    def _loss(self, y, micro: int):
+        """The weighted loss of micro-batch ``micro`` (summed on the device, read once per run);
+        in a forward-only run also the outputs, and no loss without targets."""
+        if self.data.outputs is not None:
+            self.data.outputs[micro] = y
+        if micro not in self.data.targets:
             return None
+        loss = call_loss(self.loss_fn, y, self.data.targets[micro]) * self.data.weights[micro]
+        self.loss_sum += loss.detach()
+        return loss
+
+    def _output_grad(self, a: Action) -> tuple[list[torch.Tensor], list]:
+        """(outputs, their gradients) that backward starts from; only outputs that require grad."""
+        p, s, m = a.key
+        y = self.out.pop(a.key)
+        if s == self.last:
+            return ([y], [None]) if y is not None and y.requires_grad else ([], [])
+        spec = self.boundaries[s]
         if (Op.RECV_B, p, s, m) in self.recv:
-            g = self.recv.pop((Op.RECV_B, p, s, m))
+            grads = spec.unpack_grads(self.recv.pop((Op.RECV_B, p, s, m)))
         else:  # next stage on this rank
-            g = self.inp.pop((p, s + 1, m)).grad
-        return g
+            grads = [x.grad for x in self.inp.pop((p, s + 1, m))]
+        pairs = [(t, g) for t, g in zip(spec.grad_leaves(y), grads)
+                 if t.requires_grad and g is not None]
+        return [t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs]
 
     def _backward(self, a: Action) -> None:
-        y, g = self.out.pop(a.key), self._output_grad(a)
+        ys, gs = self._output_grad(a)
         if a in self.arm:  # the replica's gradients become final in this backward
             self.sync.arm(a.pipe, a.stage)
-        torch.autograd.backward(y, None if g is None else g.to(y.dtype))
+        if ys:  # a frozen stage (nothing requires grad) has nothing to do
+            torch.autograd.backward(ys, gs if gs[0] is not None else None)
 
     def _backward_input(self, a: Action) -> None:
         """I: the input gradient only (what the previous stage waits for)."""
-        y, g = self.out.pop(a.key), self._output_grad(a)
-        x = self.inp.get(a.key)
-        dx, pending = backward_input(y, x, None if g is None else g.to(y.dtype), self.params[(a.pipe, a.stage)])
-        if x is not None:
+        ys, gs = self._output_grad(a)
+        xs = self.inp.get(a.key, [])
+        if not ys:
+            self.out[a.key] = PendingWeightGrad()
+            return
+        if len(ys) == 1:
+            y, g = ys[0], gs[0]
+        else:  # one root: d(sum_i <y_i, g_i>)/dθ is exactly sum_i g_i·dy_i/dθ
+            y, g = sum((t * u).sum() for t, u in zip(ys, gs)), None
+        dxs, pending = backward_input(y, xs or None, g, self.params[(a.pipe, a.stage)])
+        for x, dx in zip(xs, dxs or []):
             x.grad = dx
         self.out[a.key] = pending  # W finishes it
 
@@ -180,10 +216,12 @@ class Executor:
 
     # -- communication ------------------------------------------------------------
     def _send_f(self, a: Action) -> None:
-        self.mailbox.send(a, self.out[a.key])
+        y = self.out.pop(a.key) if self.forward_only else self.out[a.key]
+        self.mailbox.send(a, self.boundaries[a.stage].pack(y, a.stage, self.device))
 
     def _send_b(self, a: Action) -> None:
-        self.mailbox.send(a, self.inp.pop(a.key).grad)
+        xs = self.inp.pop(a.key)
+        self.mailbox.send(a, self.boundaries[a.stage - 1].pack_grads([x.grad for x in xs], self.device))
 
     def _recv(self, a: Action) -> None:
         self.recv[(a.op, a.pipe, a.stage, a.micro)] = self.mailbox.receive(a)

@@ -1,22 +1,252 @@
 """NCCL's p2p semantics emulated on gloo (``CHIMERA_EMULATE_NCCL=pair|rank``).
 
-Not implemented yet: only the switch exists.
+gloo matches messages by tag and lets either end run ahead, so a p2p order that hangs on
+GPUs can train fine on CPU. :class:`NcclEmulation` is a :class:`~chimera.runtime.p2p.Transport`
+that makes the runtime's ``isend``/``irecv`` complete only as NCCL would let them:
+
+- **Streams.** Each rank runs its p2p on FIFO streams: one per peer, shared by both
+  directions (``pair``: NCCL's default, a communicator per pair of ranks), or one for all
+  of the rank's p2p (``rank``: one communicator with ``device_id``). A daemon thread per
+  stream takes the operations in issue order; an operation not at the head does not start.
+- **No buffering, matching by order.** The k-th send from A to B matches the k-th receive
+  at B from A (counted per ordered pair over the transport's life, across iterations). The
+  two complete together, once both are at the head of their streams: each end, at its head,
+  publishes a key in the rendezvous store and polls for the other end's key. The key holds
+  the tag and size; if the k-th send and the k-th receive disagree, both fail (NCCL would
+  deliver the wrong tensor, or hang on a size mismatch, where gloo's tags hide the bug).
+- **Data** still moves through gloo's tagged ``isend``/``irecv``, issued at once; a stream
+  waits for the gloo operation only after the rendezvous (both ends are issued by then, so
+  it cannot block on anything else). A failed gloo operation fails its work and every later
+  one on the stream (a broken communicator). Work objects answer ``wait(timeout)`` (True,
+  or False on timeout, as gloo's) and ``is_completed()``; a stuck operation therefore ends
+  in :func:`chimera.runtime.p2p.wait_work`'s CommTimeout naming rank, action and peer.
+
+Not emulated:
+
+- Real NCCL sends small messages eagerly (below ``NCCL_BUFFSIZE``, about 4 MiB per
+  connection), so an order that hangs here may pass on GPUs with small activations: this
+  is the worst case, which is what a schedule must survive (large models, large batches).
+- Collectives (the stage allreduces, the loss and norm allreduces), communicator creation
+  and ``grid.warm_up``'s exchange go straight to gloo; their order is the CommPlan's and is
+  checked by the validator's rendezvous replay, not here.
+- Timing: a rendezvous costs a few store round trips (microseconds on one host) and a
+  thread hand-off, and the polling backs off to :data:`POLL_MAX_S`; CUDA stream semantics
+  (a wait that only orders streams) do not exist on CPU.
+
+Every rank must create its transports in the same order (one per PipelineRuntime): the
+n-th transport of each rank shares a namespace of store keys with the n-th of the others,
+so a transport abandoned after a timeout cannot confuse the next one.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
 
 from chimera.runtime.p2p import Transport
 
+__all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "transport_from_env"]
+
 MODES = ("pair", "rank")
 ENV = "CHIMERA_EMULATE_NCCL"
+PREFIX = "chimera-nccl-emulation"
+POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3  # store polling backs off from min to max while it waits
 
 
 def transport_from_env(rank: int) -> Transport:
+    """Plain gloo, or the emulation when ``CHIMERA_EMULATE_NCCL`` names a stream mode."""
     mode = os.environ.get(ENV, "")
     if not mode:
         return Transport()
     if mode not in MODES:
         raise ValueError(f"{ENV}={mode!r}: choose one of {', '.join(MODES)} (or leave it unset)")
-    raise NotImplementedError(f"{ENV} is not implemented yet")
+    return NcclEmulation(rank, mode)
+
+
+class EmulatedWork:
+    """What the emulation's isend/irecv return: done once the operation met its match."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: str | None = None
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """True when complete, False on timeout (as gloo's); raises if the operation failed."""
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            return False
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def finish(self, error: str | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+
+@dataclass
+class _Op:
+    """One send (``src`` is this rank) or receive (``dst`` is this rank) on a stream."""
+
+    is_send: bool
+    src: int
+    dst: int
+    k: int  # the k-th message from src to dst: NCCL's matching rule
+    tag: int
+    numel: int
+    gloo: object  # the gloo work that moves the data
+    work: EmulatedWork = field(default_factory=EmulatedWork)
+
+    def key(self, send_side: bool) -> str:
+        return f"{self.src}>{self.dst}#{self.k}/{'send' if send_side else 'recv'}"
+
+    def stamp(self) -> str:
+        return f"{self.tag}:{self.numel}"
+
+    def __str__(self) -> str:
+        if self.is_send:
+            return f"send #{self.k} from rank {self.src} to rank {self.dst} (tag {self.tag})"
+        return f"receive #{self.k} at rank {self.dst} from rank {self.src} (tag {self.tag})"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class _Closed(Exception):
+    """The transport was closed while an operation waited for its match."""
+
+
+class _Stream:
+    """One FIFO stream: a daemon thread completing its operations in issue order."""
+
+    def __init__(self, owner: "NcclEmulation", name: str):
+        self.owner = owner
+        self.ops: deque[_Op] = deque()
+        self.ready = threading.Condition()
+        self.thread = threading.Thread(target=self._serve, name=f"nccl-emulation {name}",
+                                       daemon=True)  # never keeps a failed process alive
+        self.thread.start()
+
+    def put(self, op: _Op) -> None:
+        with self.ready:
+            self.ops.append(op)
+            self.ready.notify()
+
+    def wake(self) -> None:
+        with self.ready:
+            self.ready.notify_all()
+
+    def _next(self) -> _Op | None:
+        with self.ready:
+            while not self.ops and not self.owner.stop.is_set():
+                self.ready.wait()
+            return None if self.owner.stop.is_set() else self.ops.popleft()
+
+    def _serve(self) -> None:
+        failure: str | None = None  # after a failure the stream is broken, like a communicator
+        while (op := self._next()) is not None:
+            if failure is not None:
+                op.work.finish(f"{op}: an earlier operation on its stream failed: {failure}")
+                continue
+            try:
+                self.owner.rendezvous(op)
+                op.gloo.wait()  # both ends are issued: gloo completes unless a peer died
+                op.work.finish()
+            except _Closed:
+                op.work.finish(f"{op}: the NCCL emulation was closed")
+                break
+            except Exception as exc:  # noqa: BLE001 - any error fails the work, never the thread
+                failure = f"{op}: {_first_line(exc)}"
+                op.work.finish(failure)
+        self._fail_rest("the NCCL emulation was closed")
+
+    def _fail_rest(self, why: str) -> None:
+        with self.ready:
+            rest, self.ops = list(self.ops), deque()
+        for op in rest:
+            op.work.finish(f"{op}: {why}")
+
+
+class NcclEmulation(Transport):
+    """The runtime's p2p under NCCL's rendezvous semantics on gloo (see the module docstring).
+
+    ``mode``: ``pair`` (one stream per peer) or ``rank`` (one stream for all p2p).
+    ``store``: the rendezvous store (default: the default process group's).
+    """
+
+    def __init__(self, rank: int, mode: str = "pair", store=None):
+        if mode not in MODES:
+            raise ValueError(f"NCCL emulation mode {mode!r}: choose one of {', '.join(MODES)}")
+        self.rank, self.mode = rank, mode
+        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        instance = self.store.add(f"{PREFIX}/instances/{rank}", 1)  # same n on every rank
+        self.namespace = f"{PREFIX}/{instance}/"
+        self.stop = threading.Event()
+        self.sent: dict[int, int] = {}  # per destination: sends issued so far
+        self.received: dict[int, int] = {}  # per source: receives issued so far
+        self.streams: dict[object, _Stream] = {}
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> EmulatedWork:
+        k = self.sent.get(dst, 0)
+        self.sent[dst] = k + 1
+        gloo = dist.isend(tensor, dst=dst, tag=tag)
+        return self._issue(_Op(True, self.rank, dst, k, tag, tensor.numel(), gloo), dst)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> EmulatedWork:
+        k = self.received.get(src, 0)
+        self.received[src] = k + 1
+        gloo = dist.irecv(tensor, src=src, tag=tag)
+        return self._issue(_Op(False, src, self.rank, k, tag, tensor.numel(), gloo), src)
+
+    def _issue(self, op: _Op, peer: int) -> EmulatedWork:
+        if self.stop.is_set():
+            raise RuntimeError(f"rank {self.rank}: the NCCL emulation is closed")
+        name = peer if self.mode == "pair" else "all"
+        if name not in self.streams:
+            label = f"rank {self.rank} with {peer}" if self.mode == "pair" else f"rank {self.rank}"
+            self.streams[name] = _Stream(self, label)
+        self.streams[name].put(op)
+        return op.work
+
+    def rendezvous(self, op: _Op) -> None:
+        """Called by ``op``'s stream when ``op`` is at its head: returns once the matching
+        operation is at the head of the peer's stream (raises on a mismatch)."""
+        store, mine, theirs = self.store, op.key(op.is_send), op.key(not op.is_send)
+        store.set(self.namespace + mine, op.stamp())
+        self._poll(self.namespace + theirs)
+        stamp = store.get(self.namespace + theirs).decode()
+        store.delete_key(self.namespace + theirs)  # each key has exactly one reader: this one
+        if stamp != op.stamp():
+            tag, numel = stamp.split(":")
+            raise RuntimeError(f"NCCL would match it with tag {tag} ({numel} elements, ours "
+                               f"{op.numel}): the two ranks order their messages differently")
+
+    def _poll(self, key: str) -> None:
+        delay = POLL_MIN_S
+        while not self.store.check([key]):  # check, not wait: a blocking wait holds the client
+            if self.stop.is_set():
+                raise _Closed
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_MAX_S)
+
+    def close(self) -> None:
+        """Stop the streams; operations still waiting fail (for tests that abandon a hang)."""
+        self.stop.set()
+        for stream in self.streams.values():
+            stream.wake()
+        for stream in self.streams.values():
+            stream.thread.join(timeout=1.0)
+
+    def __repr__(self) -> str:
+        return f"NcclEmulation(rank={self.rank}, mode={self.mode!r}, streams={len(self.streams)})"

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Callable
 
+import contextlib
+import dataclasses
+import functools
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from chimera.comm_plan import Message, plan_comm
-from chimera.ir import Schedule, ScheduleError
+from chimera.ir import Op, Schedule, ScheduleError
+from chimera.runtime.boundary import BoundarySpec, Stage, call_layer, call_loss, describe, signature
 from chimera.runtime.executor import ActionRecord, Executor, MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.nccl_emulation import transport_from_env
@@ -17,38 +23,94 @@ from chimera.runtime.p2p import Mailbox
 from chimera.runtime.sync import BUCKET_BYTES, GradSync, ReplicaGrads
 
 
-def _probe_forward(module: nn.Module, shape: tuple, dtype: torch.dtype) -> tuple[tuple, torch.dtype]:
-    """Output (shape, dtype) of ``module`` for a zero input of ``shape`` (one or two rows).
+class ProbeError(RuntimeError):
+    """A stage failed on its probe input; raised on every rank with the same message."""
 
-    A real forward rather than the meta device: meta's first use imports torch's compiler
-    stack (seconds per process), and a two-row forward costs little.
+
+def _layers(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """(name, layer, spread tuples) in call order: a Stage's or Sequential's layers, else itself."""
+    if isinstance(module, Stage):
+        return [(n, m, True) for n, m in module.named_children()]
+    if isinstance(module, nn.Sequential):
+        return [(n, m, False) for n, m in module.named_children()]
+    return [("0", module, False)]
+
+
+@contextlib.contextmanager
+def _restored(module: nn.Module, device: torch.device):
+    """The probe leaves no trace: buffers (BatchNorm statistics) and the RNG come back."""
+    saved = {k: b.detach().clone() for k, b in module.named_buffers()}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, b in saved.items():
+                    module.get_buffer(k).copy_(b)
+
+
+def _probe_stage(module: nn.Module, stage: int, x, last: bool, loss_fn, target, device) -> tuple:
+    """("ok", BoundarySpec of the output) or ("error", message naming the failing layer)."""
+    with _restored(module, device), torch.enable_grad():
+        for name, layer, spread in _layers(module):
+            try:
+                x = call_layer(layer, x) if spread else layer(x)
+            except Exception as exc:  # noqa: BLE001 -- reported on every rank, with its cause
+                return "error", (f"stage {stage}, layer {name} ({type(layer).__name__}) failed on "
+                                 f"input {describe(x)}: {type(exc).__name__}: {exc}")
+        if last and target is not None:
+            try:
+                loss = call_loss(loss_fn, x, target)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError(f"loss_fn must return a scalar tensor, got {describe(loss)}")
+            except Exception as exc:  # noqa: BLE001
+                return "error", (f"stage {stage}: loss_fn failed on output {describe(x)} and target "
+                                 f"{describe(target)}: {type(exc).__name__}: {exc}")
+        return "ok", BoundarySpec.of(x)
+
+
+def probe_boundaries(grid: ProcessGrid, modules: dict, example, loss_fn=None, target=None,
+                     device: torch.device = torch.device("cpu")) -> list[BoundarySpec]:
+    """Per stage, the BoundarySpec of its output for one micro-batch ``example``, agreed on by
+    every rank; a failure raises ProbeError on every rank (not only the failing one).
+
+    Stage s is probed by the rank holding its pipe-0 replica in data replica 0, on zeros of
+    the previous stage's output spec, and broadcasts the result. A real forward (with grad,
+    to learn which outputs carry gradients) rather than the meta device: meta's first use
+    imports torch's compiler stack (seconds per process).
     """
-    device = next(module.parameters()).device
-    with torch.no_grad():
-        y = module(torch.zeros(shape, dtype=dtype, device=device))
-    return tuple(y.shape), y.dtype
-
-
-def infer_boundary_shapes(grid: ProcessGrid, modules: dict, input_shape: tuple,
-                          input_dtype: torch.dtype) -> list[tuple[tuple, torch.dtype]]:
-    """Per stage, the (per-row shape, dtype) of its output, agreed on by every rank.
-
-    Stage s is probed by the rank holding its pipe-0 replica in data replica 0, which
-    broadcasts the result; shapes exclude the leading batch dimension.
-    """
-    shape, dtype = (2,) + tuple(input_shape), input_dtype
-    out = []
-    for stage in range(grid.placement.stages):
+    out: list[BoundarySpec] = []
+    stages = grid.placement.stages
+    for stage in range(stages):
         owner = grid.global_rank(grid.placement.rank_of(0, stage), 0)
         box: list = [None]
         if grid.rank == owner:
-            y_shape, y_dtype = _probe_forward(modules[(0, stage)], shape, dtype)
-            box = [(y_shape[1:], str(y_dtype).replace("torch.", ""))]
-        dist.broadcast_object_list(box, src=owner)
-        row_shape, dtype_name = box[0]
-        dtype = getattr(torch, dtype_name)
-        shape = (2,) + tuple(row_shape)
-        out.append((tuple(row_shape), dtype))
+            x = example if stage == 0 else out[-1].example(device)
+            box = [_probe_stage(modules[(0, stage)], stage, x, stage == stages - 1, loss_fn,
+                                target, device)]
+        with warnings.catch_warnings():  # unpickling a TreeSpec warns about an internal isinstance
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.broadcast_object_list(box, src=owner)
+        kind, payload = box[0]
+        if kind == "error":
+            raise ProbeError(payload)
+        out.append(payload)
+    return out
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of a lowered schedule with their sends and receives, in the same order
+    (evaluation). Dropping a rank's backward waits cannot create a cycle of waits: a forward
+    depends only on the forwards before it, which keep their relative order."""
+    from chimera.sim.engine import Deadlock, simulate
+
+    keep = {Op.F, Op.SEND_F, Op.RECV_F, Op.STEP}
+    programs = tuple(tuple(a for a in prog if a.op in keep) for prog in schedule.programs)
+    out = dataclasses.replace(schedule, programs=programs)
+    try:  # the argument above, checked: the simulator replays the programs' waits
+        simulate(out)
+    except Deadlock as exc:
+        raise ScheduleError(f"the forward-only programs of {schedule.name} deadlock: {exc}") from None
     return out
 
 
@@ -60,50 +122,98 @@ class PipelineRuntime:
     """
 
     def __init__(self, schedule: Schedule, grid: ProcessGrid,
-                 stage_factory: Callable[[int], nn.Module], loss_fn, input_shape: tuple,
-                 input_dtype: torch.dtype, rows: int, recompute: bool = False,
+                 stage_factory: Callable[[int], nn.Module], loss_fn, input_shape: tuple | None = None,
+                 input_dtype: torch.dtype | None = None, rows: int = 1, recompute: bool = False,
                  autocast: torch.dtype | None = None, device: torch.device | None = None,
-                 comm_timeout: float = 300.0):
+                 comm_timeout: float = 300.0, example=None, target_example=None):
         if not schedule.lowered:
             raise ScheduleError("the runtime needs a lowered schedule (chimera.passes.lower)")
-        self.schedule, self.grid = schedule, grid
+        self.schedule, self.grid, self.loss_fn = schedule, grid, loss_fn
         self.device = device or torch.device("cpu")
         self.rows = rows  # rows of one schedule micro-batch
+        self.comm_timeout = comm_timeout
         self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
         self.grads = {key: ReplicaGrads(m) for key, m in self.modules.items()}
         self.plan = plan_comm(schedule)
         grid.build_groups()
         grid.warm_up(self.plan, self.device)
-        self.shapes = infer_boundary_shapes(grid, self.modules, input_shape, input_dtype)
-        wire = next(iter(self.modules.values())).parameters().__next__().dtype
         # NCCL: no timed (CPU-blocking, polling) waits; its timeout and watchdog catch hangs
-        timeout = None if dist.get_backend() == "nccl" else comm_timeout
-        self.mailbox = Mailbox(self.plan, grid, self._message_shape, wire, self.device, timeout,
-                               transport_from_env(grid.rank))
+        self.timeout = None if dist.get_backend() == "nccl" else comm_timeout
         # Buckets reduced inside the last backward pay off where the allreduce runs beside the
         # compute (NCCL); with gloo on CPU cores the reduction competes with the compute for the
         # same cores and measured no faster than one allreduce per replica at SYNC (README).
         buckets = BUCKET_BYTES if self.device.type == "cuda" else 0
-        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, timeout, buckets)
-        self.executor = Executor(schedule, self.modules, loss_fn, self.mailbox, self.sync,
-                                 recompute, autocast, self.device, self.plan.early[grid.d])
+        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout, buckets)
+        self.executor = Executor(schedule, self.modules, loss_fn, None, self.sync,
+                                 recompute, autocast, self.device, early=self.plan.early[grid.d])
+        self.eval_schedule = forward_only(schedule)
+        self.eval_plan = plan_comm(self.eval_schedule)
+        self.evaluator = Executor(self.eval_schedule, self.modules, loss_fn, None, self.sync,
+                                  False, autocast, self.device, forward_only=True)
         self.program = self.plan.steps[grid.d]
+        self.signature: tuple | None = None  # of the micro-batch input the boundaries fit
+        self._probed: dict[tuple, tuple] = {}  # signature -> (boundaries, mailbox, eval mailbox)
+        if example is None and input_shape is not None:
+            example = torch.zeros((rows,) + tuple(input_shape), dtype=input_dtype, device=self.device)
+        if example is not None:
+            self.prepare(example, target_example)
 
-    def _message_shape(self, msg: Message) -> tuple:
+    KEEP_SHAPES = 4  # boundary layouts (and their receive buffers) kept for alternating shapes
+
+    def prepare(self, example, target=None) -> None:
+        """Fit the boundaries to a micro-batch input like ``example`` (a pytree of ``rows``
+        rows): probe and allocate again when its structure, shapes or dtypes changed, so a
+        stage never runs on buffers sized for another shape. Every rank calls it with the
+        same signature (it probes with collectives)."""
+        sig = signature(example)
+        if sig == self.signature:
+            return
+        if sig not in self._probed:
+            bounds = probe_boundaries(self.grid, self.modules, example, self.loss_fn, target,
+                                      self.device)
+            if len(self._probed) >= self.KEEP_SHAPES:
+                self._probed.pop(next(iter(self._probed)))
+            self._probed[sig] = (bounds, self._mailbox(self.plan, bounds), None)
+        self.signature = sig
+        self.shapes = self._probed[sig][0]
+        self.executor.boundaries, self.executor.mailbox = self._probed[sig][:2]
+
+    def _mailbox(self, plan, bounds: list) -> Mailbox:
+        return Mailbox(plan, self.grid, functools.partial(self._message_shape, bounds),
+                       torch.uint8, self.device, self.timeout, transport_from_env(self.grid.rank))
+
+    @staticmethod
+    def _message_shape(bounds: list, msg: Message) -> tuple:
         # an activation into stage s is stage s-1's output; a gradient into s is s's output's
-        stage = msg.stage - 1 if msg.kind.name == "RECV_F" else msg.stage
-        return (self.rows,) + self.shapes[stage][0]
+        if msg.kind.name == "RECV_F":
+            return (bounds[msg.stage - 1].nbytes(backward=False),)
+        return (bounds[msg.stage].nbytes(backward=True),)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules.values() for p in m.parameters()]
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, keep: bool = False) -> None:
+        """Point every ``.grad`` back at its flat buffer (``zero_grad(set_to_none=True)`` or an
+        assignment detached it) and zero the buffers unless ``keep``."""
         for g in self.grads.values():
-            g.zero()
+            g.attach(keep)
 
-    def run(self, data: MicroData, record: list[ActionRecord] | None = None) -> float:
-        """One iteration's forwards, backwards and gradient sync (not the optimizer step)."""
+    def run(self, data: MicroData, record: list[ActionRecord] | None = None) -> torch.Tensor:
+        """One iteration's forwards, backwards and gradient sync (not the optimizer step);
+        returns this rank's share of the loss as a device scalar."""
+        if self.executor.mailbox is None:
+            raise RuntimeError("PipelineRuntime.prepare(example) must run before the first step")
         return self.executor.run(self.program, data, record)
+
+    def run_forward(self, data: MicroData) -> torch.Tensor:
+        """Forwards only (no graph, no gradient, no sync); ``data.outputs`` collects outputs."""
+        bounds, box, eval_box = self._probed[self.signature]
+        if eval_box is None:
+            eval_box = self._mailbox(self.eval_plan, bounds)
+            self._probed[self.signature] = (bounds, box, eval_box)
+        self.evaluator.boundaries, self.evaluator.mailbox = bounds, eval_box
+        with torch.no_grad():
+            return self.evaluator.run(self.eval_plan.steps[self.grid.d], data)
 
     def owned_sq_norm(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (float64 scalar).

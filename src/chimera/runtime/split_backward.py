@@ -59,14 +59,14 @@ def _graph(root) -> tuple[list, dict]:
     return order, kids
 
 
-def _boundaries(root, x: torch.Tensor, params: list[torch.nn.Parameter]) -> list[tuple]:
-    """(node, weights below it) for nodes on the input's path with a weight-only child."""
+def _boundaries(root, xs: list[torch.Tensor], params: list[torch.nn.Parameter]) -> list[tuple]:
+    """(node, weights below it) for nodes on the inputs' paths with a weight-only child."""
     order, kids = _graph(root)
-    to_x = set()
+    to_x, x_ids = set(), {id(x) for x in xs}
     for node in order:  # children first, so their flags are known
         var = getattr(node, "variable", None)
         if var is not None:
-            if var is x:
+            if id(var) in x_ids:
                 to_x.add(node)
         elif any(c in to_x for c in kids[node]):
             to_x.add(node)
@@ -110,18 +110,31 @@ def _shared(boundaries: list[tuple]) -> bool:
     return False
 
 
-def backward_input(y: torch.Tensor, x: torch.Tensor | None, grad: torch.Tensor | None,
-                   params: list[torch.nn.Parameter]) -> tuple[torch.Tensor | None, PendingWeightGrad]:
-    """I: return dL/dx and what W needs. ``grad`` is dL/dy (None when y is the loss)."""
+def _input_grads(y, xs: list[torch.Tensor], grad) -> list[torch.Tensor | None]:
+    # an input leaf the output does not depend on (a mask passed through) gets None
+    return list(torch.autograd.grad(y, xs, grad, retain_graph=True, allow_unused=True))
+
+
+def backward_input(y: torch.Tensor, x, grad: torch.Tensor | None,
+                   params: list[torch.nn.Parameter]) -> tuple:
+    """I: return dL/dx and what W needs. ``grad`` is dL/dy (None when y is the loss).
+
+    ``x`` is one input tensor (dL/dx returned as a tensor) or a list of them (a list of
+    gradients, None for an input ``y`` does not depend on)."""
+    xs = None if x is None else ([x] if isinstance(x, torch.Tensor) else list(x))
     pending = PendingWeightGrad(params=[p for p in params if p.requires_grad])
-    if x is None or y.grad_fn is None:
+    if not xs or y.grad_fn is None:
         pending.output, pending.output_grad = y, grad
         return None, pending
-    found = _boundaries(y.grad_fn, x, pending.params)
+    dxs = _backward_input(y, xs, grad, pending)
+    return (dxs[0] if isinstance(x, torch.Tensor) else dxs), pending
+
+
+def _backward_input(y, xs: list[torch.Tensor], grad, pending: PendingWeightGrad) -> list:
+    found = _boundaries(y.grad_fn, xs, pending.params)
     if _shared(found):  # W at one boundary would walk into another's: no split, W redoes it
-        (dx,) = torch.autograd.grad(y, (x,), grad, retain_graph=True)
         pending.output, pending.output_grad = y, grad
-        return dx, pending
+        return _input_grads(y, xs, grad)
     handles = []
     for node, weights in found:
         boundary = Boundary(weights)
@@ -134,15 +147,18 @@ def backward_input(y: torch.Tensor, x: torch.Tensor | None, grad: torch.Tensor |
                     boundary.grads.append(g)
         handles.append(node.register_prehook(keep))
     try:
-        (dx,) = torch.autograd.grad(y, (x,), grad, retain_graph=True)
+        return _input_grads(y, xs, grad)
     finally:
         for h in handles:
             h.remove()
-    return dx, pending
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
     """W: accumulate the weight gradients into ``.grad`` and free the graph."""
+    if not pending.params:  # a frozen stage: no weight gradient to compute
+        pending.output = None
+        pending.boundaries.clear()
+        return
     if pending.output is not None:
         torch.autograd.backward(pending.output, pending.output_grad, inputs=pending.params)
         return

@@ -26,19 +26,42 @@ BUCKET_BYTES = 4 * 2**20  # allreduce granularity inside the last backward (0: o
 
 
 class ReplicaGrads:
-    """The flat gradient buffer of one (pipe, stage) replica."""
+    """The flat gradient buffer of one (pipe, stage) replica.
+
+    ``.grad`` of each parameter is a view into ``flat``. PyTorch habits detach it:
+    ``optimizer.zero_grad()`` sets ``.grad`` to None by default, and user code may assign a
+    new tensor; the allreduce would then reduce a buffer that backward no longer writes.
+    ``attach`` (run before every iteration) points each ``.grad`` back at its view, keeping
+    the values a kept gradient had.
+    """
 
     def __init__(self, module: nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
         dtype = self.params[0].dtype if self.params else torch.float32
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.flat = torch.zeros(numel, dtype=dtype, device=device)
-        self.offsets, offset = [], 0
+        # one element at least: a frozen stage still takes part in its replicas' allreduce
+        self.flat = torch.zeros(max(numel, 1), dtype=dtype, device=device)
+        self.offsets, self.views, offset = [], [], 0
         for p in self.params:
-            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            view = self.flat[offset:offset + p.numel()].view_as(p)
+            p.grad = view
+            self.views.append(view)
             self.offsets.append(offset)
             offset += p.numel()
+
+    def attach(self, keep: bool = False) -> None:
+        """Re-point detached ``.grad``s at the flat buffer; zero it unless ``keep`` (then a
+        ``.grad`` set to None counts as zero and an assigned tensor's values are copied in)."""
+        for p, view in zip(self.params, self.views):
+            g = p.grad
+            if g is not None and g.data_ptr() == view.data_ptr() and g.shape == view.shape:
+                continue
+            if keep:
+                view.copy_(g) if g is not None else view.zero_()
+            p.grad = view
+        if not keep:
+            self.flat.zero_()
 
     def buckets(self, cap_bytes: int) -> list[tuple[int, int, list[nn.Parameter]]]:
         """(start, end, parameters) of consecutive slices of at least ``cap_bytes`` (the last
@@ -55,7 +78,7 @@ class ReplicaGrads:
         return out
 
     def zero(self) -> None:
-        self.flat.zero_()
+        self.attach(keep=False)
 
 
 class GradSync:

@@ -1,0 +1,202 @@
+"""Building a user's model per stage: layers, ties, partition checks, meta materialization.
+
+Two ways in, both deterministic across ranks:
+
+- ``make_layers()`` returns every layer (called once per rank, seeded): shared Parameters
+  (ties) are found by identity before anything is copied, and each held stage replica is
+  one ``deepcopy`` of its layers (so ties inside a stage stay one Parameter).
+- ``make_layer(i)`` with ``num_layers``: a rank builds only the layers it holds, each seeded
+  by ``layer_seed(seed, i)`` so every replica of a layer gets the same weights (use
+  :func:`build_layers` to build the same model in one process). Ties must be named
+  (``ties=[("0.wte.weight", "11.weight")]``).
+
+Layers on the meta device are materialized per stage (``to_empty`` on the runtime's device,
+then ``init(layer)``, by default every submodule's ``reset_parameters()``, seeded per layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from chimera.ir import ScheduleError
+from chimera.runtime.boundary import Stage
+from chimera.runtime.shared import Tie
+
+
+def layer_seed(seed: int, index: int) -> int:
+    return seed * 1_000_003 + index
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Run a build with ``seed`` without touching the caller's RNG state (no reseeding of
+    the user's global generator)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def build_layers(make_layer: Callable[[int], nn.Module], num_layers: int, seed: int = 0) -> list[nn.Module]:
+    """The layers ``Pipeline(make_layer, num_layers=...)`` builds, all in one process (for a
+    single-device reference or an export)."""
+    out = []
+    for i in range(num_layers):
+        with seeded(layer_seed(seed, i)):
+            out.append(make_layer(i))
+    return out
+
+
+def check_partition(ranges: Sequence, num_layers: int, stages: int) -> list[range]:
+    """Contiguous, non-empty ranges covering layers 0..num_layers-1 once each, in order."""
+    if len(ranges) != stages:
+        raise ScheduleError(f"partition has {len(ranges)} stages, the schedule needs {stages}")
+    out, expected = [], 0
+    for k, r in enumerate(ranges):
+        idx = list(r)
+        if not idx or idx != list(range(idx[0], idx[0] + len(idx))):
+            raise ScheduleError(f"partition: stage {k} ({r}) must be a non-empty contiguous range")
+        if idx[0] > expected:
+            raise ScheduleError(f"partition: layers {expected}..{idx[0] - 1} are in no stage (a gap "
+                                f"before stage {k})")
+        if idx[0] < expected:
+            raise ScheduleError(f"partition: layers {idx[0]}..{expected - 1} are in two stages "
+                                f"(stage {k} overlaps the one before)")
+        expected = idx[-1] + 1
+        out.append(range(idx[0], expected))
+    if expected != num_layers:
+        what = (f"layers {expected}..{num_layers - 1} are in no stage" if expected < num_layers
+                else f"stage {stages - 1} ends at layer {expected - 1}, past the model's last layer "
+                     f"{num_layers - 1}")
+        raise ScheduleError(f"partition: {what}")
+    return out
+
+
+def _is_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def default_init(layer: nn.Module) -> None:
+    for m in layer.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+
+class LayerSource:
+    """Where the layers come from; builds one stage replica's ``Stage`` on demand."""
+
+    def __init__(self, layers, num_layers: int | None, seed: int, ties: Sequence | None,
+                 init: Callable[[nn.Module], None] | None = None):
+        self.seed, self.init = seed, init or default_init
+        self.factory = None
+        if num_layers is not None:  # make_layer(i): nothing built beyond what a rank holds
+            self.factory, self.num_layers, self.layers = layers, num_layers, None
+            found: list[tuple[str, ...]] = []
+        else:
+            if callable(layers) and not isinstance(layers, nn.Module):
+                with seeded(seed):
+                    layers = list(layers())
+            self.layers = list(layers)
+            self.num_layers = len(self.layers)
+            found = find_ties(self.layers)
+        self.tie_names = merge_ties(found + [tuple(t) for t in (ties or [])])
+        self.stages_of: list[range] = []
+
+    def costs(self) -> list[float]:
+        """Per layer, 1 + its parameter count (for a balanced partition)."""
+        if self.layers is not None:
+            return [1.0 + sum(p.numel() for p in layer.parameters()) for layer in self.layers]
+        try:
+            with seeded(self.seed), torch.device("meta"):
+                return [1.0 + sum(p.numel() for p in self.factory(i).parameters())
+                        for i in range(self.num_layers)]
+        except Exception:  # noqa: BLE001 -- a factory that cannot build on meta: count layers
+            return [1.0] * self.num_layers
+
+    def ties(self, ranges: list[range]) -> list[Tie]:
+        stage_of = {i: k for k, r in enumerate(ranges) for i in r}
+        out = []
+        for names in self.tie_names:
+            for n in names:
+                if not n.split(".", 1)[0].isdigit() or int(n.split(".", 1)[0]) not in stage_of:
+                    raise ValueError(f"tie {names}: {n!r} is not a model-wide parameter name "
+                                     f"('<layer index>.<name in the layer>', layers 0..{self.num_layers - 1})")
+            out.append(Tie(tuple(names), tuple(stage_of[int(n.split(".", 1)[0])] for n in names)))
+        return out
+
+    def stage(self, indices: range, ties: list[Tie], device: torch.device, compile_opts) -> Stage:
+        if self.layers is not None:
+            layers = copy.deepcopy([self.layers[i] for i in indices])  # one memo: ties inside survive
+            for i, layer in zip(indices, layers):
+                _carry_compile(self.layers[i], layer, i)
+        else:
+            layers = [self._build(i) for i in indices]
+        for i, layer in zip(indices, layers):
+            if _is_meta(layer):
+                layer.to_empty(device=device)
+                with seeded(layer_seed(self.seed, i)):
+                    self.init(layer)
+        stage = Stage(dict(zip(indices, layers)))
+        retie(stage, ties)
+        if compile_opts is not None:
+            stage.compile(**compile_opts)
+        return stage
+
+    def _build(self, i: int) -> nn.Module:
+        with seeded(layer_seed(self.seed, i)):
+            return self.factory(i)
+
+
+def _carry_compile(original: nn.Module, copied: nn.Module, index: int) -> None:
+    """``deepcopy`` drops a ``module.compile()`` made in ``make_layers``: compile the copy
+    again (default options: the original's are not recoverable), and say so."""
+    for (name, a), b in zip(original.named_modules(), copied.modules()):
+        if getattr(a, "_compiled_call_impl", None) is not None and b._compiled_call_impl is None:
+            warnings.warn(f"layer {index}{'.' + name if name else ''} was compiled in make_layers; "
+                          "its stage copy is compiled again with default options (pass "
+                          "Pipeline(compile={...}) to choose them)", stacklevel=4)
+            b.compile()
+
+
+def find_ties(layers: list[nn.Module]) -> list[tuple[str, ...]]:
+    """Model-wide names of every Parameter object used under more than one name."""
+    names: dict[int, list[str]] = {}
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(f"{i}.{name}")
+    return [tuple(n) for n in names.values() if len(n) > 1]
+
+
+def merge_ties(groups: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Union of overlapping groups; each group's names in model order, first is the name."""
+    merged: list[set[str]] = []
+    for g in groups:
+        g = set(g)
+        for m in [m for m in merged if m & g]:
+            g |= m
+            merged.remove(m)
+        merged.append(g)
+
+    def order(n: str) -> tuple:
+        head, rest = n.split(".", 1) if "." in n else (n, "")
+        return (int(head) if head.isdigit() else -1, rest)
+    return sorted((tuple(sorted(m, key=order)) for m in merged if len(m) > 1), key=lambda t: order(t[0]))
+
+
+def retie(stage: Stage, ties: list[Tie]) -> None:
+    """Names of one tie inside one stage point at one Parameter (the first's)."""
+    held = {n for n, _ in stage.named_parameters(remove_duplicate=False)}
+    for tie in ties:
+        names = [n for n in tie.names if n in held]
+        if len(names) < 2:
+            continue
+        first = stage.get_parameter(names[0])
+        for n in names[1:]:
+            owner, _, attr = n.rpartition(".")
+            setattr(stage.get_submodule(owner), attr, first)

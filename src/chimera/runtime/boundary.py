@@ -1,0 +1,195 @@
+"""What crosses a stage boundary: any pytree of tensors, packed into one byte message.
+
+The Mailbox moves one tensor per message, so a boundary's leaves travel as one flat uint8
+buffer: each tensor leaf's bytes at an aligned offset, viewed in place on the receiving side
+with the leaf's own dtype. Integer leaves (masks, position ids) therefore arrive bit-exact,
+whatever the parameters' precision. Leaves that are not tensors (None, a flag) are constants
+of the spec: they are not sent, and a send that changes one is refused. Gradients travel back
+only for the floating leaves that required grad when the stage was probed.
+
+Calling convention (the same everywhere: probe, forward, loss): a tuple is spread over the
+positional arguments (``layer(*x)``), anything else is passed as is (``layer(x)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+ALIGN = 16  # bytes; a uint8 slice can be viewed as any dtype of at most this size
+
+
+class BoundaryMismatch(ValueError):
+    """A stage produced a boundary whose structure, shape or dtype differs from the probe's."""
+
+
+def call_layer(layer, x):
+    return layer(*x) if isinstance(x, tuple) else layer(x)
+
+
+def call_loss(loss_fn, out, target):
+    """Extra last-stage outputs (a tuple) reach the loss: ``loss_fn(*out, target)``."""
+    return loss_fn(*out, target) if isinstance(out, tuple) else loss_fn(out, target)
+
+
+class Stage(nn.Module):
+    """Layers of one stage, named by their model-wide index (``"3.attn.weight"``), so a stage's
+    parameter and state_dict names are those of ``nn.Sequential(*all_layers)``."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        super().__init__()
+        for index, layer in layers.items():
+            self.add_module(str(index), layer)
+
+    def forward(self, x):
+        for layer in self.children():
+            x = call_layer(layer, x)
+        return x
+
+
+def describe(x) -> str:
+    """``(2, 16, 64) float64`` or ``((2, 16, 64) float64, (2, 16) int64)``: for error messages."""
+    leaves, spec = pytree.tree_flatten(x)
+    parts = [f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" if isinstance(t, torch.Tensor)
+             else repr(t) for t in leaves]
+    if len(parts) == 1 and isinstance(x, torch.Tensor):
+        return parts[0]
+    return f"{type(x).__name__}({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """One leaf: a tensor (shape, dtype, whether a gradient flows back) or a constant."""
+
+    shape: tuple | None  # None: not a tensor
+    dtype: torch.dtype | None = None
+    grad: bool = False
+    const: object = None
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _layout(leaves) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for leaf in leaves:
+        offsets.append(end)
+        end += -(-leaf.nbytes // ALIGN) * ALIGN
+    return offsets, max(end, 1)  # never an empty message
+
+
+@dataclass(frozen=True)
+class BoundarySpec:
+    """Structure and per-leaf layout of what one stage hands the next (or the loss)."""
+
+    tree: pytree.TreeSpec
+    leaves: tuple[LeafSpec, ...]
+
+    @staticmethod
+    def of(x) -> "BoundarySpec":
+        leaves, tree = pytree.tree_flatten(x)
+        specs = tuple(
+            LeafSpec(tuple(t.shape), t.dtype, bool(t.requires_grad and t.is_floating_point()))
+            if isinstance(t, torch.Tensor) else LeafSpec(None, const=t) for t in leaves)
+        return BoundarySpec(tree, specs)
+
+    @property
+    def tensors(self) -> list[int]:
+        return [i for i, s in enumerate(self.leaves) if s.shape is not None]
+
+    @property
+    def grads(self) -> list[int]:
+        return [i for i, s in enumerate(self.leaves) if s.grad]
+
+    def nbytes(self, backward: bool) -> int:
+        idx = self.grads if backward else self.tensors
+        return _layout([self.leaves[i] for i in idx])[1]
+
+    def example(self, device) -> object:
+        """Zeros of the right structure (for probing the next stage); grad leaves require grad."""
+        leaves = [s.const if s.shape is None else
+                  torch.zeros(s.shape, dtype=s.dtype, device=device).requires_grad_(s.grad)
+                  for s in self.leaves]
+        return pytree.tree_unflatten(leaves, self.tree)
+
+    # -- forward messages ------------------------------------------------------------
+    def check(self, leaves: list, tree, stage: int) -> None:
+        if tree != self.tree or len(leaves) != len(self.leaves):
+            raise BoundaryMismatch(f"stage {stage} returned a different structure than when probed "
+                                   f"({tree} vs {self.tree})")
+        for k, (t, s) in enumerate(zip(leaves, self.leaves)):
+            if s.shape is None:
+                if isinstance(t, torch.Tensor) or t != s.const:
+                    raise BoundaryMismatch(f"stage {stage} output leaf {k}: constant {s.const!r} "
+                                           f"became {t!r}")
+            elif not isinstance(t, torch.Tensor) or tuple(t.shape) != s.shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else repr(t)
+                raise BoundaryMismatch(
+                    f"stage {stage} output leaf {k} has shape {got}, the probe saw {s.shape}: "
+                    "boundary shapes must depend only on the input's shape")
+
+    def pack(self, x, stage: int, device) -> torch.Tensor:
+        leaves, tree = pytree.tree_flatten(x)
+        self.check(leaves, tree, stage)
+        return self._pack([leaves[i] for i in self.tensors], self.tensors, device)
+
+    def _pack(self, tensors: list, idx: list[int], device) -> torch.Tensor:
+        specs = [self.leaves[i] for i in idx]
+        offsets, total = _layout(specs)
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        for t, s, off in zip(tensors, specs, offsets):
+            dst = buf[off:off + s.nbytes].view(s.dtype).view(s.shape)
+            if t is None:
+                dst.zero_()
+            else:
+                dst.copy_(t.detach())  # casts a bf16 (autocast) leaf to the probed dtype
+        return buf
+
+    def _views(self, buf: torch.Tensor, idx: list[int]) -> list[torch.Tensor]:
+        specs = [self.leaves[i] for i in idx]
+        offsets, total = _layout(specs)
+        if buf.numel() != total:
+            raise BoundaryMismatch(f"message of {buf.numel()} bytes, the spec needs {total}")
+        return [buf[off:off + s.nbytes].view(s.dtype).view(s.shape) for s, off in zip(specs, offsets)]
+
+    def unpack(self, buf: torch.Tensor):
+        """The pytree, its tensor leaves viewing ``buf`` (no copy)."""
+        views = iter(self._views(buf, self.tensors))
+        leaves = [s.const if s.shape is None else next(views) for s in self.leaves]
+        return pytree.tree_unflatten(leaves, self.tree)
+
+    # -- backward messages -------------------------------------------------------------
+    def pack_grads(self, grads: list, device) -> torch.Tensor:
+        """Gradients of the grad leaves, in order; a None (leaf unused) travels as zeros."""
+        return self._pack(grads, self.grads, device)
+
+    def unpack_grads(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        return self._views(buf, self.grads)
+
+    def grad_leaves(self, x) -> list:
+        """The leaves of ``x`` (this boundary's structure) that carry gradients."""
+        leaves = pytree.tree_leaves(x)
+        return [leaves[i] for i in self.grads]
+
+
+def signature(x) -> tuple:
+    """Structure, shapes and dtypes of a pytree: equal signatures share boundary specs."""
+    leaves, tree = pytree.tree_flatten(x)
+    return (tree, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("const", repr(t))
+                        for t in leaves))
+
+
+def detach_input(x, spec: BoundarySpec | None):
+    """A stage input cut from the graph; leaves the spec marks get ``requires_grad`` (so
+    backward leaves their gradient in ``.grad``). Returns (tree, those leaves)."""
+    leaves, tree = pytree.tree_flatten(x)
+    leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+    grad = [] if spec is None else [leaves[i].requires_grad_() for i in spec.grads]
+    return pytree.tree_unflatten(leaves, tree), grad

@@ -1,0 +1,118 @@
+"""``spawn``: run a function in local processes joined in one process group, and when they
+fail, say why with the root cause first.
+
+When one rank raises, its peers usually fail next with a communication error ("Connection
+closed by peer", a timeout): whichever process the launcher notices first is often such a
+victim. Each rank writes its error (time, type, message, traceback) to a shared directory;
+after the first failure the others get a grace period to finish failing, and the report
+orders the errors: those that are not communication errors first, earliest first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import traceback
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from chimera.runtime.grid import end_group
+
+COMM_WORDS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
+              "nccl", "gloo", "peer", "socket")
+GRACE_S = 20.0  # after a failure, how long the other ranks get to report their own
+
+
+class SpawnError(RuntimeError):
+    """One or more ranks failed; ``errors`` lists them root cause first."""
+
+    def __init__(self, message: str, errors: list[dict]):
+        super().__init__(message)
+        self.errors = errors
+
+
+def _entry(rank: int, world: int, fn, port: int, backend: str, errdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        fn(rank, world)
+    except BaseException as exc:
+        _report(errdir, rank, exc)
+        dist.destroy_process_group()  # no barrier: a peer may be gone
+        raise
+    end_group(torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu"))
+
+
+def _report(errdir: str, rank: int, exc: BaseException) -> None:
+    text = f"{type(exc).__name__}: {exc}"
+    comm = type(exc).__name__ in ("CommTimeout", "DistBackendError", "DistNetworkError") or \
+        any(w in text.lower() for w in COMM_WORDS)
+    info = {"rank": rank, "time": time.time(), "error": text, "comm": comm,
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+    with open(os.path.join(errdir, f"{rank}.json"), "w") as f:
+        json.dump(info, f)
+
+
+def spawn(fn: Callable[[int, int], None], world: int, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world)`` in ``world`` local processes joined in one process group.
+
+    Raises :class:`SpawnError` if any rank fails, with every rank's error, root cause first.
+    """
+    import torch.multiprocessing as mp
+
+    from chimera.train.launch import free_port
+
+    with tempfile.TemporaryDirectory(prefix="chimera-spawn-") as errdir:
+        ctx = mp.start_processes(_entry, args=(world, fn, free_port(), backend, errdir),
+                                 nprocs=world, start_method="spawn", join=False)
+        codes = _wait(ctx.processes)
+        if any(c != 0 for c in codes):
+            raise _error(errdir, codes)
+
+
+def _wait(procs) -> list[int | None]:
+    failed_at = None
+    while True:
+        codes = [p.exitcode for p in procs]
+        if all(c is not None for c in codes):
+            return codes
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            for p in procs:
+                if p.exitcode is None:
+                    p.terminate()
+            for p in procs:
+                p.join()
+            return [p.exitcode for p in procs]
+        time.sleep(0.05)
+
+
+def _error(errdir: str, codes: list[int | None]) -> SpawnError:
+    errors = []
+    for rank, code in enumerate(codes):
+        path = os.path.join(errdir, f"{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                errors.append(json.load(f))
+        elif code != 0:
+            errors.append({"rank": rank, "time": float("inf"), "comm": True, "traceback": "",
+                           "error": f"exited with code {code} (no Python error: killed or crashed)"})
+    errors.sort(key=lambda e: (e["comm"], e["time"]))
+    root = errors[0]
+    lines = [f"rank {root['rank']} failed (root cause): {root['error']}", root["traceback"].rstrip()]
+    same = [e["rank"] for e in errors[1:] if e["error"] == root["error"]]
+    if same:
+        lines.append(f"(the same error on rank {', '.join(map(str, same))})")
+    for e in errors[1:]:
+        if e["error"] != root["error"]:
+            lines.append(f"then rank {e['rank']}: {e['error']}")
+    return SpawnError("\n".join(lines), errors)

@@ -1,0 +1,226 @@
+"""Training under the NCCL emulation (CHIMERA_EMULATE_NCCL) equals plain gloo; bad orders hang.
+
+One spawned process group per world size (2, 4 and 8 ranks) runs every configuration of
+that size: each schedule is built once, then trained two steps on plain gloo and under the
+emulation in both stream modes (the Mailbox's transport swapped between runs, the weights
+restored), and every rank compares its losses and gradients with the plain run. The world
+of two also runs the old receive order (each receive posted right before its wait), which
+gloo completes and the emulation must stop with a CommTimeout, and a pair of ranks whose
+k-th messages disagree.
+"""
+
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import chimera.api as chimera
+from chimera.comm_plan import Message, Post
+from chimera.ir import Action, Op
+from chimera.passes import lower
+from chimera.runtime.executor import MicroData
+from chimera.runtime.grid import ProcessGrid
+from chimera.runtime.nccl_emulation import ENV, MODES, NcclEmulation
+from chimera.runtime.p2p import CommTimeout, Transport, wait_work
+from chimera.runtime.pipeline import PipelineRuntime
+from chimera.schedules import build
+from chimera.validate import validate
+
+WIDTH, B, STEPS, TIMEOUT_S = 4, 2, 2, 60.0
+D2 = [("chimera", {}, 4), ("chimera", {"strategy": "doubling"}, 4),
+      ("chimera", {"strategy": "halving"}, 2), ("1f1b", {}, 4), ("interleaved", {"chunks": 2}, 4),
+      ("zb-h1", {}, 4), ("zb-v", {}, 4), ("dualpipev", {}, 4), ("dualpipe", {}, 4),
+      ("chimera-zb", {}, 4)]
+D4 = [("chimera", {}, 4), ("chimera", {"strategy": "doubling"}, 8),
+      ("chimera", {"strategy": "halving"}, 4), ("chimera", {"pipes": 4}, 8), ("1f1b", {}, 4),
+      ("interleaved", {"chunks": 2}, 4), ("zb-h1", {}, 4), ("zb-v", {}, 8),
+      ("dualpipev", {}, 8), ("dualpipe", {}, 8), ("chimera-zb", {}, 8)]
+WORLDS = {2: [(2, 1, D2)], 4: [(4, 1, D4), (2, 2, D2)], 8: [(4, 2, D4)]}
+
+
+def _stage(stage: int) -> nn.Module:
+    torch.manual_seed(100 + stage)  # every replica of a stage starts from the same weights
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()).double()
+
+
+def _runtime(name, opts, stages, n, dp, timeout_s=TIMEOUT_S) -> PipelineRuntime:
+    schedule = validate(lower(build(name, stages, n, **opts)))
+    grid = ProcessGrid(schedule.placement, dp, dist.get_rank())
+    rows = int(B * schedule.micro_scale)
+    return PipelineRuntime(schedule, grid, _stage, nn.functional.mse_loss, (WIDTH,),
+                           torch.float64, rows, comm_timeout=timeout_s)
+
+
+def _data(rt: PipelineRuntime, step: int) -> MicroData:
+    """This rank's share of a mini-batch that is the same on every rank (as api.Pipeline)."""
+    s, grid, rows = rt.schedule, rt.grid, rt.rows
+    total = rows * s.micro_batches * grid.data_parallel
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(total, WIDTH, generator=g, dtype=torch.float64)
+    y = torch.randn(total, WIDTH, generator=g, dtype=torch.float64)
+    data = MicroData(weights={m: rows / total for m in range(s.micro_batches)})
+    held, lo = set(grid.held()), grid.w * s.micro_batches * rows
+    for m, pipe in enumerate(s.micro_pipe):
+        sl = slice(lo + m * rows, lo + (m + 1) * rows)
+        if (pipe, 0) in held:
+            data.inputs[m] = x[sl]
+        if (pipe, s.stages - 1) in held:
+            data.targets[m] = y[sl]
+    return data
+
+
+def _train(rt: PipelineRuntime, transport: Transport) -> tuple[list[float], list[torch.Tensor]]:
+    """STEPS SGD steps through ``transport``: global losses and the last step's gradients."""
+    rt.mailbox.transport = transport
+    opt = torch.optim.SGD(rt.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        rt.zero_grad()
+        loss = torch.tensor([rt.run(_data(rt, step))], dtype=torch.float64)
+        dist.all_reduce(loss)
+        losses.append(float(loss))
+        grads = [g.flat.clone() for g in rt.grads.values()]
+        opt.step()
+    return losses, grads
+
+
+def _compare(name, opts, stages, n, dp) -> dict:
+    rt = _runtime(name, opts, stages, n, dp)
+    start = [p.detach().clone() for p in rt.parameters()]
+    base_losses, base_grads = _train(rt, Transport())
+    out = {"config": f"{name} {opts} D={stages} N={n} W={dp}", "losses": base_losses}
+    for mode in MODES:
+        with torch.no_grad():
+            for p, p0 in zip(rt.parameters(), start):
+                p.copy_(p0)
+        emulation = NcclEmulation(dist.get_rank(), mode)
+        losses, grads = _train(rt, emulation)
+        emulation.close()
+        out[mode] = {"losses": losses,
+                     "grad_err": max((float((a - b).abs().max()) for a, b in zip(grads, base_grads)
+                                      if a.numel()), default=0.0)}
+    return out
+
+
+def _late_posts(program) -> list:
+    """The old order: every receive posted right before its wait (what crossed on NCCL)."""
+    out = []
+    for step in program:
+        if isinstance(step, Post):
+            continue
+        if isinstance(step, Action) and step.op in (Op.RECV_F, Op.RECV_B):
+            out.append(Post(Message.of(step)))
+        out.append(step)
+    return out
+
+
+def _late_order(mode: str) -> dict:
+    """chimera D=2 N=4 with late posts: gloo completes it, the emulation times out."""
+    rt = _runtime("chimera", {}, 2, 4, 1, timeout_s=3.0)
+    rt.program = _late_posts(rt.program)
+    plain, _ = _train(rt, Transport())
+    emulation = NcclEmulation(dist.get_rank(), mode)
+    rt.mailbox.transport = emulation
+    try:
+        rt.run(_data(rt, 0))
+        error = None
+    except CommTimeout as exc:
+        error = {"rank": exc.rank, "action": str(exc.action), "peer": exc.peer, "message": str(exc)}
+    emulation.close()
+    dist.barrier()  # both ranks gave up; every gloo message was matched, the group is usable
+    return {"plain_losses": plain, "error": error}
+
+
+def _disagreeing_order(mode: str) -> str:
+    """Rank 0 sends tags 1 then 2, rank 1 receives 2 then 1: fine on gloo, not on NCCL."""
+    emulation, other = NcclEmulation(dist.get_rank(), mode), 1 - dist.get_rank()
+    a, b = torch.ones(3), torch.zeros(3)
+    if dist.get_rank() == 0:
+        works = [emulation.isend(a, other, 1), emulation.isend(a, other, 2)]
+    else:
+        works = [emulation.irecv(b, other, 2), emulation.irecv(a, other, 1)]
+    timeout = datetime.timedelta(seconds=10)
+    try:
+        wait_work(works[0], timeout, dist.get_rank(), "first message", other)
+        message = "no error"
+    except CommTimeout as exc:
+        message = str(exc)
+    emulation.close()
+    dist.barrier()
+    return message
+
+
+def _worker(rank, world, out):
+    results = [_compare(name, opts, stages, n, dp)
+               for stages, dp, rows in WORLDS[world] for name, opts, n in rows]
+    report = {"compare": results}
+    if world == 2:
+        report["late"] = {mode: _late_order(mode) for mode in MODES}
+        report["disagree"] = {mode: _disagreeing_order(mode) for mode in MODES}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(report, f)
+
+
+def _spawn(tmp_path_factory, world):
+    out = str(tmp_path_factory.mktemp(f"emu{world}") / "report")
+    chimera.spawn(functools.partial(_worker, out=out), world=world)
+    return [json.load(open(f"{out}.{r}")) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return _spawn(tmp_path_factory, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_training_under_emulation_equals_gloo(world, world2, tmp_path_factory):
+    reports = world2 if world == 2 else _spawn(tmp_path_factory, world)
+    expected = sum(len(rows) for _, _, rows in WORLDS[world])
+    for report in reports:
+        assert len(report["compare"]) == expected
+        for c in report["compare"]:
+            for mode in MODES:
+                assert c[mode]["losses"] == pytest.approx(c["losses"], rel=1e-12), (c["config"], mode)
+                assert c[mode]["grad_err"] < 1e-12, (c["config"], mode)
+            assert c["losses"][1] != c["losses"][0], c["config"]  # the step changed the weights
+
+
+def test_crossing_sends_time_out_under_emulation(world2):
+    for rank, report in enumerate(world2):
+        for mode in MODES:
+            late = report["late"][mode]
+            assert len(late["plain_losses"]) == STEPS  # gloo buffers and matches by tag
+            err = late["error"]
+            assert err is not None, (rank, mode)
+            assert err["rank"] == rank and err["peer"] == 1 - rank
+            assert "RECV" in err["action"] and err["action"] in err["message"]
+            assert f"rank {rank}" in err["message"] and "timed out" in err["message"]
+
+
+def test_messages_matched_by_order_not_tag(world2):
+    for report in world2:
+        for mode in MODES:
+            assert "NCCL would match it with tag" in report["disagree"][mode], mode
+
+
+def _train_cli(tmp_path, env_value):
+    log = tmp_path / f"log-{env_value or 'plain'}.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
+    env.pop(ENV, None)
+    if env_value:
+        env[ENV] = env_value
+    r = subprocess.run([sys.executable, "-m", "chimera", "train", "--steps", "2", "--no-progress",
+                        "--log-json", str(log)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+
+def test_cli_train_under_emulation(tmp_path):
+    assert _train_cli(tmp_path, "pair") == pytest.approx(_train_cli(tmp_path, None), rel=1e-6)
