@@ -31,3 +31,57 @@ def test_restored_adam_step_lives_where_fused_adam_keeps_it():
     plain = _Optimizer(False)
     checkpoint._init_adam_state(plain, p)
     assert plain.state[p]["step"].device == torch.device("cpu")  # where plain AdamW keeps it
+
+
+def test_every_tensor_the_runtime_hands_to_dist_is_on_its_device():
+    """The runtime on the meta device (a stand-in for a GPU this machine lacks) over virtual
+    ranks: every p2p and collective tensor of start-up and of one iteration (every schedule
+    kind: chimera with its replica allreduce, 1f1b, a split backward) is on that device, and
+    the iteration reads nothing back to the host (meta tensors cannot be read)."""
+    from chimera.runtime.virtual import VirtualWorld, patched
+    from chimera.train.config import TrainConfig
+    from chimera.train.loop import Trainer
+    import threading
+
+    seen = []
+
+    class Recording(VirtualWorld):
+        def isend(self, tensor, dst, tag=0, group=None):
+            seen.append(("isend", tensor.device))
+            return super().isend(tensor, dst, tag, group)
+
+        def irecv(self, tensor, src, tag=0, group=None):
+            seen.append(("irecv", tensor.device))
+            return super().irecv(tensor, src, tag, group)
+
+        def all_reduce(self, tensor, op=None, group=None, async_op=False):
+            seen.append(("all_reduce", tensor.device))
+            return super().all_reduce(tensor, op, group, async_op)
+
+    meta = torch.device("meta")
+    for schedule in ("chimera", "1f1b", "zb-h1"):
+        cfg = TrainConfig(schedule=schedule, stages=2, micro_batches=4, micro_batch_size=2, steps=1)
+        world, errors = Recording(cfg.world), []
+
+        def body(rank):
+            world.local.rank = rank
+            try:
+                trainer = Trainer(cfg, rank, meta)
+                trainer.runtime.zero_grad()
+                loss = trainer.runtime.run(trainer._micro_data(*trainer.batch(0)))
+                assert loss.device == meta
+                assert trainer.runtime.owned_sq_norm().device == meta
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                world.fail()
+
+        with patched(world):
+            threads = [threading.Thread(target=body, args=(r,)) for r in range(cfg.world)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert not errors, errors[0]
+    kinds = {k for k, _ in seen}
+    assert kinds == {"isend", "irecv", "all_reduce"}, kinds
+    assert all(device == meta for _, device in seen), [s for s in seen if s[1] != meta][:3]
