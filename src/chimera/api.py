@@ -114,7 +114,8 @@ class Pipeline:
                  schedule_options: dict | None = None, autocast: torch.dtype | None = None,
                  compile: bool | dict = False, device: torch.device | str | None = None,
                  sync_buffers: bool = True, example_target=None,
-                 init: Callable[[nn.Module], None] | None = None):
+                 init: Callable[[nn.Module], None] | None = None,
+                 wire_dtype: torch.dtype | None = None):
         self._check_args(loss_reduction, stages, data_parallel)
         keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
         n = micro_batches or stages
@@ -139,7 +140,7 @@ class Pipeline:
             lambda s: source.stage(self.ranges[s], self.ties, device, opts), loss_fn,
             rows=self.rows, recompute=recompute, autocast=autocast, device=device,
             comm_timeout=comm_timeout, example=self._example(example_input, device),
-            target_example=self._example(example_target, device))
+            target_example=self._example(example_target, device), wire_dtype=wire_dtype)
         del source  # the layers a rank does not hold are garbage now
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()

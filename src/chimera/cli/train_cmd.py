@@ -29,6 +29,9 @@ def add_parsers(sub) -> None:
                    "(default: the Python standard library's source files, on every machine)")
     m.add_argument("--dtype", choices=("float32", "float64", "bf16"), default="float32",
                    help="parameter precision; bf16 = float32 weights with bf16 autocast")
+    m.add_argument("--wire-dtype", choices=("bf16", "float16"), default=None,
+                   help="send floating activations and gradients between stages in this dtype "
+                        "(half the bytes of float32; cast back on arrival). Default: as computed")
     m.add_argument("--partition", metavar="RANGES", help="layer ranges per stage, e.g. 0-3,4-7 "
                    "(default: balanced by estimated cost; embedding and head count as layers)")
     s = p.add_argument_group("layout and schedule")
@@ -96,7 +99,7 @@ def config_from_args(args: argparse.Namespace):
         data_parallel=args.data_parallel, steps=args.steps, lr=args.lr, warmup=args.warmup,
         weight_decay=args.weight_decay, clip=args.clip, seed=args.seed, recompute=args.recompute,
         strategy=args.strategy, pipes=args.pipes, chunks=args.chunks, sync=args.sync,
-        partition=args.partition, data=args.data, dtype=args.dtype, threads=args.threads,
+        partition=args.partition, data=args.data, dtype=args.dtype, wire_dtype=args.wire_dtype, threads=args.threads,
         comm_timeout=args.comm_timeout, device=args.device, log_json=args.log_json,
         trace=args.trace, png=args.png, progress=not args.no_progress,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,

@@ -69,28 +69,38 @@ class LeafSpec:
     grad: bool = False
     const: object = None
 
-    @property
-    def nbytes(self) -> int:
+    def on_wire(self, wire: torch.dtype | None) -> torch.dtype:
+        """The dtype this leaf travels in: ``wire`` for a wider floating leaf, else its own."""
+        if wire is not None and self.dtype.is_floating_point and self.dtype.itemsize > wire.itemsize:
+            return wire
+        return self.dtype
+
+    def nbytes(self, wire: torch.dtype | None = None) -> int:
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.on_wire(wire).itemsize
 
 
-def _layout(leaves) -> tuple[list[int], int]:
+def _layout(leaves, wire: torch.dtype | None = None) -> tuple[list[int], int]:
     offsets, end = [], 0
     for leaf in leaves:
         offsets.append(end)
-        end += -(-leaf.nbytes // ALIGN) * ALIGN
+        end += -(-leaf.nbytes(wire) // ALIGN) * ALIGN
     return offsets, max(end, 1)  # never an empty message
 
 
 @dataclass(frozen=True)
 class BoundarySpec:
-    """Structure and per-leaf layout of what one stage hands the next (or the loss)."""
+    """Structure and per-leaf layout of what one stage hands the next (or the loss).
+
+    ``wire``: floating leaves wider than this travel in it (``--wire-dtype bf16`` halves the
+    bytes of fp32 activations and gradients) and are cast back on arrival; None: as computed.
+    """
 
     tree: pytree.TreeSpec
     leaves: tuple[LeafSpec, ...]
+    wire: torch.dtype | None = None
 
     @staticmethod
     def of(x) -> "BoundarySpec":
@@ -110,7 +120,7 @@ class BoundarySpec:
 
     def nbytes(self, backward: bool) -> int:
         idx = self.grads if backward else self.tensors
-        return _layout([self.leaves[i] for i in idx])[1]
+        return _layout([self.leaves[i] for i in idx], self.wire)[1]
 
     def example(self, device) -> object:
         """Zeros of the right structure (for probing the next stage); grad leaves require grad."""
@@ -142,10 +152,10 @@ class BoundarySpec:
 
     def _pack(self, tensors: list, idx: list[int], device) -> torch.Tensor:
         specs = [self.leaves[i] for i in idx]
-        offsets, total = _layout(specs)
+        offsets, total = _layout(specs, self.wire)
         buf = torch.empty(total, dtype=torch.uint8, device=device)
         for t, s, off in zip(tensors, specs, offsets):
-            dst = buf[off:off + s.nbytes].view(s.dtype).view(s.shape)
+            dst = buf[off:off + s.nbytes(self.wire)].view(s.on_wire(self.wire)).view(s.shape)
             if t is None:
                 dst.zero_()
             else:
@@ -154,10 +164,12 @@ class BoundarySpec:
 
     def _views(self, buf: torch.Tensor, idx: list[int]) -> list[torch.Tensor]:
         specs = [self.leaves[i] for i in idx]
-        offsets, total = _layout(specs)
+        offsets, total = _layout(specs, self.wire)
         if buf.numel() != total:
             raise BoundaryMismatch(f"message of {buf.numel()} bytes, the spec needs {total}")
-        return [buf[off:off + s.nbytes].view(s.dtype).view(s.shape) for s, off in zip(specs, offsets)]
+        # a leaf sent narrower than computed is cast back (a copy); otherwise a view, no copy
+        return [buf[off:off + s.nbytes(self.wire)].view(s.on_wire(self.wire)).view(s.shape).to(s.dtype)
+                for s, off in zip(specs, offsets)]
 
     def unpack(self, buf: torch.Tensor):
         """The pytree, its tensor leaves viewing ``buf`` (no copy)."""

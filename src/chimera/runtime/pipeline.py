@@ -125,13 +125,15 @@ class PipelineRuntime:
                  stage_factory: Callable[[int], nn.Module], loss_fn, input_shape: tuple | None = None,
                  input_dtype: torch.dtype | None = None, rows: int = 1, recompute: bool = False,
                  autocast: torch.dtype | None = None, device: torch.device | None = None,
-                 comm_timeout: float = 300.0, example=None, target_example=None):
+                 comm_timeout: float = 300.0, example=None, target_example=None,
+                 wire_dtype: torch.dtype | None = None):
         if not schedule.lowered:
             raise ScheduleError("the runtime needs a lowered schedule (chimera.passes.lower)")
         self.schedule, self.grid, self.loss_fn = schedule, grid, loss_fn
         self.device = device or torch.device("cpu")
         self.rows = rows  # rows of one schedule micro-batch
         self.comm_timeout = comm_timeout
+        self.wire_dtype = wire_dtype  # floating boundary leaves travel in it (None: as computed)
         self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
         self.grads = {key: ReplicaGrads(m) for key, m in self.modules.items()}
         self.plan = plan_comm(schedule)
@@ -169,8 +171,8 @@ class PipelineRuntime:
         if sig == self.signature:
             return
         if sig not in self._probed:
-            bounds = probe_boundaries(self.grid, self.modules, example, self.loss_fn, target,
-                                      self.device)
+            bounds = [dataclasses.replace(b, wire=self.wire_dtype) for b in probe_boundaries(
+                self.grid, self.modules, example, self.loss_fn, target, self.device)]
             if len(self._probed) >= self.KEEP_SHAPES:
                 self._probed.pop(next(iter(self._probed)))
             self._probed[sig] = (bounds, self._mailbox(self.plan, bounds), None)

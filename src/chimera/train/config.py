@@ -9,6 +9,7 @@ from functools import cached_property
 
 from chimera.ir import Schedule, ScheduleError
 
+WIRE_DTYPES = {None: None, "bf16": "bfloat16", "float16": "float16"}  # name -> torch attribute
 DTYPES = ("float32", "float64", "bf16")
 
 
@@ -39,6 +40,7 @@ class TrainConfig:
     partition: str | None = None  # e.g. "0-2,3-5": layer ranges per stage
     data: str | None = None
     dtype: str = "float32"
+    wire_dtype: str | None = None  # bf16 | float16: boundary tensors on the wire (None: as computed)
     threads: int = 1
     comm_timeout: float = 300.0
     backend: str = "auto"  # gloo on CPU, nccl on CUDA
@@ -58,6 +60,9 @@ class TrainConfig:
         self._check_numbers()
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(f"--wire-dtype must be one of {', '.join(k for k in WIRE_DTYPES if k)}, "
+                              f"got {self.wire_dtype!r}")
         if self.reference and (self.stages != 1 or self.data_parallel != 1):
             raise ConfigError("--schedule none is single-process training: use --stages 1 "
                               "--data-parallel 1")

@@ -19,7 +19,7 @@ from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.pipeline import PipelineRuntime
 from chimera.train import faults
-from chimera.train.config import TrainConfig
+from chimera.train.config import WIRE_DTYPES, TrainConfig
 
 DTYPE = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
 
@@ -136,7 +136,8 @@ class Trainer:
             schedule, self.grid, self._stage_factory, loss_fn(self.model_cfg, kind),
             input_shape=(self.model_cfg.seq_len,), input_dtype=torch.long, rows=self.rows,
             recompute=cfg.recompute, autocast=self.autocast, device=self.device,
-            comm_timeout=cfg.comm_timeout)
+            comm_timeout=cfg.comm_timeout,
+            wire_dtype=getattr(torch, WIRE_DTYPES[cfg.wire_dtype]) if cfg.wire_dtype else None)
         # unchanged unless a drill
         self.runtime.program = faults.program_for(self.runtime.program, schedule, self.rank)
         self.params = self.runtime.parameters()
