@@ -5,6 +5,7 @@ NCCL refuses two ranks on one GPU, so multi-rank NCCL p2p cannot be tried on one
 on CPU). What one device can show, each as one row of the table:
 
 - ``train``: ``chimera train --device cuda`` at world size 1 (an NCCL group), fp32 and bf16;
+- ``api``: ``chimera.api.Pipeline`` on the GPU (NCCL group of one) against one device;
 - ``resume``: a checkpoint written on CUDA and resumed gives the losses of a straight run;
 - ``virtual``: all D ranks of chimera D=4 (and 1f1b, zb-v) in one process on the GPU, every
   rank a thread, p2p as copies: gradients against single-device training (float64);
@@ -131,13 +132,71 @@ def check_host_syncs(device: torch.device) -> tuple[list[dict], dict]:
              "detail": detail}], peaks
 
 
-def check_profile(device: str, out: str) -> list[dict]:
+def _api_rank(rank: int, world: int, device: str, out: str) -> None:
+    """One rank of the API check: a float64 MLP with a tied weight, 3 AdamW steps."""
+    import chimera.api as chimera
+
+    def make_layers():
+        first, last = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        last.weight = first.weight  # tied: one logical parameter
+        return [first, torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), last]
+
+    def layers64():
+        return [layer.double() for layer in make_layers()]
+
+    pipe = chimera.Pipeline(layers64, torch.nn.functional.mse_loss, schedule="1f1b", stages=1,
+                            micro_batches=2, micro_batch_size=4, device=device)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(pipe.step(x, y))
+        opt.step()
+    state = {k: v.cpu() for k, v in pipe.state_dict().items()}
+    from chimera.byo import seeded
+
+    with seeded(0):  # what Pipeline does with seed=0
+        ref = torch.nn.Sequential(*layers64()).to(device)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for _ in range(3):
+        ref_opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ref(x.to(device)), y.to(device))
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(float(loss))
+    diff = max(float((state[k] - v.cpu()).abs().max()) for k, v in ref.state_dict().items())
+    with open(out, "w") as f:
+        json.dump({"losses": losses, "ref_losses": ref_losses, "param_diff": diff,
+                   "device": str(next(iter(pipe.parameters())).device)}, f)
+
+
+def check_api(device: str, tmp: str) -> list[dict]:
+    import functools
+
+    import chimera.api as chimera
+
+    out = os.path.join(tmp, "api.json")
+    chimera.spawn(functools.partial(_api_rank, device=device, out=out), world=1,
+                  backend="nccl" if device == "cuda" else "gloo")
+    with open(out) as f:
+        r = json.load(f)
+    loss_diff = max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"]))
+    ok = r["param_diff"] < 1e-10 and loss_diff < 1e-10 and r["device"].startswith(device)
+    return [{"check": "api.Pipeline", "ok": ok,
+             "detail": f"on {r['device']}: 3 AdamW steps, tied weight, float64: max |param diff| "
+                       f"{r['param_diff']:.1e}, max |loss diff| {loss_diff:.1e}"}]
+
+
+def check_profile(device: str, out: str, model: str) -> list[dict]:
     from chimera.bench.calibrate import PROFILE_SCHEMA
     from chimera.bench.profiler import profile_layers
 
     start = time.perf_counter()
-    layers = profile_layers("gpt2-bench", 2, repeat=5, device=device)
-    profile = {"schema": PROFILE_SCHEMA, "model": "gpt2-bench", "micro_batch_size": 2,
+    layers = profile_layers(model, 2, repeat=5, device=device)
+    profile = {"schema": PROFILE_SCHEMA, "model": model, "micro_batch_size": 2,
                "device": device, "layers": layers,
                # one GPU has no link to measure: nominal NVLink-class figures, say so
                "p2p": {"alpha_s": 10e-6, "beta_bytes_per_s": 100e9, "assumed": True},
@@ -167,6 +226,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"),
                     help="folder for gpu_check.{md,json} and gpu_profile.json")
+    ap.add_argument("--profile-model", default="gpt2-bench", help="model preset to profile")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (use --device cpu for a smoke test)", file=sys.stderr)
@@ -177,7 +237,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, fn in (("train", lambda: check_train(args.device, tmp)),
                          ("virtual", lambda: check_virtual_ranks(device)),
-                         ("profile", lambda: check_profile(args.device, os.path.join(args.out, "gpu_profile.json")))):
+                         ("api", lambda: check_api(args.device, tmp)),
+                         ("profile", lambda: check_profile(args.device, os.path.join(args.out, "gpu_profile.json"),
+                                                           args.profile_model))):
             try:
                 rows += fn()
             except Exception as exc:  # noqa: BLE001 - a failed row is a result, not a crash

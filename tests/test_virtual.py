@@ -46,12 +46,12 @@ def test_a_failing_virtual_rank_fails_the_run_instead_of_hanging():
 
 def test_gpu_check_runs_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"),
-                        "--device", "cpu", "--out", str(tmp_path)], capture_output=True,
+                        "--device", "cpu", "--out", str(tmp_path), "--profile-model", "gpt2-tiny"], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     table = (tmp_path / "gpu_check.md").read_text()
     for row in ("train float32", "train bf16", "checkpoint resume", "virtual chimera D=4",
-                "profile", "host syncs"):
+                "api.Pipeline", "profile", "host syncs"):
         assert row in table
     assert (tmp_path / "gpu_profile.json").exists()
 

@@ -39,9 +39,11 @@ def _entry(rank: int, world: int, fn, port: int, backend: str, errdir: str) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    if backend == "nccl":
+    kw = {}
+    if backend == "nccl":  # bound to its GPU: communicators created now, barriers know it
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+        kw["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, **kw)
     try:
         fn(rank, world)
     except BaseException as exc:
