@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import chimera.api as chimera
 from chimera.comm_plan import Message, Post
 from chimera.ir import Action, Op
 from chimera.passes import lower
 from chimera.runtime.executor import MicroData
 from chimera.runtime.grid import ProcessGrid
+from chimera.runtime.launch_local import spawn
 from chimera.runtime.nccl_emulation import ENV, MODES, NcclEmulation
 from chimera.runtime.p2p import CommTimeout, Transport, wait_work
 from chimera.runtime.pipeline import PipelineRuntime
@@ -76,14 +76,20 @@ def _data(rt: PipelineRuntime, step: int) -> MicroData:
     return data
 
 
+def _use(rt: PipelineRuntime, transport: Transport) -> None:
+    """Route the runtime's p2p through ``transport`` (instead of one per run via the env var:
+    a runtime per mode would triple the start-up collectives)."""
+    rt.executor.mailbox.transport = transport
+
+
 def _train(rt: PipelineRuntime, transport: Transport) -> tuple[list[float], list[torch.Tensor]]:
     """STEPS SGD steps through ``transport``: global losses and the last step's gradients."""
-    rt.mailbox.transport = transport
+    _use(rt, transport)
     opt = torch.optim.SGD(rt.parameters(), lr=0.1)
     losses = []
     for step in range(STEPS):
         rt.zero_grad()
-        loss = torch.tensor([rt.run(_data(rt, step))], dtype=torch.float64)
+        loss = rt.run(_data(rt, step)).detach().to(torch.float64).reshape(1)
         dist.all_reduce(loss)
         losses.append(float(loss))
         grads = [g.flat.clone() for g in rt.grads.values()]
@@ -127,7 +133,7 @@ def _late_order(mode: str) -> dict:
     rt.program = _late_posts(rt.program)
     plain, _ = _train(rt, Transport())
     emulation = NcclEmulation(dist.get_rank(), mode)
-    rt.mailbox.transport = emulation
+    _use(rt, emulation)
     try:
         rt.run(_data(rt, 0))
         error = None
@@ -170,7 +176,7 @@ def _worker(rank, world, out):
 
 def _spawn(tmp_path_factory, world):
     out = str(tmp_path_factory.mktemp(f"emu{world}") / "report")
-    chimera.spawn(functools.partial(_worker, out=out), world=world)
+    spawn(functools.partial(_worker, out=out), world=world)
     return [json.load(open(f"{out}.{r}")) for r in range(world)]
 
 

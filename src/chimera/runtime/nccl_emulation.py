@@ -156,26 +156,48 @@ class _Stream:
     def _serve(self) -> None:
         failure: str | None = None  # after a failure the stream is broken, like a communicator
         while (op := self._next()) is not None:
-            if failure is not None:
+            if failure is None:
+                failure = self._complete(op)
+            else:
                 op.work.finish(f"{op}: an earlier operation on its stream failed: {failure}")
-                continue
-            try:
-                self.owner.rendezvous(op)
-                op.gloo.wait()  # both ends are issued: gloo completes unless a peer died
-                op.work.finish()
-            except _Closed:
-                op.work.finish(f"{op}: the NCCL emulation was closed")
-                break
-            except Exception as exc:  # noqa: BLE001 - any error fails the work, never the thread
-                failure = f"{op}: {_first_line(exc)}"
-                op.work.finish(failure)
-        self._fail_rest("the NCCL emulation was closed")
+            _settle(op)
+        for op in self._drain():
+            op.work.finish(f"{op}: the NCCL emulation was closed")
+            _settle(op)
 
-    def _fail_rest(self, why: str) -> None:
+    def _complete(self, op: _Op) -> str | None:
+        """Rendezvous, then let gloo finish; the failure that breaks the stream, if any."""
+        try:
+            self.owner.rendezvous(op)
+            op.gloo.wait()  # both ends are issued: gloo completes unless a peer died
+            op.gloo = None
+        except _Closed:
+            op.work.finish(f"{op}: the NCCL emulation was closed")
+            return "closed"
+        except Exception as exc:  # noqa: BLE001 - any error fails the work, never the thread
+            op.work.finish(f"{op}: {_first_line(exc)}")
+            return f"{op}: {_first_line(exc)}"
+        op.work.finish()
+        return None
+
+    def _drain(self) -> list[_Op]:
         with self.ready:
             rest, self.ops = list(self.ops), deque()
-        for op in rest:
-            op.work.finish(f"{op}: {why}")
+        return rest
+
+
+def _settle(op: _Op) -> None:
+    """Wait for the gloo operation of a finished op, failed or not. gloo must never see an
+    issued buffer freed: an abandoned receive leaves its message unread in the pair's TCP
+    stream, which blocks every later message between the two ranks (seen as a hung barrier
+    with gloo's loop spinning). Blocks until the peer issues its end, or the group dies."""
+    if op.gloo is None:
+        return
+    try:
+        op.gloo.wait()
+    except Exception:  # noqa: BLE001 - already reported, or the group is being torn down
+        pass
+    op.gloo = None
 
 
 class NcclEmulation(Transport):
