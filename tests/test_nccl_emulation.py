@@ -27,7 +27,7 @@ from chimera.passes import lower
 from chimera.runtime.executor import MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.launch_local import spawn
-from chimera.runtime.nccl_emulation import ENV, MODES, NcclEmulation
+from chimera.runtime.nccl_emulation import ENV, MODES, NcclEmulation, transport_from_env
 from chimera.runtime.p2p import CommTimeout, Transport, wait_work
 from chimera.runtime.pipeline import PipelineRuntime
 from chimera.schedules import build
@@ -109,7 +109,7 @@ def _compare(name, opts, stages, n, dp) -> dict:
         emulation = NcclEmulation(dist.get_rank(), mode)
         losses, grads = _train(rt, emulation)
         emulation.close()
-        out[mode] = {"losses": losses,
+        out[mode] = {"losses": losses, "messages": sum(emulation.sent.values()),
                      "grad_err": max((float((a - b).abs().max()) for a, b in zip(grads, base_grads)
                                       if a.numel()), default=0.0)}
     return out
@@ -163,6 +163,22 @@ def _disagreeing_order(mode: str) -> str:
     return message
 
 
+def _from_env() -> list[str]:
+    """What CHIMERA_EMULATE_NCCL selects (the runtime asks transport_from_env per Mailbox)."""
+    seen = []
+    for value in ("", "rank", "pair", "bogus"):
+        os.environ[ENV] = value
+        try:
+            t = transport_from_env(dist.get_rank())
+            seen.append(getattr(t, "mode", type(t).__name__))
+            if isinstance(t, NcclEmulation):
+                t.close()
+        except ValueError as exc:
+            seen.append(str(exc))
+    del os.environ[ENV]
+    return seen
+
+
 def _worker(rank, world, out):
     results = [_compare(name, opts, stages, n, dp)
                for stages, dp, rows in WORLDS[world] for name, opts, n in rows]
@@ -170,6 +186,7 @@ def _worker(rank, world, out):
     if world == 2:
         report["late"] = {mode: _late_order(mode) for mode in MODES}
         report["disagree"] = {mode: _disagreeing_order(mode) for mode in MODES}
+        report["from_env"] = _from_env()
     with open(f"{out}.{rank}", "w") as f:
         json.dump(report, f)
 
@@ -195,6 +212,7 @@ def test_training_under_emulation_equals_gloo(world, world2, tmp_path_factory):
             for mode in MODES:
                 assert c[mode]["losses"] == pytest.approx(c["losses"], rel=1e-12), (c["config"], mode)
                 assert c[mode]["grad_err"] < 1e-12, (c["config"], mode)
+                assert c[mode]["messages"] >= STEPS, (c["config"], mode)  # it really went through
             assert c["losses"][1] != c["losses"][0], c["config"]  # the step changed the weights
 
 
@@ -214,6 +232,12 @@ def test_messages_matched_by_order_not_tag(world2):
     for report in world2:
         for mode in MODES:
             assert "NCCL would match it with tag" in report["disagree"][mode], mode
+
+
+def test_env_var_selects_the_transport(world2):
+    seen = world2[0]["from_env"]
+    assert seen[:3] == ["Transport", "rank", "pair"]
+    assert seen[3].startswith(f"{ENV}='bogus'")
 
 
 def _train_cli(tmp_path, env_value):
