@@ -91,3 +91,20 @@ def test_weight_below_two_boundaries_falls_back_to_a_plain_w():
     params = list(stage.parameters())
     _check_split_equals_full(stage, params, torch.randn(4, 6, dtype=torch.float64),
                              torch.randn(4, 6, dtype=torch.float64))
+
+
+def test_split_backward_of_pass_through_and_input_independent_stages():
+    """I then W equals a plain backward when a stage's output is its input (an Identity
+    stage sent zeros upstream) and when it does not depend on its input (no weight gradient)."""
+    from chimera.runtime.split_backward import backward_input, backward_weight
+
+    w = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    g = torch.randn(3, dtype=torch.float64)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    dx, pending = backward_input(x, [x], g, [w])
+    backward_weight(pending)
+    assert torch.equal(dx[0], g) and w.grad is None
+    y = w * 2.0  # ignores its input
+    dx, pending = backward_input(y, [x], g, [w])
+    backward_weight(pending)
+    assert dx == [None] and torch.equal(w.grad, 2.0 * g)

@@ -123,6 +123,9 @@ def backward_input(y: torch.Tensor, x, grad: torch.Tensor | None,
     gradients, None for an input ``y`` does not depend on)."""
     xs = None if x is None else ([x] if isinstance(x, torch.Tensor) else list(x))
     pending = PendingWeightGrad(params=[p for p in params if p.requires_grad])
+    if xs and any(y is t for t in xs):  # a pass-through stage: its output is its input
+        dxs = [grad if y is t else None for t in xs]
+        return (dxs[0] if isinstance(x, torch.Tensor) else dxs), pending
     if not xs or y.grad_fn is None:
         pending.output, pending.output_grad = y, grad
         return None, pending
@@ -132,7 +135,10 @@ def backward_input(y: torch.Tensor, x, grad: torch.Tensor | None,
 
 def _backward_input(y, xs: list[torch.Tensor], grad, pending: PendingWeightGrad) -> list:
     found = _boundaries(y.grad_fn, xs, pending.params)
-    if _shared(found):  # W at one boundary would walk into another's: no split, W redoes it
+    # no boundary: the output does not depend on the input (or no weight joins its path), so
+    # there is nothing to split; W runs a plain backward to the weights. Weights below two
+    # boundaries: W at one would walk into the other's; no split either.
+    if (not found and pending.params) or _shared(found):
         pending.output, pending.output_grad = y, grad
         return _input_grads(y, xs, grad)
     handles = []
