@@ -163,6 +163,30 @@ def _disagreeing_order(mode: str) -> str:
     return message
 
 
+def _allreduce_orders(mode: str) -> dict:
+    """Two groups over both ranks: one order everywhere completes; opposite orders complete
+    on gloo (a thread per group) but not under the emulation (one collective stream)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    rank, out = dist.get_rank(), {}
+    for order in ("same", "crossed"):
+        seq = [0, 1] if order == "same" or rank == 0 else [1, 0]
+        emulation = NcclEmulation(rank, mode)
+        tensors = {g: torch.full((3,), float(rank + 1 + 10 * g)) for g in seq}
+        works = {g: emulation.all_reduce(tensors[g], groups[g]) for g in seq}
+        try:
+            for g in seq:
+                wait_work(works[g], datetime.timedelta(seconds=3), rank, f"allreduce {g}", 1 - rank)
+            out[order] = [float(tensors[g][0]) for g in (0, 1)]
+        except CommTimeout as exc:
+            out[order] = str(exc)
+        emulation.close()
+        dist.barrier()
+    plain = [dist.all_reduce(torch.ones(1), group=groups[g], async_op=True)
+             for g in ([0, 1] if rank == 0 else [1, 0])]
+    out["plain_crossed"] = all(w.wait() for w in plain)
+    return out
+
+
 def _from_env() -> list[str]:
     """What CHIMERA_EMULATE_NCCL selects (the runtime asks transport_from_env per Mailbox)."""
     seen = []
@@ -187,6 +211,7 @@ def _worker(rank, world, out):
         report["late"] = {mode: _late_order(mode) for mode in MODES}
         report["disagree"] = {mode: _disagreeing_order(mode) for mode in MODES}
         report["from_env"] = _from_env()
+        report["allreduce"] = _allreduce_orders("pair")
     with open(f"{out}.{rank}", "w") as f:
         json.dump(report, f)
 
@@ -232,6 +257,14 @@ def test_messages_matched_by_order_not_tag(world2):
     for report in world2:
         for mode in MODES:
             assert "NCCL would match it with tag" in report["disagree"][mode], mode
+
+
+def test_allreduces_in_crossed_orders_hang(world2):
+    for rank, report in enumerate(world2):
+        got = report["allreduce"]
+        assert got["same"] == [3.0, 23.0]  # (1 + 2) and (11 + 12): sums of both ranks
+        assert got["plain_crossed"] is True
+        assert f"rank {rank}: allreduce" in got["crossed"] and "timed out" in got["crossed"]
 
 
 def test_env_var_selects_the_transport(world2):

@@ -26,9 +26,14 @@ Not emulated:
 - Real NCCL sends small messages eagerly (below ``NCCL_BUFFSIZE``, about 4 MiB per
   connection), so an order that hangs here may pass on GPUs with small activations: this
   is the worst case, which is what a schedule must survive (large models, large batches).
-- Collectives (the stage allreduces, the loss and norm allreduces), communicator creation
-  and ``grid.warm_up``'s exchange go straight to gloo; their order is the CommPlan's and is
-  checked by the validator's rendezvous replay, not here.
+- Collectives: :meth:`NcclEmulation.all_reduce` gates gloo's async allreduce the same way,
+  on one collective stream per rank shared by every group (the worst case of NCCL's rule
+  that communicators used concurrently see their operations in one order): it completes
+  when every member has it at the head. The runtime's GradSync does not route through it
+  yet; until it does, the stage allreduces, the loss and norm allreduces, communicator
+  creation and ``grid.warm_up``'s exchange go straight to gloo, and their order is checked
+  by the validator's rendezvous replay only. p2p and collectives are separate streams (as
+  on NCCL: different communicators).
 - Timing: a rendezvous costs a few store round trips (microseconds on one host) and a
   thread hand-off, and the polling backs off to :data:`POLL_MAX_S`; CUDA stream semantics
   (a wait that only orders streams) do not exist on CPU.
@@ -94,7 +99,7 @@ class EmulatedWork:
 
 
 @dataclass
-class _Op:
+class _P2P:
     """One send (``src`` is this rank) or receive (``dst`` is this rank) on a stream."""
 
     is_send: bool
@@ -112,10 +117,36 @@ class _Op:
     def stamp(self) -> str:
         return f"{self.tag}:{self.numel}"
 
+    def meet(self, emulation: "NcclEmulation") -> None:
+        emulation.match(self)
+
     def __str__(self) -> str:
         if self.is_send:
             return f"send #{self.k} from rank {self.src} to rank {self.dst} (tag {self.tag})"
         return f"receive #{self.k} at rank {self.dst} from rank {self.src} (tag {self.tag})"
+
+
+@dataclass
+class _Collective:
+    """One allreduce on group ``name`` over ``ranks`` (the k-th on that group)."""
+
+    name: str  # the same on every member: groups are created in one order everywhere
+    ranks: tuple[int, ...]
+    k: int
+    gloo: object
+    work: EmulatedWork = field(default_factory=EmulatedWork)
+
+    def key(self) -> str:
+        return f"allreduce/{self.name}#{self.k}"
+
+    def meet(self, emulation: "NcclEmulation") -> None:
+        emulation.gather(self)
+
+    def __str__(self) -> str:
+        return f"allreduce #{self.k} on group {self.name} (ranks {', '.join(map(str, self.ranks))})"
+
+
+_Op = _P2P | _Collective  # what a stream holds
 
 
 def _first_line(exc: BaseException) -> str:
@@ -168,7 +199,7 @@ class _Stream:
     def _complete(self, op: _Op) -> str | None:
         """Rendezvous, then let gloo finish; the failure that breaks the stream, if any."""
         try:
-            self.owner.rendezvous(op)
+            op.meet(self.owner)
             op.gloo.wait()  # both ends are issued: gloo completes unless a peer died
             op.gloo = None
         except _Closed:
@@ -201,7 +232,8 @@ def _settle(op: _Op) -> None:
 
 
 class NcclEmulation(Transport):
-    """The runtime's p2p under NCCL's rendezvous semantics on gloo (see the module docstring).
+    """The runtime's p2p (and allreduces, through :meth:`all_reduce`) under NCCL's rendezvous
+    semantics on gloo (see the module docstring).
 
     ``mode``: ``pair`` (one stream per peer) or ``rank`` (one stream for all p2p).
     ``store``: the rendezvous store (default: the default process group's).
@@ -217,31 +249,44 @@ class NcclEmulation(Transport):
         self.stop = threading.Event()
         self.sent: dict[int, int] = {}  # per destination: sends issued so far
         self.received: dict[int, int] = {}  # per source: receives issued so far
+        self.reduced: dict[str, int] = {}  # per group name: allreduces issued so far
         self.streams: dict[object, _Stream] = {}
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> EmulatedWork:
         k = self.sent.get(dst, 0)
         self.sent[dst] = k + 1
         gloo = dist.isend(tensor, dst=dst, tag=tag)
-        return self._issue(_Op(True, self.rank, dst, k, tag, tensor.numel(), gloo), dst)
+        return self._issue(_P2P(True, self.rank, dst, k, tag, tensor.numel(), gloo), dst)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> EmulatedWork:
         k = self.received.get(src, 0)
         self.received[src] = k + 1
         gloo = dist.irecv(tensor, src=src, tag=tag)
-        return self._issue(_Op(False, src, self.rank, k, tag, tensor.numel(), gloo), src)
+        return self._issue(_P2P(False, src, self.rank, k, tag, tensor.numel(), gloo), src)
 
-    def _issue(self, op: _Op, peer: int) -> EmulatedWork:
+    def _issue(self, op, peer) -> EmulatedWork:
+        """Queue ``op`` on its stream: the peer's (pair mode), the rank's p2p stream, or the
+        rank's collective stream (``peer == "collectives"``)."""
         if self.stop.is_set():
             raise RuntimeError(f"rank {self.rank}: the NCCL emulation is closed")
-        name = peer if self.mode == "pair" else "all"
+        name = peer if self.mode == "pair" or peer == "collectives" else "p2p"
         if name not in self.streams:
-            label = f"rank {self.rank} with {peer}" if self.mode == "pair" else f"rank {self.rank}"
+            label = f"rank {self.rank} {name if isinstance(name, str) else f'with {name}'}"
             self.streams[name] = _Stream(self, label)
         self.streams[name].put(op)
         return op.work
 
-    def rendezvous(self, op: _Op) -> None:
+    def all_reduce(self, tensor: torch.Tensor, group) -> EmulatedWork:
+        """gloo's async allreduce (sum) on ``group``, complete only once every member has it at
+        the head of its collective stream (see the module docstring)."""
+        name = group.group_name
+        k = self.reduced.get(name, 0)
+        self.reduced[name] = k + 1
+        gloo = dist.all_reduce(tensor, group=group, async_op=True)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return self._issue(_Collective(name, ranks, k, gloo), "collectives")
+
+    def match(self, op: _P2P) -> None:
         """Called by ``op``'s stream when ``op`` is at its head: returns once the matching
         operation is at the head of the peer's stream (raises on a mismatch)."""
         store, mine, theirs = self.store, op.key(op.is_send), op.key(not op.is_send)
@@ -254,9 +299,22 @@ class NcclEmulation(Transport):
             raise RuntimeError(f"NCCL would match it with tag {tag} ({numel} elements, ours "
                                f"{op.numel}): the two ranks order their messages differently")
 
-    def _poll(self, key: str) -> None:
+    def gather(self, op: _Collective) -> None:
+        """Called when ``op`` is at the head of this rank's collective stream: returns once
+        every member of its group has it at the head of theirs."""
+        key, members = self.namespace + op.key(), len(op.ranks)
+        self.store.add(key, 1)
+        self._poll(key, lambda: self.store.add(key, 0) >= members)
+        if self.store.add(key + "/seen", 1) == members:  # the last to see it: nobody polls now
+            self.store.delete_key(key)
+            self.store.delete_key(key + "/seen")
+
+    def _poll(self, key: str, ready=None) -> None:
+        """Until ``key`` exists (or ``ready()``); check, not wait: a blocking wait would hold
+        the store client that the other streams share."""
+        ready = ready or (lambda: self.store.check([key]))
         delay = POLL_MIN_S
-        while not self.store.check([key]):  # check, not wait: a blocking wait holds the client
+        while not ready():
             if self.stop.is_set():
                 raise _Closed
             time.sleep(delay)
