@@ -139,6 +139,7 @@ class PipelineRuntime:
         self.plan = plan_comm(schedule)
         grid.build_groups()
         grid.warm_up(self.plan, self.device)
+        self._equalize_replicas()
         # NCCL: no timed (CPU-blocking, polling) waits; its timeout and watchdog catch hangs
         self.timeout = None if dist.get_backend() == "nccl" else comm_timeout
         # Buckets reduced inside the last backward pay off where the allreduce runs beside the
@@ -159,6 +160,25 @@ class PipelineRuntime:
             example = torch.zeros((rows,) + tuple(input_shape), dtype=input_dtype, device=self.device)
         if example is not None:
             self.prepare(example, target_example)
+
+    def _equalize_replicas(self) -> None:
+        """Every replica of a stage starts from the first group member's weights and buffers,
+        as DDP does at construction: a model built from a rank's own RNG (a list made per rank
+        without a shared seed, numpy or ``random`` in the builder) would otherwise train copies
+        that differ while their gradients are summed. One broadcast per stage and dtype, stages
+        in order on every rank (one collective order, as NCCL needs)."""
+        for stage in sorted(self.grid.stage_groups):
+            group = self.grid.stage_groups[stage]
+            if group is None:
+                continue
+            module = next(m for (_, s), m in sorted(self.modules.items()) if s == stage)
+            tensors = [t.data for t in list(module.parameters()) + list(module.buffers())]
+            for dtype in sorted({t.dtype for t in tensors}, key=str):
+                same = [t for t in tensors if t.dtype == dtype]
+                flat = torch.cat([t.reshape(-1) for t in same])
+                dist.broadcast(flat, src=self.grid.stage_ranks[stage][0], group=group)
+                torch._foreach_copy_(same, [v.view_as(t) for v, t in
+                                            zip(flat.split([t.numel() for t in same]), same)])
 
     KEEP_SHAPES = 4  # boundary layouts (and their receive buffers) kept for alternating shapes
 
