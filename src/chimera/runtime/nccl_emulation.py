@@ -1,4 +1,4 @@
-"""NCCL's p2p semantics emulated on gloo (``CHIMERA_EMULATE_NCCL=pair|rank``).
+"""NCCL's p2p (and allreduce) semantics emulated on gloo (``CHIMERA_EMULATE_NCCL=pair|rank``).
 
 gloo matches messages by tag and lets either end run ahead, so a p2p order that hangs on
 GPUs can train fine on CPU. :class:`NcclEmulation` is a :class:`~chimera.runtime.p2p.Transport`
@@ -38,9 +38,11 @@ Not emulated:
   thread hand-off, and the polling backs off to :data:`POLL_MAX_S`; CUDA stream semantics
   (a wait that only orders streams) do not exist on CPU.
 
-Every rank must create its transports in the same order (one per PipelineRuntime): the
-n-th transport of each rank shares a namespace of store keys with the n-th of the others,
-so a transport abandoned after a timeout cannot confuse the next one.
+Every rank must create its transports in the same order (the runtime makes one per Mailbox,
+on every rank alike): the n-th transport of each rank shares a namespace of store keys with
+the n-th of the others, so a transport abandoned after a timeout cannot confuse the next.
+Transports are independent streams: right for Mailboxes used one after another (each
+iteration drains its messages), not for two used within one iteration.
 """
 
 from __future__ import annotations
@@ -251,40 +253,45 @@ class NcclEmulation(Transport):
         self.received: dict[int, int] = {}  # per source: receives issued so far
         self.reduced: dict[str, int] = {}  # per group name: allreduces issued so far
         self.streams: dict[object, _Stream] = {}
+        self.issuing = threading.Lock()  # issue order is the streams' order, whatever the thread
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> EmulatedWork:
-        k = self.sent.get(dst, 0)
-        self.sent[dst] = k + 1
-        gloo = dist.isend(tensor, dst=dst, tag=tag)
-        return self._issue(_P2P(True, self.rank, dst, k, tag, tensor.numel(), gloo), dst)
+        with self.issuing:
+            k = self.sent.get(dst, 0)
+            self.sent[dst] = k + 1
+            gloo = dist.isend(tensor, dst=dst, tag=tag)
+            op = _P2P(True, self.rank, dst, k, tag, tensor.numel(), gloo)
+            return self._issue(op, dst if self.mode == "pair" else "p2p")
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> EmulatedWork:
-        k = self.received.get(src, 0)
-        self.received[src] = k + 1
-        gloo = dist.irecv(tensor, src=src, tag=tag)
-        return self._issue(_P2P(False, src, self.rank, k, tag, tensor.numel(), gloo), src)
-
-    def _issue(self, op, peer) -> EmulatedWork:
-        """Queue ``op`` on its stream: the peer's (pair mode), the rank's p2p stream, or the
-        rank's collective stream (``peer == "collectives"``)."""
-        if self.stop.is_set():
-            raise RuntimeError(f"rank {self.rank}: the NCCL emulation is closed")
-        name = peer if self.mode == "pair" or peer == "collectives" else "p2p"
-        if name not in self.streams:
-            label = f"rank {self.rank} {name if isinstance(name, str) else f'with {name}'}"
-            self.streams[name] = _Stream(self, label)
-        self.streams[name].put(op)
-        return op.work
+        with self.issuing:
+            k = self.received.get(src, 0)
+            self.received[src] = k + 1
+            gloo = dist.irecv(tensor, src=src, tag=tag)
+            op = _P2P(False, src, self.rank, k, tag, tensor.numel(), gloo)
+            return self._issue(op, src if self.mode == "pair" else "p2p")
 
     def all_reduce(self, tensor: torch.Tensor, group) -> EmulatedWork:
         """gloo's async allreduce (sum) on ``group``, complete only once every member has it at
         the head of its collective stream (see the module docstring)."""
-        name = group.group_name
-        k = self.reduced.get(name, 0)
-        self.reduced[name] = k + 1
-        gloo = dist.all_reduce(tensor, group=group, async_op=True)
-        ranks = tuple(dist.get_process_group_ranks(group))
-        return self._issue(_Collective(name, ranks, k, gloo), "collectives")
+        with self.issuing:
+            name = group.group_name
+            k = self.reduced.get(name, 0)
+            self.reduced[name] = k + 1
+            gloo = dist.all_reduce(tensor, group=group, async_op=True)
+            op = _Collective(name, tuple(dist.get_process_group_ranks(group)), k, gloo)
+            return self._issue(op, "collectives")
+
+    def _issue(self, op: _Op, stream: int | str) -> EmulatedWork:
+        """Queue ``op`` on ``stream``: a peer's rank (pair mode), "p2p" or "collectives"."""
+        if self.stop.is_set():
+            raise RuntimeError(f"rank {self.rank}: the NCCL emulation is closed")
+        if stream not in self.streams:
+            label = f"rank {self.rank} with {stream}" if isinstance(stream, int) else \
+                f"rank {self.rank} {stream}"
+            self.streams[stream] = _Stream(self, label)
+        self.streams[stream].put(op)
+        return op.work
 
     def match(self, op: _P2P) -> None:
         """Called by ``op``'s stream when ``op`` is at its head: returns once the matching
