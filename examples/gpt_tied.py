@@ -96,6 +96,8 @@ def main(rank: int, world: int, out: str) -> None:
     state = pipe.state_dict()  # gathered on rank 0 ({} elsewhere); ties stored once
     if rank == 0:
         torch.save(state, out)
+        with open(out + ".eval", "w") as f:  # what the export must reproduce on one device
+            f.write(repr(eval_loss))
         print(f"eval loss {eval_loss:.4f}; exported {len(state)} tensors to {out}")
 
 
@@ -110,8 +112,11 @@ def check_export(path: str) -> None:
         x = (ids, mask)
         for layer in model:
             x = layer(*x) if isinstance(x, tuple) else layer(x)
-        loss = loss_fn(x, targets) / int((targets != -100).sum())
-    print(f"single-device eval loss of the export {float(loss):.4f}")
+        loss = float(loss_fn(x, targets) / int((targets != -100).sum()))
+    with open(path + ".eval") as f:
+        pipelined = float(f.read())
+    assert abs(loss - pipelined) < 1e-5 * max(1.0, abs(pipelined)), (loss, pipelined)
+    print(f"single-device eval loss of the export {loss:.4f} matches the pipeline's")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,53 @@ def _error_cases() -> dict:
     return out
 
 
+class OwnParam(nn.Module):
+    """A layer with its own Parameter and no reset_parameters (an RMSNorm-like scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Parameter(torch.empty(6, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.g
+
+
+def _raises(fn) -> str | None:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _review_cases(rank: int) -> dict:
+    """Habits that trained a different model without a word (found in review); chimera D=2
+    holds every stage on both ranks, so a refusal happens on both."""
+    kw = dict(micro_batches=4, micro_batch_size=2)
+    pipe = chimera.Pipeline(mlp, nn.functional.mse_loss, **kw)
+    x, y = mlp_batch()
+    out = {"batch": _raises(lambda: pipe.step(x + rank, y)),  # a per-rank batch
+           "no_targets": _raises(lambda: pipe.step(x, None))}
+    pipe.step(x, y)
+    for name, p in pipe.named_parameters():  # gradual unfreezing, on every copy
+        p.requires_grad_(name != "0.weight")
+    out["unfreeze"] = _raises(lambda: pipe.step(x, y))
+    two = chimera.Pipeline(mlp, lambda out, t: nn.functional.mse_loss(out, t[0], reduction="sum"),
+                           loss_reduction="token_mean", **kw)
+    out["token_multi"] = _raises(lambda: two.step(x, (y, y)))
+    counted = chimera.Pipeline(mlp, lambda out, t: nn.functional.mse_loss(out, t[0], reduction="sum"),
+                               loss_reduction="token_mean", token_count=lambda t: t[0].numel(), **kw)
+    out["token_count_loss"] = counted.step(x, (y, y))
+    def meta_layers():
+        with torch.device("meta"):
+            return mlp()[:2] + [OwnParam()] + mlp()[2:]
+    out["meta_unwritten"] = _raises(lambda: chimera.Pipeline(meta_layers, nn.functional.mse_loss, **kw))
+    torch.manual_seed(rank)  # a list built on each rank with its own RNG
+    per_rank = chimera.Pipeline(mlp(), nn.functional.mse_loss, **kw)
+    out["replicas"] = [(n, p.detach().clone()) for n, p in per_rank.named_parameters()]
+    return out
+
+
 def _worker2(rank: int, world: int, out: str) -> None:
     res = {s: _main_case(s, d, w) for s, d, w in MAIN2}
     res["frozen"] = {s: _frozen_case(s) for s in ("chimera", "zb-h1")}
@@ -134,6 +181,7 @@ def _worker2(rank: int, world: int, out: str) -> None:
     res["meta"] = _meta_case()
     res["bn"] = _bn_case()
     res["errors"] = _error_cases()
+    res["review"] = _review_cases(rank)
     torch.save(res, f"{out}.{rank}")
 
 
@@ -306,7 +354,7 @@ def test_byo_example_gpt_runs():
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": os.path.join(root, "src")})
     assert r.returncode == 0, r.stderr
-    assert "exported" in r.stdout
+    assert "exported" in r.stdout and "matches the pipeline" in r.stdout, r.stdout
 
 
 def test_compiled_layer_stays_compiled_in_its_copy():
@@ -372,3 +420,34 @@ def test_zero_grad_set_to_none_reattaches_the_flat_buffer():
     assert torch.equal(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), grads.flat)
     grads.attach(keep=False)
     assert grads.flat.abs().sum() == 0
+
+
+def test_habits_that_trained_another_model_are_refused(world2):
+    """Each rank passing its own mini-batch, step without targets, unfreezing after
+    construction, token_mean over several target tensors, a meta layer init does not write."""
+    for got in (r["review"] for r in world2):
+        assert "different mini-batches" in got["batch"]
+        assert "needs targets" in got["no_targets"]
+        assert "requires_grad" in got["unfreeze"]
+        assert "token_count" in got["token_multi"]
+        assert "left g unwritten" in got["meta_unwritten"]
+    x, y = mlp_batch()
+    assert world2[0]["review"]["token_count_loss"] == pytest.approx(
+        float(((mlp_ref_out(x) - y) ** 2).sum() / y.numel()), rel=1e-10)
+
+
+def mlp_ref_out(x):
+    from chimera.byo import seeded
+
+    with seeded(0):
+        model = nn.Sequential(*mlp())
+    return model(x).detach()
+
+
+def test_replicas_built_from_each_ranks_rng_start_equal(world2):
+    """A list of layers built on each rank with its own RNG: every copy of a stage starts
+    from the same weights (broadcast at construction), on both ranks."""
+    a, b = (dict(r["review"]["replicas"]) for r in world2)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -14,7 +14,8 @@ Example (runs as is; see ``examples/byo_model.py`` and ``examples/gpt_tied.py``)
                                 stages=2, micro_batches=4, micro_batch_size=8)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
         for step in range(100):
-            x, y = torch.randn(32, 16), torch.randn(32, 1)   # the same mini-batch on every rank
+            g = torch.Generator().manual_seed(step)           # the same mini-batch on every rank
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
             opt.zero_grad()
             loss = pipe.step(x, y)                            # forward, backward, gradient sync
             pipe.clip_grad_norm_(1.0)
@@ -37,7 +38,11 @@ Conventions (the same as ``nn.Sequential`` with pytrees):
   sum; ``"token_mean"``: ``loss_fn`` returns a sum over tokens (e.g. ``cross_entropy(...,
   reduction="sum")``) and the loss is divided by the number of targets != ``ignore_index``
   in the whole mini-batch (all micro-batches and data-parallel copies): padding does not
-  change the gradient.
+  change the gradient. With several target tensors, or targets the loss shifts (labels =
+  input ids, shifted inside ``loss_fn``), pass ``token_count=fn(targets)``: the number of
+  tokens the loss sums over in the whole mini-batch.
+- Every rank must be given the same mini-batch: ``step`` compares a fingerprint of it across
+  ranks (one small allreduce; ``check_batch=False`` skips it) and refuses a mismatch.
 - Exact: the gradient equals single-device training on the same mini-batch (tests check
   1e-10 in float64), for models whose layers see rows independently. Layers that mix rows
   (BatchNorm in training mode) see one micro-batch at a time, as under any pipeline: their
@@ -61,7 +66,7 @@ from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.executor import ActionRecord, MicroData
-from chimera.runtime.grid import ProcessGrid
+from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.launch_local import SpawnError, spawn
 from chimera.runtime.pipeline import PipelineRuntime, ProbeError
 from chimera.runtime.shared import TieSync, sync_buffers
@@ -87,6 +92,32 @@ def default_device() -> torch.device:
     if torch.cuda.is_available() and dist.get_backend() != "gloo":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def _fingerprint(tree) -> torch.Tensor:
+    """Four float64 numbers that differ, in practice, between two different mini-batches:
+    tensor count, elements, sum and a position-weighted sum (a permutation changes it)."""
+    out = torch.zeros(4, dtype=torch.float64)
+    for t in pytree.tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            x = torch.nan_to_num(t.detach().reshape(-1).double().cpu(), 0.0, 1e300, -1e300)
+            w = 1.0 + (torch.arange(x.numel(), dtype=torch.float64) % 251) / 251
+            out += torch.tensor([1.0, x.numel(), x.sum(), (x * w).sum()], dtype=torch.float64)
+    return out
+
+
+def _check_same_batch(tree) -> None:
+    """Every rank takes its own rows from the mini-batch it is given, so all must be given the
+    same one (a per-rank seed or a per-rank data loader would silently pair one rank's
+    inputs with another's targets): compare fingerprints, one small allreduce."""
+    mine = _fingerprint(tree)
+    both = torch.cat([mine, -mine]).to(collective_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, low = both[:4].cpu(), -both[4:].cpu()
+    if not torch.equal(high, low):
+        raise ValueError("the ranks were given different mini-batches: every rank must pass the "
+                         "same whole mini-batch to step()/eval_step() (seed its generator or "
+                         "loader alike on every rank; each rank takes its own rows from it)")
 
 
 def _rows(tree, lo: int, hi: int, device):
@@ -115,13 +146,15 @@ class Pipeline:
                  compile: bool | dict = False, device: torch.device | str | None = None,
                  sync_buffers: bool = True, example_target=None,
                  init: Callable[[nn.Module], None] | None = None,
-                 wire_dtype: torch.dtype | None = None):
+                 wire_dtype: torch.dtype | None = None, token_count: Callable | None = None,
+                 check_batch: bool = True):
         self._check_args(loss_reduction, stages, data_parallel)
         keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
         n = micro_batches or stages
         require_runnable(schedule)
         self.schedule = validate(lower(build(schedule, stages, n, **(schedule_options or {})), sync))
         self.loss_reduction, self.ignore_index = loss_reduction, ignore_index
+        self.token_count, self.check_batch = token_count, check_batch
         self.sync_buffers = sync_buffers
         self.grid = ProcessGrid(self.schedule.placement, data_parallel, dist.get_rank())
         self.batch_rows = micro_batch_size * n * data_parallel
@@ -205,6 +238,8 @@ class Pipeline:
         self._check_rows(inputs, "inputs")
         if targets is not None:
             self._check_rows(targets, "targets")
+        if self.check_batch:
+            _check_same_batch((inputs, targets))
         self.runtime.prepare(_rows(inputs, 0, rows, dev),
                              None if targets is None else _rows(targets, 0, rows, dev))
         weight = scale * self._loss_weight(targets)
@@ -224,8 +259,15 @@ class Pipeline:
             return self.rows / self.batch_rows
         if self.loss_reduction == "sum" or targets is None:
             return 1.0
-        leaves = [t for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
-        count = int((leaves[0] != self.ignore_index).sum())  # the whole mini-batch: every rank has it
+        if self.token_count is not None:
+            count = int(self.token_count(targets))
+        else:
+            leaves = [t for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
+            if len(leaves) != 1:
+                raise ValueError(f"loss_reduction='token_mean' with {len(leaves)} target tensors: "
+                                 "pass token_count=fn(targets) -> the number of tokens the loss "
+                                 "sums over (the whole mini-batch)")
+            count = int((leaves[0] != self.ignore_index).sum())  # the whole mini-batch
         return 1.0 / max(count, 1)
 
     def step(self, inputs, targets, accumulate: bool = False, loss_scale: float = 1.0,
@@ -237,6 +279,9 @@ class Pipeline:
         ``accumulate=True`` adds to the gradients already there, like a second
         ``backward()`` (scale with ``loss_scale`` to average several mini-batches).
         """
+        if targets is None:
+            raise ValueError("step() needs targets (the loss is computed from them); "
+                             "eval_step(inputs) runs the forwards alone")
         data = self._micro_data(inputs, targets, loss_scale)
         self.runtime.zero_grad(keep=accumulate)
         kept = [g.flat.clone() for g in self.runtime.grads.values()] if accumulate else None

@@ -88,6 +88,26 @@ def default_init(layer: nn.Module) -> None:
             m.reset_parameters()
 
 
+def _materialize(layer: nn.Module, index: int, device, init, seed: int) -> None:
+    """Meta layer -> real memory, written by ``init``. Floating tensors start as NaN so that
+    one ``init`` leaves unwritten (a module's own Parameter without ``reset_parameters``, a
+    non-persistent buffer) is refused by name instead of training on uninitialized memory."""
+    layer.to_empty(device=device)
+    tensors = dict(layer.named_parameters())
+    tensors.update(layer.named_buffers())
+    with torch.no_grad():
+        for t in tensors.values():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+    with seeded(seed):
+        init(layer)
+    unwritten = [n for n, t in tensors.items() if t.is_floating_point() and bool(t.isnan().any())]
+    if unwritten:
+        raise ValueError(f"layer {index} was built on the meta device and init left "
+                         f"{', '.join(unwritten[:4])} unwritten: pass Pipeline(init=fn) that sets "
+                         "every parameter and buffer (the default calls reset_parameters())")
+
+
 class LayerSource:
     """Where the layers come from; builds one stage replica's ``Stage`` on demand."""
 
@@ -139,9 +159,7 @@ class LayerSource:
             layers = [self._build(i) for i in indices]
         for i, layer in zip(indices, layers):
             if _is_meta(layer):
-                layer.to_empty(device=device)
-                with seeded(layer_seed(self.seed, i)):
-                    self.init(layer)
+                _materialize(layer, i, device, self.init, layer_seed(self.seed, i))
         stage = Stage(dict(zip(indices, layers)))
         retie(stage, ties)
         if compile_opts is not None:

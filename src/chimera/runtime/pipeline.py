@@ -135,7 +135,8 @@ class PipelineRuntime:
         self.comm_timeout = comm_timeout
         self.wire_dtype = wire_dtype  # floating boundary leaves travel in it (None: as computed)
         self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
-        self.grads = {key: ReplicaGrads(m) for key, m in self.modules.items()}
+        self.grads = {key: ReplicaGrads(m, self.device) for key, m in self.modules.items()}
+        self.trainable = self._trainable()
         self.plan = plan_comm(schedule)
         grid.build_groups()
         grid.warm_up(self.plan, self.device)
@@ -214,6 +215,9 @@ class PipelineRuntime:
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules.values() for p in m.parameters()]
 
+    def _trainable(self) -> tuple:
+        return tuple(p.requires_grad for p in self.parameters())
+
     def zero_grad(self, keep: bool = False) -> None:
         """Point every ``.grad`` back at its flat buffer (``zero_grad(set_to_none=True)`` or an
         assignment detached it) and zero the buffers unless ``keep``."""
@@ -225,6 +229,11 @@ class PipelineRuntime:
         returns this rank's share of the loss as a device scalar."""
         if self.executor.mailbox is None:
             raise RuntimeError("PipelineRuntime.prepare(example) must run before the first step")
+        if self._trainable() != self.trainable:
+            raise RuntimeError(
+                "requires_grad of a parameter changed after the pipeline was built (gradual "
+                "unfreezing): its gradient buffers, allreduce and boundaries were sized for the "
+                "old set; build the pipeline again after changing which parameters train")
         return self.executor.run(self.program, data, record)
 
     def run_forward(self, data: MicroData) -> torch.Tensor:

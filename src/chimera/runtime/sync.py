@@ -35,11 +35,12 @@ class ReplicaGrads:
     the values a kept gradient had.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, device: torch.device | None = None):
         self.params = [p for p in module.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
         dtype = self.params[0].dtype if self.params else torch.float32
-        device = self.params[0].device if self.params else torch.device("cpu")
+        # a frozen stage's one-element buffer lives on the runtime's device too (NCCL)
+        device = self.params[0].device if self.params else (device or torch.device("cpu"))
         # one element at least: a frozen stage still takes part in its replicas' allreduce
         self.flat = torch.zeros(max(numel, 1), dtype=dtype, device=device)
         self.offsets, self.views, offset = [], [], 0
