@@ -19,7 +19,8 @@ from chimera.ir import ScheduleError
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 MAIN2 = [("chimera", 2, 1), ("1f1b", 2, 1), ("zb-h1", 2, 1)]  # (schedule, D, W) at world 2
-MAIN4 = [("chimera", 4, 1), ("chimera", 2, 2), ("1f1b", 2, 2), ("1f1b", 4, 1), ("zb-h1", 4, 1)]
+MAIN4 = [("chimera", 4, 1), ("chimera", 2, 2), ("1f1b", 2, 2), ("1f1b", 4, 1), ("zb-h1", 4, 1),
+         ("zb-h1", 2, 2)]
 RECOMPUTE = {("1f1b", 2, 2), ("zb-h1", 4, 1)}  # activation checkpointing with pytree boundaries
 N, B = 4, 2  # micro-batches, micro-batch size
 
