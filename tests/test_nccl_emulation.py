@@ -5,8 +5,9 @@ that size: each schedule is built once, then trained two steps on plain gloo and
 emulation in both stream modes (the Mailbox's transport swapped between runs, the weights
 restored), and every rank compares its losses and gradients with the plain run. The world
 of two also runs the old receive order (each receive posted right before its wait), which
-gloo completes and the emulation must stop with a CommTimeout, and a pair of ranks whose
-k-th messages disagree.
+gloo completes and the emulation must stop with a CommTimeout, a pair of ranks whose k-th
+messages disagree, and allreduces on two groups issued in opposite orders. Last, ``chimera
+train`` under CHIMERA_EMULATE_NCCL=pair gives the losses of the plain run.
 """
 
 import datetime
