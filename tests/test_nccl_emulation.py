@@ -78,9 +78,10 @@ def _data(rt: PipelineRuntime, step: int) -> MicroData:
 
 
 def _use(rt: PipelineRuntime, transport: Transport) -> None:
-    """Route the runtime's p2p through ``transport`` (instead of one per run via the env var:
-    a runtime per mode would triple the start-up collectives)."""
+    """Route the runtime's p2p and stage allreduces through ``transport`` (instead of one per
+    run via the env var: a runtime per mode would triple the start-up collectives)."""
     rt.executor.mailbox.transport = transport
+    rt.sync.collectives = transport if isinstance(transport, NcclEmulation) else None
 
 
 def _train(rt: PipelineRuntime, transport: Transport) -> tuple[list[float], list[torch.Tensor]]:

@@ -59,7 +59,8 @@ import torch.distributed as dist
 
 from chimera.runtime.p2p import Transport
 
-__all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "transport_from_env"]
+__all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "collectives_from_env",
+           "transport_from_env"]
 
 MODES = ("pair", "rank")
 ENV = "CHIMERA_EMULATE_NCCL"
@@ -75,6 +76,13 @@ def transport_from_env(rank: int) -> Transport:
     if mode not in MODES:
         raise ValueError(f"{ENV}={mode!r}: choose one of {', '.join(MODES)} (or leave it unset)")
     return NcclEmulation(rank, mode)
+
+
+def collectives_from_env(rank: int) -> "NcclEmulation | None":
+    """The emulation's collective stream for the stage allreduces (GradSync), or None (plain
+    ``dist.all_reduce``). Create it at the same point on every rank (its store keys count)."""
+    mode = os.environ.get(ENV, "")
+    return NcclEmulation(rank, mode) if mode in MODES else None
 
 
 class EmulatedWork:

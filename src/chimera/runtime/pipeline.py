@@ -18,7 +18,7 @@ from chimera.ir import Op, Schedule, ScheduleError
 from chimera.runtime.boundary import BoundarySpec, Stage, call_layer, call_loss, describe, signature
 from chimera.runtime.executor import ActionRecord, Executor, MicroData
 from chimera.runtime.grid import ProcessGrid
-from chimera.runtime.nccl_emulation import transport_from_env
+from chimera.runtime.nccl_emulation import collectives_from_env, transport_from_env
 from chimera.runtime.p2p import Mailbox
 from chimera.runtime.sync import BUCKET_BYTES, GradSync, ReplicaGrads
 
@@ -147,7 +147,8 @@ class PipelineRuntime:
         # compute (NCCL); with gloo on CPU cores the reduction competes with the compute for the
         # same cores and measured no faster than one allreduce per replica at SYNC (README).
         buckets = BUCKET_BYTES if self.device.type == "cuda" else 0
-        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout, buckets)
+        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout, buckets,
+                             collectives_from_env(grid.rank))
         self.executor = Executor(schedule, self.modules, loss_fn, None, self.sync,
                                  recompute, autocast, self.device, early=self.plan.early[grid.d])
         self.eval_schedule = forward_only(schedule)

@@ -91,8 +91,10 @@ class GradSync:
     """
 
     def __init__(self, grads: dict[tuple[int, int], ReplicaGrads], groups: dict[int, object],
-                 rank: int, timeout_s: float | None, bucket_bytes: int = BUCKET_BYTES):
+                 rank: int, timeout_s: float | None, bucket_bytes: int = BUCKET_BYTES,
+                 collectives=None):
         self.grads, self.groups, self.rank = grads, groups, rank
+        self.collectives = collectives  # NCCL emulation's collective stream (None: dist)
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.bucket_bytes = bucket_bytes
         self.inflight: list[tuple[object, tuple[int, int]]] = []
@@ -106,7 +108,10 @@ class GradSync:
             self.early[(pipe, stage)] = _EarlySync(self, pipe, stage, group)
 
     def launch(self, pipe: int, stage: int, tensor: torch.Tensor, group) -> None:
-        work = dist.all_reduce(tensor, group=group, async_op=True)
+        if self.collectives is not None:
+            work = self.collectives.all_reduce(tensor, group)
+        else:
+            work = dist.all_reduce(tensor, group=group, async_op=True)
         self.inflight.append((work, (pipe, stage)))
 
     def start(self, pipe: int, stage: int) -> None:
