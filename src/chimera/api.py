@@ -65,7 +65,7 @@ from chimera.byo import LayerSource, build_layers, check_partition
 from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.runtime.allocator import keep_freed_memory
-from chimera.runtime.executor import ActionRecord, MicroData
+from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.launch_local import SpawnError, spawn
 from chimera.runtime.pipeline import PipelineRuntime, ProbeError
@@ -120,8 +120,13 @@ def _check_same_batch(tree) -> None:
                          "loader alike on every rank; each rank takes its own rows from it)")
 
 
-def _rows(tree, lo: int, hi: int, device):
-    return pytree.tree_map(lambda t: t[lo:hi].to(device) if isinstance(t, torch.Tensor) else t, tree)
+def _rows(tree, lo: int, hi: int, device=None):
+    """Rows ``lo:hi`` of every tensor leaf (on ``device``: pinned, without blocking the host)."""
+    def rows(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t[lo:hi] if device is None else to_device(t[lo:hi], device)
+    return pytree.tree_map(rows, tree)
 
 
 class Pipeline:
@@ -246,12 +251,15 @@ class Pipeline:
         data = MicroData(weights={m: weight for m in range(s.micro_batches)},
                          outputs={} if outputs else None)
         held, lo = set(grid.held()), grid.w * s.micro_batches * rows
-        for m, pipe in enumerate(s.micro_pipe):
-            a, b = lo + m * rows, lo + (m + 1) * rows
-            if (pipe, 0) in held:
-                data.inputs[m] = _rows(inputs, a, b, dev)
-            if (pipe, s.stages - 1) in held and targets is not None:
-                data.targets[m] = _rows(targets, a, b, dev)
+        firsts = [m for m, pipe in enumerate(s.micro_pipe) if (pipe, 0) in held]
+        lasts = [m for m, pipe in enumerate(s.micro_pipe) if (pipe, s.stages - 1) in held]
+        hi = lo + s.micro_batches * rows  # this data-parallel copy's rows: one copy per step
+        mine_in = _rows(inputs, lo, hi, dev) if firsts else None
+        mine_out = _rows(targets, lo, hi, dev) if lasts and targets is not None else None
+        for m in firsts:
+            data.inputs[m] = _rows(mine_in, m * rows, (m + 1) * rows)
+        for m in lasts if mine_out is not None else ():
+            data.targets[m] = _rows(mine_out, m * rows, (m + 1) * rows)
         return data
 
     def _loss_weight(self, targets) -> float:

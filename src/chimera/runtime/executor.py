@@ -34,6 +34,14 @@ class MicroData:
     outputs: dict[int, object] | None = None
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; to CUDA through pinned memory without blocking the host (the
+    copy is ordered before the kernels that read it on the same stream)."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class ActionRecord:
     action: Action

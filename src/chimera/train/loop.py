@@ -14,7 +14,7 @@ import torch.distributed as dist
 from chimera.data import IGNORE_INDEX, get_batch, load_corpus
 from chimera.models import (build_layers, get_config, layer_costs, layer_names, loss_fn,
                             parse_partition, partition)
-from chimera.runtime.executor import ActionRecord, MicroData
+from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.pipeline import PipelineRuntime
@@ -88,14 +88,6 @@ def loss_weights(cfg: TrainConfig, targets: torch.Tensor, rows: int, n: int) -> 
         count = int((targets != IGNORE_INDEX).sum())
         return {m: 1.0 / count for m in range(n)}, "sum"
     return {m: rows / targets.shape[0] for m in range(n)}, "mean"
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; to CUDA through pinned memory without blocking the host (the
-    copy is ordered before the kernels that read it on the same stream)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def peak_rss_mb() -> float:
