@@ -46,6 +46,10 @@ def add_parsers(sub) -> None:
     s.add_argument("--strategy", choices=STRATEGIES, help="chimera with N > D (default: direct)")
     s.add_argument("--sync", choices=SYNC_MODES, default="eager", help="gradient allreduce start")
     s.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+    s.add_argument("--shard-optimizer", action="store_true",
+                   help="ZeRO-1 over each stage's replica group: reduce-scatter the gradients, "
+                        "each replica updates its 1/(2W) slice, all-gather the parameters "
+                        "(AdamW state per rank falls by the group size)")
     o = p.add_argument_group("optimization")
     o.add_argument("--steps", type=positive_int, default=40, help="optimizer steps (default: 40)")
     o.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default: 3e-3)")
@@ -98,6 +102,7 @@ def config_from_args(args: argparse.Namespace):
         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
         data_parallel=args.data_parallel, steps=args.steps, lr=args.lr, warmup=args.warmup,
         weight_decay=args.weight_decay, clip=args.clip, seed=args.seed, recompute=args.recompute,
+        shard_optimizer=args.shard_optimizer,
         strategy=args.strategy, pipes=args.pipes, chunks=args.chunks, sync=args.sync,
         partition=args.partition, data=args.data, dtype=args.dtype, wire_dtype=args.wire_dtype, threads=args.threads,
         comm_timeout=args.comm_timeout, device=args.device, log_json=args.log_json,

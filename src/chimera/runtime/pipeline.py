@@ -20,6 +20,7 @@ from chimera.runtime.executor import ActionRecord, Executor, MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.nccl_emulation import collectives_from_env, transport_from_env
 from chimera.runtime.p2p import Mailbox
+from chimera.runtime.shard import StageShard
 from chimera.runtime.sync import BUCKET_BYTES, GradSync, ReplicaGrads
 
 
@@ -126,7 +127,7 @@ class PipelineRuntime:
                  input_dtype: torch.dtype | None = None, rows: int = 1, recompute: bool = False,
                  autocast: torch.dtype | None = None, device: torch.device | None = None,
                  comm_timeout: float = 300.0, example=None, target_example=None,
-                 wire_dtype: torch.dtype | None = None):
+                 wire_dtype: torch.dtype | None = None, shard_optimizer: bool = False):
         if not schedule.lowered:
             raise ScheduleError("the runtime needs a lowered schedule (chimera.passes.lower)")
         self.schedule, self.grid, self.loss_fn = schedule, grid, loss_fn
@@ -135,12 +136,14 @@ class PipelineRuntime:
         self.comm_timeout = comm_timeout
         self.wire_dtype = wire_dtype  # floating boundary leaves travel in it (None: as computed)
         self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
-        self.grads = {key: ReplicaGrads(m, self.device) for key, m in self.modules.items()}
+        grid.build_groups()
+        multiple = {key: len(grid.stage_ranks[key[1]]) if shard_optimizer else 1 for key in self.modules}
+        self.grads = {key: ReplicaGrads(m, self.device, multiple[key]) for key, m in self.modules.items()}
         self.trainable = self._trainable()
         self.plan = plan_comm(schedule)
-        grid.build_groups()
         grid.warm_up(self.plan, self.device)
         self._equalize_replicas()
+        self.shards = self._shards() if shard_optimizer else {}
         # NCCL: no timed (CPU-blocking, polling) waits; its timeout and watchdog catch hangs
         self.timeout = None if dist.get_backend() == "nccl" else comm_timeout
         # Buckets reduced inside the last backward pay off where the allreduce runs beside the
@@ -148,7 +151,7 @@ class PipelineRuntime:
         # same cores and measured no faster than one allreduce per replica at SYNC (README).
         buckets = BUCKET_BYTES if self.device.type == "cuda" else 0
         self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout, buckets,
-                             collectives_from_env(grid.rank))
+                             collectives_from_env(grid.rank), self.shards)
         self.executor = Executor(schedule, self.modules, loss_fn, None, self.sync,
                                  recompute, autocast, self.device, early=self.plan.early[grid.d])
         self.eval_schedule = forward_only(schedule)
@@ -181,6 +184,41 @@ class PipelineRuntime:
                 dist.broadcast(flat, src=self.grid.stage_ranks[stage][0], group=group)
                 torch._foreach_copy_(same, [v.view_as(t) for v, t in
                                             zip(flat.split([t.numel() for t in same]), same)])
+
+    def _shards(self) -> dict:
+        """ZeRO-1 (chimera.runtime.shard): per replica with a group, this rank's slice."""
+        out = {}
+        for key, g in self.grads.items():
+            group = self.grid.stage_groups.get(key[1])
+            if group is not None:
+                out[key] = StageShard.build(g.params, g.offsets, g.flat.numel(),
+                                            self.grid.stage_ranks[key[1]], self.grid.rank, group)
+        return out
+
+    def optimizer_parameters(self) -> list[tuple[torch.Tensor, bool]]:
+        """(tensor the optimizer updates, whether it is a matrix) for this rank: the pieces of
+        its slices where the optimizer is sharded, the whole parameters elsewhere."""
+        out = []
+        for key, g in sorted(self.grads.items()):
+            shard = self.shards.get(key)
+            if shard is None:
+                out += [(p, p.dim() >= 2) for p in g.params]
+            else:
+                out += [(pc.piece, pc.param.dim() >= 2) for pc in shard.pieces]
+        return out
+
+    def gather_gradients(self) -> None:
+        """Sharded: every replica's ``.grad`` gets the group's summed gradient everywhere, not
+        only in its slice, as unsharded training leaves it (for inspection; collective)."""
+        for key in sorted(self.shards, key=lambda k: (k[1], k[0])):
+            shard, flat = self.shards[key], self.grads[key].flat
+            flat[shard.lo:shard.hi].copy_(shard.grad)
+            shard.all_gather(flat)
+
+    def gather_parameters(self) -> None:
+        """After the optimizer step: every replica gets every slice (stages in order)."""
+        for key in sorted(self.shards, key=lambda k: (k[1], k[0])):
+            self.shards[key].all_gather()
 
     KEEP_SHAPES = 4  # boundary layouts (and their receive buffers) kept for alternating shapes
 
@@ -262,7 +300,8 @@ class PipelineRuntime:
             ranks = self.grid.stage_ranks[s]
             k, n = ranks.index(self.grid.rank), len(ranks)
             size = -(-g.flat.numel() // n)
-            part = g.flat[k * size:(k + 1) * size]
+            shard = self.shards.get((p, s))  # sharded: only the owned slice was reduced
+            part = shard.grad if shard is not None else g.flat[k * size:(k + 1) * size]
             if part.numel():
                 total += torch.linalg.vector_norm(part).double() ** 2
         return total

@@ -35,9 +35,10 @@ class ReplicaGrads:
     the values a kept gradient had.
     """
 
-    def __init__(self, module: nn.Module, device: torch.device | None = None):
+    def __init__(self, module: nn.Module, device: torch.device | None = None, multiple: int = 1):
         self.params = [p for p in module.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
+        numel = -(-numel // multiple) * multiple  # a reduce-scatter over n needs n | size
         dtype = self.params[0].dtype if self.params else torch.float32
         # a frozen stage's one-element buffer lives on the runtime's device too (NCCL)
         device = self.params[0].device if self.params else (device or torch.device("cpu"))
@@ -92,8 +93,9 @@ class GradSync:
 
     def __init__(self, grads: dict[tuple[int, int], ReplicaGrads], groups: dict[int, object],
                  rank: int, timeout_s: float | None, bucket_bytes: int = BUCKET_BYTES,
-                 collectives=None):
+                 collectives=None, shards: dict | None = None):
         self.grads, self.groups, self.rank = grads, groups, rank
+        self.shards = shards or {}  # (pipe, stage) -> StageShard: reduce-scatter, not allreduce
         self.collectives = collectives  # NCCL emulation's collective stream (None: dist)
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.bucket_bytes = bucket_bytes
@@ -104,7 +106,7 @@ class GradSync:
     def arm(self, pipe: int, stage: int) -> None:
         """Called right before the replica's last backward: reduce buckets as they finish."""
         group = self.groups.get(stage)
-        if group is not None and self.bucket_bytes > 0:
+        if group is not None and self.bucket_bytes > 0 and (pipe, stage) not in self.shards:
             self.early[(pipe, stage)] = _EarlySync(self, pipe, stage, group)
 
     def launch(self, pipe: int, stage: int, tensor: torch.Tensor, group) -> None:
@@ -121,6 +123,11 @@ class GradSync:
             return
         group = self.groups.get(stage)
         if group is None:  # the only replica of this stage: nothing to reduce
+            return
+        shard = self.shards.get((pipe, stage))
+        if shard is not None:
+            work = shard.reduce_scatter(self.grads[(pipe, stage)].flat)
+            self.inflight.append((work, (pipe, stage)))
             return
         self.launch(pipe, stage, self.grads[(pipe, stage)].flat, group)
 

@@ -22,6 +22,7 @@ import torch
 
 # Modules whose ``dist`` the runtime (and the trainer) call through.
 PATCHED = ("chimera.runtime.p2p", "chimera.runtime.sync", "chimera.runtime.pipeline",
+           "chimera.runtime.shard",
            "chimera.runtime.grid", "chimera.train.loop", "chimera.train.faults",
            "chimera.train.equivalence")
 
@@ -142,6 +143,22 @@ class VirtualWorld:
             for _, t, _ in entries:
                 t.copy_(total)
         work = self._collective(group, tensor, finish)
+        return work if async_op else work.wait()
+
+    def reduce_scatter_tensor(self, output, input, op=None, group=None, async_op: bool = False):
+        def finish(entries):
+            total = sum(i.detach().clone() for _, (_, i), _ in entries)
+            for k, (_, (o, _), _) in enumerate(entries):
+                o.copy_(total[k * o.numel():(k + 1) * o.numel()])
+        work = self._collective(group, (output, input), finish)
+        return work if async_op else work.wait()
+
+    def all_gather_into_tensor(self, output, input, group=None, async_op: bool = False):
+        def finish(entries):
+            whole = torch.cat([i.detach().reshape(-1) for _, (_, i), _ in entries])
+            for _, (o, _), _ in entries:
+                o.copy_(whole)
+        work = self._collective(group, (output, input), finish)
         return work if async_op else work.wait()
 
     def broadcast(self, tensor, src: int, group=None, async_op: bool = False):

@@ -192,14 +192,20 @@ def verify(path: str | os.PathLike, model: str | None = None, model_config: dict
 
 
 # -- what goes in -------------------------------------------------------------------------
-def _tensors(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Flat DCP state of ``params``: each parameter and its AdamW state, by name."""
+def _tensors(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
+             whole: dict | None = None) -> dict[str, torch.Tensor]:
+    """Flat DCP state of ``params``: each parameter and its AdamW state, by name. ``whole``:
+    the whole AdamW state of parameters a sharded optimizer holds in slices (by parameter),
+    so a checkpoint does not depend on sharding."""
     state = {}
     for name, p in params.items():
-        _init_adam_state(optimizer, p)  # a skipped first step leaves none yet
+        adam = (whole or {}).get(p)
+        if adam is None:
+            _init_adam_state(optimizer, p)  # a skipped first step leaves none yet
+            adam = optimizer.state[p]
         state[f"model.{name}"] = p.detach()
         for key in _OPTIM_KEYS:
-            state[f"optim.{name}.{key}"] = optimizer.state[p][key]
+            state[f"optim.{name}.{key}"] = adam[key]
     return state
 
 
@@ -232,7 +238,8 @@ def save(trainer, directory: str | os.PathLike, step: int, keep: int) -> Path:
     import torch.distributed.checkpoint as dcp
 
     rank, world = _rank_world()
-    state = _tensors(trainer.optimizer, trainer.checkpoint_parameters())
+    whole = trainer.whole_optimizer_state()  # sharded: gathered over each group (collective)
+    state = _tensors(trainer.optimizer, trainer.checkpoint_parameters(), whole)
     state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
     _refuse_nonfinite(state, step, world)
     final = step_dir(directory, step)
@@ -339,7 +346,8 @@ def restore(trainer, directory: str | os.PathLike) -> int:
     meta = read_meta(path)
     index = read_index(path)
     replicas = _replicas_by_name(trainer)
-    state = _tensors(trainer.optimizer, {name: ps[0] for name, ps in replicas.items()})
+    whole = trainer.whole_optimizer_state(empty=True)  # sharded: read whole, then sliced
+    state = _tensors(trainer.optimizer, {name: ps[0] for name, ps in replicas.items()}, whole)
     rng_key = f"rng.cpu.rank{rank}"
     if meta["layout"]["world"] == world and rng_key in index:
         state[rng_key] = torch.empty_like(torch.get_rng_state())
@@ -347,6 +355,7 @@ def restore(trainer, directory: str | os.PathLike) -> int:
     _dcp(f"reading {path}", dcp.load, state, storage_reader=_safe_reader(path), no_dist=world == 1)
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
+    trainer.load_whole_optimizer_state(whole)
     _copy_to_other_replicas(trainer, replicas)
     return int(meta["step"])
 

@@ -33,6 +33,7 @@ class TrainConfig:
     clip: float = 1.0  # global gradient norm; 0 disables clipping
     seed: int = 0
     recompute: bool = False
+    shard_optimizer: bool = False  # ZeRO-1 over each stage's replica group (runtime/shard.py)
     strategy: str | None = None
     pipes: int | None = None
     chunks: int | None = None

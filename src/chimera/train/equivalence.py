@@ -30,6 +30,8 @@ def _reference(cfg: TrainConfig) -> TrainConfig:
 
 
 def _grads(trainer: Trainer) -> list[tuple[str, int, torch.Tensor]]:
+    if not trainer.cfg.reference:
+        trainer.runtime.gather_gradients()  # a sharded optimizer reduced only its slice
     return [(n, pipe, p.grad.detach().clone()) for n, pipe, p in trainer.replica_parameters()]
 
 
@@ -66,12 +68,15 @@ def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float],
         for name, pipe, p in got["params"]:
             params.setdefault(name, []).append(p.cpu())
     identical = all(all(torch.equal(ps[0], q) for q in ps[1:]) for ps in params.values())
+    ref_params = {n: p.detach().cpu() for n, _, p in ref.replica_parameters()}
+    param_err = max(float((ps[0] - ref_params[n]).norm() / max(ref_params[n].norm(), 1e-30))
+                    for n, ps in params.items())
     replicas = {n: len(ps) for n, ps in params.items()}
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     return {"config": cfg.to_dict(), "max_grad_rel_err": worst, "missing": sorted(set(ref_grad) - seen),
             "replicas_identical": identical, "min_replicas": min(replicas.values()),
             "max_replicas": max(replicas.values()), "losses": losses, "ref_losses": ref_losses,
-            "max_loss_rel_err": loss_err}
+            "max_loss_rel_err": loss_err, "max_param_rel_err": param_err}
 
 
 def _worker(rank: int, world: int, configs: list[TrainConfig], port: int, out: str) -> None:

@@ -158,7 +158,7 @@ def _progress(cfg: TrainConfig, start: int = 0):
 
 def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> dict | None:
     mine = {"records": [(str(r.action), r.start, r.end, r.cpu) for r in record],
-            "peak_rss_mb": peak_rss_mb()}
+            "peak_rss_mb": peak_rss_mb(), "optimizer_state_bytes": trainer.optimizer_state_bytes()}
     if record and not cfg.reference:  # wall-clock start of the records: aligns the ranks
         mine["t0"] = trainer.runtime.executor.record_epoch
     if torch.cuda.is_available() and trainer.device.type == "cuda":

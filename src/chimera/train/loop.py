@@ -59,11 +59,13 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices decay, biases and norms do not (as nanoGPT)."""
+def make_optimizer(params, cfg: TrainConfig, matrix: list[bool] | None = None) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, biases and norms do not (as nanoGPT). ``matrix`` says which
+    are matrices where the tensors are flat pieces of parameters (a sharded optimizer)."""
     params = list(params)
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
+    matrix = [p.dim() >= 2 for p in params] if matrix is None else matrix
+    decay = [p for p, m in zip(params, matrix) if m]
+    rest = [p for p, m in zip(params, matrix) if not m]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     # fused: one kernel per tensor, ~5x faster than the per-parameter loop on a CPU core, and
     # elementwise like it, so every replica and the reference still update bit-identically
@@ -128,12 +130,13 @@ class Trainer:
             schedule, self.grid, self._stage_factory, loss_fn(self.model_cfg, kind),
             input_shape=(self.model_cfg.seq_len,), input_dtype=torch.long, rows=self.rows,
             recompute=cfg.recompute, autocast=self.autocast, device=self.device,
-            comm_timeout=cfg.comm_timeout,
+            comm_timeout=cfg.comm_timeout, shard_optimizer=cfg.shard_optimizer,
             wire_dtype=getattr(torch, WIRE_DTYPES[cfg.wire_dtype]) if cfg.wire_dtype else None)
         # unchanged unless a drill
         self.runtime.program = faults.program_for(self.runtime.program, schedule, self.rank)
-        self.params = self.runtime.parameters()
-        self.optimizer = make_optimizer(self.params, cfg)
+        tensors = self.runtime.optimizer_parameters()
+        self.params = [t for t, _ in tensors]  # what the optimizer updates and clipping scales
+        self.optimizer = make_optimizer(self.params, cfg, [m for _, m in tensors])
 
     def _stage_factory(self, stage: int) -> torch.nn.Module:
         layers = build_layers(self.model_cfg, self.cfg.seed, self.ranges[stage])
@@ -171,6 +174,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+            if not self.cfg.reference:
+                self.runtime.gather_parameters()  # sharded: every replica gets every slice
         tokens = inputs.numel()
         return StepLog(step, loss, lr, norm, time.perf_counter() - start, tokens, skipped)
 
@@ -222,6 +227,32 @@ class Trainer:
             coef = self.cfg.clip / (norm + 1e-6)
             torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
         return norm
+
+    def whole_optimizer_state(self, empty: bool = False) -> dict:
+        """Where the optimizer is sharded: each parameter's whole AdamW state, gathered over
+        its replica group (collective, stages in order), or zeros to load into (``empty``).
+        {} where it is not: the optimizer's own state is whole."""
+        shards = {} if self.cfg.reference else self.runtime.shards
+        out: dict = {}
+        for key in sorted(shards, key=lambda k: (k[1], k[0])):
+            if not empty:
+                out.update(shards[key].gather_state(self.optimizer))
+                continue
+            for p in shards[key].params:
+                fused = self.optimizer.defaults.get("fused")
+                out[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+                          "step": torch.zeros((), device=p.device if fused else "cpu")}
+        return out
+
+    def load_whole_optimizer_state(self, whole: dict) -> None:
+        """Each slice of a sharded optimizer takes its part of ``whole``."""
+        for shard in ({} if self.cfg.reference else self.runtime.shards).values():
+            shard.scatter_state(self.optimizer, whole)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (AdamW: two moments per element it updates)."""
+        return sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                   for t in st.values() if isinstance(t, torch.Tensor))
 
     def replica_parameters(self) -> list[tuple[str, int, torch.Tensor]]:
         """(model-wide name, pipe, parameter) for every replica this rank holds."""

@@ -72,6 +72,10 @@ def summary(result: dict, schedule: Schedule | None) -> str:
                          f"(1 - compute time / (ranks x step time))")
     rss = ", ".join(f"{r['peak_rss_mb']:.0f}" for r in result["ranks"])
     lines.append(f"  peak memory per rank (RSS, MB): {rss}")
+    optim = [r.get("optimizer_state_bytes") for r in result["ranks"]]
+    if all(b is not None for b in optim):
+        lines.append("  optimizer state per rank (MB): " + ", ".join(f"{b / 2**20:.2f}" for b in optim)
+                     + (" (sharded over each stage's replicas)" if cfg.get("shard_optimizer") else ""))
     cuda = [r.get("peak_cuda_mb") for r in result["ranks"] if r.get("peak_cuda_mb") is not None]
     if cuda:
         lines.append("  peak CUDA memory per rank (MB): " + ", ".join(f"{c:.0f}" for c in cuda))

@@ -1,0 +1,110 @@
+"""ZeRO-1 over a stage's replica group: each replica owns 1/n of the stage's optimizer.
+
+Chimera keeps two replicas of every stage (2W with data parallelism) whose gradients are
+summed anyway. With sharding, the replica's collective at its Launch is a reduce-scatter
+instead of an allreduce: member k of the group (n members) receives the sum of slice k of
+the stage's flat gradient only. The optimizer updates that slice (its AdamW state is 1/n of
+the stage's); after the step an all-gather hands every replica the whole updated stage.
+Reduce-scatter and all-gather are the two halves of an allreduce, so the bytes on the wire
+stay those of one allreduce, while optimizer state and work fall by n.
+
+The slicing is the one ``PipelineRuntime.owned_sq_norm`` already uses (slice k of size
+ceil(numel / n)), so the global norm reads each owned slice once. Parameters become views
+into one flat buffer per replica (padded to a multiple of n); the optimizer sees *pieces*:
+for each parameter, its part inside the owned slice, as a Parameter sharing the flat
+buffer's memory, with a ``.grad`` viewing the reduce-scatter output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Piece:
+    """The part of ``param`` (flat offsets ``start:end``) inside this rank's slice."""
+
+    piece: nn.Parameter
+    param: nn.Parameter
+    start: int
+    end: int
+
+
+@dataclass
+class StageShard:
+    """One replica's flat parameters and this rank's slice of them."""
+
+    flat: torch.Tensor  # every parameter of the replica, padded to n * size
+    grad: torch.Tensor  # the reduce-scatter output: the summed gradient of the owned slice
+    lo: int
+    hi: int
+    group: object
+    params: list[nn.Parameter] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, params: list[nn.Parameter], offsets: list[int], padded: int, ranks: list[int],
+              rank: int, group) -> "StageShard":
+        n, k = len(ranks), ranks.index(rank)
+        size = padded // n
+        ref = params[0] if params else torch.zeros(())
+        flat = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
+        shard = cls(flat, torch.zeros(size, dtype=ref.dtype, device=ref.device), k * size,
+                    (k + 1) * size, group, list(params), list(offsets))
+        for p, off in zip(params, offsets):
+            view = flat[off:off + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)  # the module now computes with the flat buffer's memory
+            a, b = max(off, shard.lo), min(off + p.numel(), shard.hi)
+            if a < b:
+                piece = nn.Parameter(flat[a:b])  # shares flat's memory: a step updates p
+                piece.grad = shard.grad[a - shard.lo:b - shard.lo]
+                shard.pieces.append(Piece(piece, p, a - off, b - off))
+        return shard
+
+    def reduce_scatter(self, flat_grad: torch.Tensor):
+        """Async: the group's sum of slice k of ``flat_grad`` into ``self.grad``."""
+        return dist.reduce_scatter_tensor(self.grad, flat_grad, group=self.group, async_op=True)
+
+    def all_gather(self, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """Every member's slice of ``flat`` (default: the parameters) into every member's."""
+        flat = self.flat if flat is None else flat
+        dist.all_gather_into_tensor(flat, flat[self.lo:self.hi].clone(), group=self.group)
+        return flat
+
+    def gather_state(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, dict]:
+        """The whole replica's AdamW state, per parameter (collective over the group)."""
+        out: dict[nn.Parameter, dict] = {p: {} for p in self.params}
+        step = torch.zeros((), dtype=torch.float32)
+        for key in OPTIM_KEYS:
+            full = torch.zeros_like(self.flat)
+            for pc in self.pieces:
+                state = optimizer.state.get(pc.piece)
+                if state:
+                    off = self.offsets[self._index(pc.param)]
+                    full[off + pc.start:off + pc.end].copy_(state[key])
+                    step = state["step"]
+            self.all_gather(full)
+            for p, off in zip(self.params, self.offsets):
+                out[p][key] = full[off:off + p.numel()].view_as(p)
+        for p in out:
+            out[p]["step"] = step.detach().clone()
+        return out
+
+    def scatter_state(self, optimizer: torch.optim.Optimizer, full: dict[nn.Parameter, dict]) -> None:
+        """Load the whole replica's AdamW state: each piece takes its part."""
+        for pc in self.pieces:
+            src, state = full[pc.param], optimizer.state[pc.piece]
+            for key in OPTIM_KEYS:
+                state[key] = src[key].detach().reshape(-1)[pc.start:pc.end].clone()
+            state["step"] = src["step"].detach().clone()
+
+    def _index(self, param: nn.Parameter) -> int:
+        return next(i for i, p in enumerate(self.params) if p is param)
