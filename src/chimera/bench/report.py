@@ -98,6 +98,7 @@ def _name(r: dict) -> str:
     opts = r["options"]
     extra = [f"v={opts['chunks']}"] if "chunks" in opts else []
     extra += [opts["strategy"]] if "strategy" in opts else []
+    extra += ["sharded optimizer"] if opts.get("shard") else []
     return r["schedule"] + (f" ({', '.join(extra)})" if extra else "")
 
 

@@ -113,6 +113,9 @@ def all_rows(cfg: BenchConfig) -> list[Row]:
         rows.append(Row("chimera", name, (("chunks", 2),) if name == "interleaved" else ()))
         if name == "chimera":  # the paper's forward doubling: a forward of slack on every hop
             rows.append(Row("chimera", name, (("strategy", "doubling"),)))
+            # ZeRO-1 over the two replicas: half the AdamW state and work per rank
+            rows.append(Row("chimera", name, (("shard", 1),)))
+            rows.append(Row("chimera", name, (("strategy", "doubling"), ("shard", 1))))
     rows += [Row("torch", name) for name in TORCH_SCHEDULES]
     return rows
 

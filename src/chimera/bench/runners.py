@@ -68,6 +68,7 @@ class OursRunner:
                          micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
                          steps=cfg.rounds + 2, seed=cfg.seed, chunks=opts.get("chunks"),
                          pipes=opts.get("pipes"), strategy=opts.get("strategy"),
+                         shard_optimizer=bool(opts.get("shard")),
                          threads=cfg.threads, comm_timeout=cfg.comm_timeout, progress=False)
         self.trainer = Trainer(tc, rank)
 
