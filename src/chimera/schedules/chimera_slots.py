@@ -17,13 +17,19 @@ Forwards and backwards of one replica run in micro-batch order. This is the loop
 official SC'21 code (``schedule_number_a``, ``_b`` and ``_c`` = b + D/2 in its forward-doubling
 runtime) written once for both g: phase 1 of a unit takes the previous unit's last backwards
 of the own pipe, so units chain with no gap, and in phase 2 the other pipe's forward goes
-first (it arrives from the far end and would otherwise wait). D=4, g=2 (forward doubling),
-one unit, B=2F (``chimera show -s chimera -D 4 -N 8 --strategy doubling --cost 1:2``)::
+first (it arrives from the far end and would otherwise wait). Forward doubling at D=4, one
+unit of N=8, B=2F (``chimera show -s chimera -D 4 -N 8 --strategy doubling --cost 1:2``;
+UPPER = down pipe, lower = up pipe, one column = one F)::
 
-    P0 | F0 F0 F1 F1 F2 F2 F3 F3 f4 f4 f5 f5 b4 b4 f6 f6 f7 f7 b5 b5 ...
-    P3 | f4 f4 f5 f5 f6 f6 f7 f7 F0 F0 F1 F1 B0 B0 ...
+    P0 | F0 F1 F2 F3 f4 f5 b4 b4 f6 f7 b5 b5 .  B0 B0 b6 b6 B1 B1 b7 b7 B2 B2 .  .  B3 B3
+    P1 | .  F0 F1 f4 f5 F2 F3 f6 f7 b4 b4 B0 B0 b5 b5 B1 B1 b6 b6 B2 B2 b7 b7 B3 B3 .  .
+    P2 | .  f4 f5 F0 F1 f6 f7 F2 F3 B0 B0 b4 b4 B1 B1 b5 b5 B2 B2 b6 b6 B3 B3 b7 b7 .  .
+    P3 | f4 f5 f6 f7 F0 F1 B0 B0 F2 F3 B1 B1 .  b4 b4 B2 B2 b5 b5 B3 B3 b6 b6 .  .  b7 b7
 
-(one column = one F; each pair Fk Fk+1 is one forward slot; see the tests for the whole grid.)
+P0 (s=0, a=2): phase 1 is F0F1 F2F3, phase 3 f4f5 b4, f6f7 b5, phase 4 (2 times) B0 b6, B1 b7,
+then B2 B3 close the unit (or open the next one, before F8F9 and F10F11). P1 (s=1, a=1):
+F0F1 | f4f5 F2F3 | f6f7 b4 | B0 b5, B1 b6, B2 b7 | B3. With N=16 the second unit's forwards
+fill the first one's tail: 51 units for 48 of work, against 27 for 24 with one unit.
 
 A partial last unit (N not a multiple of the unit) runs as a full one with the missing
 micro-batches left out: every rank's order stays a sub-order of a valid full one, so it is
