@@ -135,3 +135,15 @@ def test_a_partial_last_unit_is_a_full_one_with_micro_batches_left_out(d, n, str
     for prog, full_prog in zip(s.programs, full.programs):
         expect = [Action(a.op, a.pipe, a.stage, ids[a.micro]) for a in full_prog if a.micro in ids]
         assert list(prog) == expect
+
+
+@pytest.mark.parametrize("d", [4, 8, 16, 32])
+def test_closed_forms_of_doubling_and_halving(d):
+    from chimera.formulas import closed_form
+
+    for strategy, n in (("doubling", 4 * d), ("halving", 2 * d)):
+        t = simulate(lower(build("chimera", d, n, strategy=strategy)), HEAVY)
+        form = closed_form("chimera", d, n, strategy=strategy)
+        acts = [r.peak_activations for r in t.ranks]
+        assert form.cost == "1:2" and t.bubble_ratio == pytest.approx(form.bubble)
+        assert (min(acts), max(acts)) == form.activations
