@@ -28,12 +28,16 @@ def chimera_micro_pipes(stages: int, micro_batches: int, pipes: int) -> tuple[in
 def chimera(stages: int, micro_batches: int, pipes: int = 2, strategy: str = "direct") -> Schedule:
     """Chimera on D ranks with N micro-batches.
 
+    With two pipes the order is the official slot rule (:mod:`chimera.schedules.chimera_slots`,
+    the loop of the paper's own code); with Q > 2, for which that code has no loop, a greedy
+    play merges the pipes' 1F1B orders (:func:`_more_pipes`).
+
     - ``direct``: units of D micro-batches concatenated; the next unit's first forwards fill
       the previous unit's tail. With F = B this keeps D-2 bubbles for any N = k*D. N that is
       not a multiple of D gets a partial last unit (more bubbles; the simulator says how many).
     - ``doubling``: two micro-batches share each forward slot, so with B = 2F a forward slot
       is as long as a backward slot; holds twice the activations (pair it with recompute).
-      Needs N a multiple of 2Q.
+      Units of 2D micro-batches chain with no gap. Needs N a multiple of 2Q.
     - ``halving``: each micro-batch is split in two halves (``micro_scale = 0.5``, 2N schedule
       micro-batches) run in the doubling shape: the same balance without recomputation.
     """
