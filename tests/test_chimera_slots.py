@@ -81,7 +81,8 @@ def test_two_pipe_chimera_is_the_official_order_action_for_action(d, units, stra
 
 
 def test_halving_is_the_doubling_order_on_half_micro_batches():
-    halving, doubling = build("chimera", 8, 16, strategy="halving"), build("chimera", 8, 32, strategy="doubling")
+    halving = build("chimera", 8, 16, strategy="halving")
+    doubling = build("chimera", 8, 32, strategy="doubling")
     assert halving.programs == doubling.programs and halving.micro_scale == 0.5
 
 
