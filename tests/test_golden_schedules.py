@@ -1,8 +1,9 @@
 """Golden digests of generated programs: speed-ups of the list schedulers must not change them.
 
-chimera-zb's event-driven play (``schedules.list_play``) and the slot engine behind Chimera
-and GEMS (``schedules.engine``) were rewritten for speed; these digests were taken from the
-plain versions before (rescanning every ready task at every event). Regenerate after an
+chimera-zb's event-driven play (``schedules.list_play``) and the slot engine behind GEMS and
+Chimera with Q > 2 (``schedules.engine``) were rewritten for speed; these digests were taken
+from the plain versions before (rescanning every ready task at every event). Two-pipe Chimera
+follows the official slot rule (``schedules.chimera_slots``, issue 14); its digests pin that rule. Regenerate after an
 intended change of a schedule with ``python tests/test_golden_schedules.py`` and paste.
 """
 
@@ -27,6 +28,8 @@ BUILDS = {
     "chimera D8 N16 Q4 direct": ("chimera", 8, 16, {"pipes": 4}),
     "chimera D8 N16 doubling": ("chimera", 8, 16, {"strategy": "doubling"}),
     "chimera D8 N12 halving": ("chimera", 8, 12, {"strategy": "halving"}),
+    "chimera D6 N12 direct": ("chimera", 6, 12, {}),
+    "chimera D8 N20 direct": ("chimera", 8, 20, {}),
     "gems D8 N8": ("gems", 8, 8, {}),
 }
 GOLDEN = {
@@ -37,8 +40,10 @@ GOLDEN = {
     "chimera-zb D4 N5 per-stage": "f0f81a938d133953",
     "chimera-zb D16 N32 Q8": "ee530940f5faf192",
     "chimera D8 N16 Q4 direct": "2bd612c5374df84f",
-    "chimera D8 N16 doubling": "e7ee239b468bf86d",
-    "chimera D8 N12 halving": "e6a3ee81763d5126",
+    "chimera D8 N16 doubling": "af061411c779ea29",
+    "chimera D8 N12 halving": "5f478cce487be171",
+    "chimera D6 N12 direct": "9dada54113435524",
+    "chimera D8 N20 direct": "1c7bd0af42e07fce",
     "gems D8 N8": "30d0a0908005e1ef",
     "play D6 N9 1:2:1 ifw/one": "0b5e1ab4d9e51525 45.0",
     "play D6 N9 1:2:1 ifw/1f1b": "0b5e1ab4d9e51525 45.0",

@@ -107,9 +107,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"{'rank':>4}  {'busy':>8}  {'peak act (Ma)':>13}  {'weights (Mθ)':>12}")
     for r in result["ranks"]:
         print(f"{r['rank']:>4}  {r['busy']:>8.2f}  {r['peak_activations']:>13.2f}  {r['weights']:>12.2f}")
-    form = closed_form(schedule.name, schedule.ranks, len(schedule.micro_pipe), **_form_opts(schedule))
+    n = schedule.params.get("micro_batches", len(schedule.micro_pipe))  # halving runs 2N halves
+    form = closed_form(schedule.name, schedule.ranks, n, **_form_opts(schedule))
     if form and form.bubble is not None and args.cost == form.cost:
-        print(f"paper closed form: bubble {form.bubble_text} = {form.bubble:.4f}")
+        print(f"closed form: bubble {form.bubble_text} = {form.bubble:.4f}")
     if args.bound:
         b = result["bound"]
         print(f"lower bound: makespan {b['makespan']:g}, bubble {b['bubble']:.1%} (rank {b['rank']}: "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from chimera.ir import Op, Placement, Schedule, ScheduleError
+from chimera.schedules.chimera_slots import slot_programs
 from chimera.schedules.engine import Costs, Tasks, build_tasks, list_schedule
 from chimera.schedules.registry import register
 
@@ -27,12 +28,16 @@ def chimera_micro_pipes(stages: int, micro_batches: int, pipes: int) -> tuple[in
 def chimera(stages: int, micro_batches: int, pipes: int = 2, strategy: str = "direct") -> Schedule:
     """Chimera on D ranks with N micro-batches.
 
+    With two pipes the order is the official slot rule (:mod:`chimera.schedules.chimera_slots`,
+    the loop of the paper's own code); with Q > 2, for which that code has no loop, a greedy
+    play merges the pipes' 1F1B orders (:func:`_more_pipes`).
+
     - ``direct``: units of D micro-batches concatenated; the next unit's first forwards fill
       the previous unit's tail. With F = B this keeps D-2 bubbles for any N = k*D. N that is
       not a multiple of D gets a partial last unit (more bubbles; the simulator says how many).
     - ``doubling``: two micro-batches share each forward slot, so with B = 2F a forward slot
       is as long as a backward slot; holds twice the activations (pair it with recompute).
-      Needs N a multiple of 2Q.
+      Units of 2D micro-batches chain with no gap. Needs N a multiple of 2Q.
     - ``halving``: each micro-batch is split in two halves (``micro_scale = 0.5``, 2N schedule
       micro-batches) run in the doubling shape: the same balance without recomputation.
     """
@@ -44,21 +49,25 @@ def chimera(stages: int, micro_batches: int, pipes: int = 2, strategy: str = "di
     if n % (pipes * (2 if doubled else 1)):
         raise ScheduleError(f"chimera {strategy} with {pipes} pipes needs micro-batches to be a "
                             f"multiple of {pipes * (2 if doubled and scale == 1 else 1)}, got {micro_batches}")
-    per_unit = stages // pipes  # micro-batches per pipe per basic unit
-    if doubled:
-        micro_pipe = chimera_micro_pipes(stages, n // 2, pipes)
-        micro_pipe = tuple(p for p in micro_pipe for _ in (0, 1))  # pairs share a pipe
-        groups = [(m, m + 1) for m in range(0, n, 2)]
-        costs, window = Costs(f=1, b=2), lambda p, s: 2 * min(stages - s, per_unit)
+    group = 2 if doubled else 1  # micro-batches per forward slot
+    micro_pipe = chimera_micro_pipes(stages, n // group, pipes)
+    micro_pipe = tuple(p for p in micro_pipe for _ in range(group))  # a slot's micro-batches share a pipe
+    if pipes == 2:
+        progs = slot_programs(stages, micro_pipe, group)
     else:
-        micro_pipe = chimera_micro_pipes(stages, n, pipes)
-        groups = None
-        costs, window = Costs(f=1, b=1), lambda p, s: min(stages - s, per_unit)
-    tasks = build_tasks(placement, micro_pipe, costs, forward_groups=groups)
-    progs = list_schedule(tasks, stages, _chimera_priority, window)
+        progs = _more_pipes(placement, micro_pipe, group)
     return Schedule("chimera", placement, micro_pipe, tuple(map(tuple, progs)), scale,
                     params={"stages": stages, "micro_batches": micro_batches, "pipes": pipes,
                             "strategy": strategy})
+
+
+def _more_pipes(placement: Placement, micro_pipe: tuple[int, ...], group: int) -> list[list]:
+    """Q > 2 pipes (no slot rule in the paper's code): each pipe runs 1F1B with a window of its
+    unit's micro-batches, the pipes merged per rank by a greedy play of equal-length slots."""
+    stages, per_unit = placement.stages, group * placement.stages // placement.pipes
+    groups = [tuple(range(m, m + group)) for m in range(0, len(micro_pipe), group)]
+    tasks = build_tasks(placement, micro_pipe, Costs(f=1, b=group), forward_groups=groups)
+    return list_schedule(tasks, stages, _chimera_priority, lambda p, s: min(group * (stages - s), per_unit))
 
 
 def _chimera_priority(tasks: Tasks) -> list[tuple]:

@@ -1,7 +1,8 @@
 """A slot-level list scheduler that turns a placement plus rules into per-rank programs.
 
-Chimera's schedule is defined in the paper as two 1F1B pipelines merged per worker. Rather
-than encode that merge (and its N > D variants) as hand-written loops, generators describe
+Chimera with Q > 2 pipes and GEMS are defined as 1F1B pipelines merged per worker (two-pipe
+Chimera follows the paper code's slot rule instead, :mod:`chimera.schedules.chimera_slots`).
+Rather than encode such a merge as hand-written loops, generators describe
 the work as tasks with dependencies, a per-replica limit on micro-batches in flight (the
 1F1B window, which bounds activation memory) and a priority, and this engine plays them out
 in time with the given shaping costs. The result is only an *order* per rank; timing is the
