@@ -193,29 +193,47 @@ def _place_launches(schedule: Schedule, rank: int, steps: list[Step],
     if len({a.stage for a in synced}) != len(synced):
         raise ScheduleError(f"rank {rank} holds two replicas of one stage; their allreduces "
                             "would not match across the stage's group")
-    queue = [s for s in collective_order if s in held and any(a.stage == s for a in synced)]
-    ready: set[int] = set()
+    queue = _LaunchQueue([held[s] for s in collective_order
+                          if s in held and any(a.stage == s for a in synced)])
     out: list[Step] = []
     early: set[Action] = set()
-    launched = 0
     last_grad = _last_gradient_actions(schedule, steps)
     for a in steps:
-        if isinstance(a, Action) and a in last_grad and launched < len(queue) \
-                and queue[launched] == a.stage:
-            early.add(a)  # every earlier allreduce is out: buckets may go
-        if isinstance(a, Action) and a.op is Op.STEP:
-            ready.update(queue)
-        out_tail = []
-        if isinstance(a, Action) and a.op is Op.SYNC:
-            ready.add(a.stage)
-        while launched < len(queue) and queue[launched] in ready:
-            out_tail.append(Launch(*held[queue[launched]]))
-            launched += 1
-        if isinstance(a, Action) and a.op is Op.STEP:
-            out += out_tail + [a]
+        if not isinstance(a, Action):
+            out.append(a)
+        elif a.op is Op.STEP:  # everything left goes out before the step waits for it
+            out += queue.due(everything=True)
+            out.append(a)
         else:
-            out += [a] + out_tail
+            if a in last_grad and queue.is_next(a.stage):
+                early.add(a)  # every earlier allreduce is out: buckets may go inside a
+            out.append(a)
+            if a.op is Op.SYNC:
+                out += queue.due(ready=a.stage)
     return out, frozenset(early)
+
+
+class _LaunchQueue:
+    """A rank's replicas in the global order of their allreduces: one launches once it is
+    ready and every replica before it has launched."""
+
+    def __init__(self, replicas: list[tuple[int, int]]):
+        self.replicas, self.ready, self.launched = replicas, set(), 0
+
+    def is_next(self, stage: int) -> bool:
+        return self.launched < len(self.replicas) and self.replicas[self.launched][1] == stage
+
+    def due(self, ready: int | None = None, everything: bool = False) -> list[Launch]:
+        """Mark ``ready`` (a stage), then the launches now due, in order."""
+        if everything:
+            self.ready.update(stage for _, stage in self.replicas)
+        elif ready is not None:
+            self.ready.add(ready)
+        out = []
+        while self.launched < len(self.replicas) and self.replicas[self.launched][1] in self.ready:
+            out.append(Launch(*self.replicas[self.launched]))
+            self.launched += 1
+        return out
 
 
 def _last_gradient_actions(schedule: Schedule, steps: list[Step]) -> set[Action]:
