@@ -13,13 +13,11 @@ import os
 import socket
 import sys
 import tempfile
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 
+from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.grid import end_group
 from chimera.runtime.p2p import CommTimeout
@@ -35,6 +33,10 @@ class TrainingFailed(RuntimeError):
 # What ends a run with a message instead of a traceback (exit code 1).
 FAILURES = (CommTimeout, NonFiniteLoss, checkpoint.NonFiniteCheckpoint, checkpoint.CheckpointError,
             checkpoint.CheckpointIOError)
+
+
+# after one rank fails, how long the others get to say where they were before being stopped
+FAILURE_GRACE_S = 10.0
 
 
 def free_port() -> int:
@@ -190,9 +192,6 @@ def _spawn_entry(rank: int, world: int, cfg: TrainConfig, port: int, result_path
         if not getattr(exc, "reported", False):
             print(f"chimera train: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except Exception:
-        traceback.print_exc()
-        raise
 
 
 def launch(cfg: TrainConfig) -> dict:
@@ -213,11 +212,11 @@ def launch(cfg: TrainConfig) -> dict:
         if cfg.reference:
             run_rank(0, 1, cfg, path)
         else:
-            try:
-                mp.start_processes(_spawn_entry, args=(cfg.world, cfg, free_port(), path),
-                                   nprocs=cfg.world, start_method="spawn")
-            except ProcessException as exc:
-                raise TrainingFailed(f"rank {exc.error_index} failed ({str(exc).splitlines()[0]}); "
-                                     "the ranks' messages are above") from None
+            codes = workers.run(_spawn_entry, (cfg.world, cfg, free_port(), path), cfg.world,
+                                grace=FAILURE_GRACE_S)
+            failed = workers.first_failure(codes)
+            if failed is not None:
+                raise TrainingFailed(f"rank {failed} failed (exit code {codes[failed]}); "
+                                     "the ranks' messages are above")
         with open(path) as f:
             return json.load(f)
