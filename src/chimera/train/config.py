@@ -128,6 +128,16 @@ class TrainConfig:
             raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir}: {parent} is not writable")
         if self.resume:
             self._check_resumable()
+        else:
+            self._check_unowned()
+
+    def _check_unowned(self) -> None:
+        """A directory holding checkpoints belongs to their run: only --resume continues it."""
+        from chimera.train import checkpoint
+
+        newest = checkpoint.latest(self.checkpoint_dir)
+        if newest is not None:
+            raise ConfigError(checkpoint.foreign_message(self.checkpoint_dir, newest))
 
     def _check_resumable(self) -> None:
         from chimera.train import checkpoint

@@ -73,7 +73,8 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
         trainer = Trainer(cfg, rank, device)
         result = _train(trainer, cfg, result_path, hooks)
     except FAILURES as exc:  # say why now: a launcher may SIGTERM us once any rank has exited
-        print(f"chimera train: {exc}", file=sys.stderr, flush=True)
+        if not getattr(exc, "reported", False):  # (set where another rank says why)
+            print(f"chimera train: {exc}", file=sys.stderr, flush=True)
         exc.reported = True
         raise  # no destroy_process_group: its peers may be gone
     end_group(device)
@@ -97,6 +98,17 @@ def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta
 
 
 def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -> dict | None:
+    # the directory's lease, before anything is read from it or written to it
+    lease = checkpoint.claim_all(cfg.checkpoint_dir, cfg.resume) if cfg.checkpoint_dir else None
+    try:
+        return _train_owning(trainer, cfg, result_path, hooks, lease)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks,
+                  lease) -> dict | None:
     rank = 0 if cfg.reference else dist.get_rank()
     start = checkpoint.restore(trainer, cfg.checkpoint_dir) if cfg.resume else 0
     trace_step = cfg.trace_step if cfg.trace_step is not None else cfg.steps - 1
@@ -122,7 +134,7 @@ def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -
                 bar.update(1)
                 bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens / log.seconds:,.0f}")
             if _checkpoint_due(cfg, step + 1):
-                checkpoint.save(trainer, cfg.checkpoint_dir, step + 1, cfg.keep_checkpoints)
+                checkpoint.save(trainer, cfg.checkpoint_dir, step + 1, cfg.keep_checkpoints, lease)
     finally:
         if bar is not None:
             bar.close()
