@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from chimera.cli.common import nonneg_float, positive_int
+from chimera.cli.common import check_output, nonneg_float, positive_int
 from chimera.passes import SYNC_MODES
 from chimera.schedules import schemes
 from chimera.schedules.bidirectional import STRATEGIES
@@ -115,6 +115,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from chimera.train.report import measured_timeline, summary
 
     cfg = config_from_args(args)  # every check happens here, before any process starts
+    for path, flag in ((cfg.trace, "--trace"), (cfg.png, "--png"), (cfg.log_json, "--log-json")):
+        check_output(path, flag)
     if args.data is not None:
         _check_data(cfg)
     try:
