@@ -104,11 +104,11 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int | None 
     data = _read_files(files, max_bytes)
     if not data.strip():
         raise ValueError(f"corpus from {where!r} is empty (no text files or no bytes)")
-    if seq_len is not None and len(split_corpus_bytes(len(data))[0]) < seq_len + 1:
-        raise ValueError(f"corpus from {where!r} has {len(data)} bytes: its training split "
-                         f"({len(split_corpus_bytes(len(data))[0])} bytes, the last "
-                         f"{VAL_FRACTION:.0%} is held out) is shorter than one sequence of "
-                         f"{seq_len} + 1")
+    train = len(split_corpus_bytes(len(data))[0])
+    if seq_len is not None and train < seq_len + 1:
+        raise ValueError(f"corpus from {where!r} has {len(data)} bytes: fewer than one sequence "
+                         f"of {seq_len} + 1 in its training split ({train} bytes; the last "
+                         f"{VAL_FRACTION:.0%} is held out)")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 

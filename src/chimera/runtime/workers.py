@@ -147,9 +147,10 @@ def _bound(rank: int, fn, parent: int, args: tuple) -> None:
     os._exit(code)
 
 
-def bind_to_parent(parent: int) -> None:
+def bind_to_parent(parent: int, ignore_sigint: bool = True) -> None:
     """End this process when ``parent`` dies (kernel signal plus a watchdog thread)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if ignore_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_pdeathsig(signal.SIGKILL)
     if os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)

@@ -218,6 +218,8 @@ def launch(cfg: TrainConfig) -> dict:
         if world != cfg.world:
             raise ValueError(f"torchrun started {world} processes but the layout needs "
                              f"W·D = {cfg.data_parallel}·{cfg.stages} = {cfg.world}")
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: die with it
+            workers.bind_to_parent(os.getppid(), ignore_sigint=False)
         return run_rank(int(os.environ["RANK"]), world, cfg, None) or {}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
