@@ -18,7 +18,7 @@ from chimera.models import build_model, get_config
 from chimera.train import ConfigError, TrainConfig
 from chimera.train import checkpoint as ckpt
 from chimera.train.launch import launch
-from chimera.train.lease import Lease
+from chimera.train.lease import Lease, claim
 from chimera.train.loop import NonFiniteLoss, Trainer
 
 
@@ -149,7 +149,7 @@ def test_a_directory_with_checkpoints_needs_resume(data, tmp_path):
         TrainConfig(**cfg)
     TrainConfig(**cfg, resume=True)  # continues that run
     with pytest.raises(ckpt.CheckpointError, match="--resume"):  # checked again under the lease
-        ckpt.claim(tmp_path, resume=False)
+        claim(tmp_path, resume=False)
 
 
 def test_pruning_keeps_another_runs_checkpoints(data, tmp_path):
@@ -166,11 +166,11 @@ def test_pruning_keeps_another_runs_checkpoints(data, tmp_path):
 def test_a_second_run_at_once_is_refused(data, tmp_path):
     t = Trainer(ref_cfg(data))
     t.step(0)
-    first = ckpt.claim(tmp_path, resume=False)
+    first = claim(tmp_path, resume=False)
     try:
         ckpt.save(t, tmp_path, 1, keep=2, lease=first)
         with pytest.raises(ckpt.CheckpointError, match=f"in use by run {first.run_id}, pid"):
-            ckpt.claim(tmp_path, resume=True)
+            claim(tmp_path, resume=True)
         with pytest.raises(ckpt.CheckpointError, match="in use by"):  # a lease-less save too
             ckpt.save(t, tmp_path, 2, keep=2)
         cfg = ref_cfg(data, steps=2, checkpoint_dir=str(tmp_path), resume=True)

@@ -18,10 +18,9 @@ On disk (a file system every rank sees)::
 Every rank writes into ``.tmp-*``; rank 0 then adds ``meta.json`` and renames the folder
 into place, so a ``step-*`` folder is complete or absent. The last ``keep`` are kept.
 
-A directory belongs to one run: ``meta.json`` names the run (``run_id``), rank 0 holds the
-directory's lease (``DIR/.lock``, see ``chimera.train.lease``) for the whole run, a run
-refuses a directory holding checkpoints unless it resumes them (and then continues their
-run id), and pruning only removes the run's own checkpoints.
+A directory belongs to one run: ``meta.json`` names the run (``run_id``), and
+``chimera.train.lease`` keeps it that way (a lock while a run writes, no mixing of runs,
+pruning only the run's own checkpoints).
 Nothing is unpickled freely: DCP reads tensors with ``torch.load(weights_only=True)``, its
 index goes through a restricted unpickler, and our metadata is JSON.
 """
@@ -45,7 +44,6 @@ import torch.distributed as dist
 
 from chimera.runtime.grid import collective_device
 from chimera.train.faults import collective
-from chimera.train.lease import DirectoryBusy, Lease, acquire
 
 FORMAT = "chimera-checkpoint/1"
 META = "meta.json"
@@ -263,13 +261,12 @@ def _barrier(what: str) -> None:
         collective(what, dist.barrier)
 
 
-def save(trainer, directory: str | os.PathLike, step: int, keep: int,
-         lease: Lease | None = None) -> Path:
+def save(trainer, directory: str | os.PathLike, step: int, keep: int, lease=None) -> Path:
     """Write the state after ``step`` optimizer steps to ``directory/step-<step>``.
 
     Collective: every rank calls it. Raises NonFiniteCheckpoint (on every rank, before
     anything is written) when some parameter or optimizer state is NaN or infinite.
-    ``lease``: rank 0's claim on the directory for the whole run (:func:`claim_all`);
+    ``lease``: rank 0's claim on the directory for the whole run (``lease.claim_all``);
     without one, rank 0 claims it for this save alone, continuing its newest checkpoint's run.
     """
     import torch.distributed.checkpoint as dcp
@@ -278,6 +275,8 @@ def save(trainer, directory: str | os.PathLike, step: int, keep: int,
     state = _tensors(trainer.optimizer, trainer.checkpoint_parameters())
     state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
     _refuse_nonfinite(state, step, world)
+    from chimera.train.lease import claim_all  # (it reads checkpoints: imports this module)
+
     own = lease or claim_all(directory, resume=True)
     try:
         final = step_dir(directory, step)
@@ -293,7 +292,7 @@ def save(trainer, directory: str | os.PathLike, step: int, keep: int,
         if rank == 0:
             error = _publish_on_rank0(trainer, own.run_id, tmp, final, world, keep,
                                       time.perf_counter() - start)
-        _all_or_none(error, f"publishing {final.name}")
+        agree(error, f"publishing {final.name}")
     finally:
         if lease is None:
             own.release()
@@ -303,6 +302,8 @@ def save(trainer, directory: str | os.PathLike, step: int, keep: int,
 def _publish_on_rank0(trainer, run_id: str, tmp: Path, final: Path, world: int, keep: int,
                       seconds: float) -> str | None:
     """Add ``meta.json``, publish, prune; the error text if the disk refused (full, read-only)."""
+    from chimera.train.lease import prune
+
     try:
         _write_meta(trainer, tmp, final, run_id, world, seconds)
         _publish(tmp, final)
@@ -312,62 +313,16 @@ def _publish_on_rank0(trainer, run_id: str, tmp: Path, final: Path, world: int, 
     return None
 
 
-def _all_or_none(error: str | None, what: str) -> None:
-    """Every rank raises CheckpointIOError when any had ``error`` (the ranks without one quietly:
-    the rank that failed says why)."""
+def agree(error: str | None, what: str, kind: type[Exception] = CheckpointIOError) -> None:
+    """Every rank raises ``kind`` when any had ``error`` (the ranks without one quietly: the
+    rank that failed says why)."""
     flag = torch.tensor([0.0 if error is None else 1.0], device=collective_device())
     if _rank_world()[1] > 1:
         collective(f"checkpoint: {what}", dist.all_reduce, flag)
     if flag.item():
-        exc = CheckpointIOError(error or f"{what} failed on another rank")
+        exc = kind(error or f"{what} failed on another rank")
         exc.reported = error is None  # chimera train prints each rank's own message
         raise exc
-
-
-# -- who owns a directory ----------------------------------------------------------------
-def claim(directory: str | os.PathLike, resume: bool) -> Lease:
-    """Rank 0's lease on ``directory`` for a run: refused while another run holds it, and
-    (unless ``resume``) when it holds checkpoints already; resuming continues their run id."""
-    try:
-        fd = acquire(directory)
-    except DirectoryBusy as exc:
-        raise CheckpointError(str(exc)) from None
-    try:
-        found = published(directory)
-        if found and not resume:
-            raise CheckpointError(foreign_message(directory, found[-1][1]))
-        run_id = (owner(found[-1][1]) if found else None) or uuid.uuid4().hex[:12]
-        lease = Lease(Path(directory), run_id, fd)
-        lease.describe(run_id)
-    except BaseException:
-        os.close(fd)
-        raise
-    return lease
-
-
-def foreign_message(directory, newest: Path) -> str:
-    return (f"--checkpoint-dir {directory} holds another run's checkpoints (newest {newest.name}): "
-            "add --resume to continue that run, or choose an empty directory")
-
-
-def claim_all(directory: str | os.PathLike, resume: bool) -> Lease:
-    """Collective :func:`claim`: rank 0 gets the lease (the others a token), every rank raises
-    if it was refused."""
-    rank, world = _rank_world()
-    lease, error = None, None
-    if rank == 0:
-        try:
-            lease = claim(directory, resume)
-        except CheckpointError as exc:
-            error = str(exc)
-    flag = torch.tensor([0.0 if error is None else 1.0], device=collective_device())
-    if world > 1:
-        collective("checkpoint: claiming the directory", dist.all_reduce, flag)
-    if flag.item():
-        exc = CheckpointError(error or f"rank 0 refused checkpoint directory {directory}")
-        exc.reported = error is None
-        raise exc
-    return lease or Lease(Path(directory), "")
 
 
 def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
@@ -429,29 +384,6 @@ def _publish(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
     _fsync(final.parent)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def prune(directory: str | os.PathLike, keep: int, run_id: str) -> None:
-    """Keep the newest ``keep`` checkpoints of run ``run_id`` (another run's are never
-    touched); drop leftovers of interrupted saves and removals. Call it holding the lease."""
-    root = Path(directory)
-    mine = [path for _, path in published(root) if owner(path) == run_id]
-    for path in mine[:-keep]:
-        _remove(path)
-    newest = latest(root)
-    for path in root.glob(".tmp-step-*"):
-        if newest is None or path.name[len(".tmp-"):] < newest.name:
-            shutil.rmtree(path, ignore_errors=True)
-    for path in root.glob(".del-step-*"):
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _remove(path: Path) -> None:
-    """Renamed out of the published names first: a kill half-way leaves no partial ``step-*``."""
-    gone = path.with_name(f".del-{path.name}")
-    shutil.rmtree(gone, ignore_errors=True)
-    os.rename(path, gone)
-    shutil.rmtree(gone, ignore_errors=True)
 
 
 # -- what comes out -----------------------------------------------------------------------

@@ -180,11 +180,11 @@ class TrainConfig:
 
     def _check_unowned(self) -> None:
         """A directory holding checkpoints belongs to their run: only --resume continues it."""
-        from chimera.train import checkpoint
+        from chimera.train import checkpoint, lease
 
         newest = checkpoint.latest(self.checkpoint_dir)
         if newest is not None:
-            raise ConfigError(checkpoint.foreign_message(self.checkpoint_dir, newest))
+            raise ConfigError(lease.foreign_message(self.checkpoint_dir, newest))
 
     def _check_resumable(self) -> None:
         from chimera.train import checkpoint

@@ -22,6 +22,7 @@ from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.grid import end_group
 from chimera.runtime.p2p import CommTimeout
 from chimera.train import checkpoint, faults
+from chimera.train import lease as leases
 from chimera.train.config import TrainConfig
 from chimera.train.loop import NonFiniteLoss, StepLog, Trainer, log_line, peak_rss_mb
 
@@ -99,7 +100,7 @@ def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta
 
 def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -> dict | None:
     # the directory's lease, before anything is read from it or written to it
-    lease = checkpoint.claim_all(cfg.checkpoint_dir, cfg.resume) if cfg.checkpoint_dir else None
+    lease = leases.claim_all(cfg.checkpoint_dir, cfg.resume) if cfg.checkpoint_dir else None
     try:
         return _train_owning(trainer, cfg, result_path, hooks, lease)
     finally:
