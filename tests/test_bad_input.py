@@ -201,3 +201,18 @@ def test_api_pipeline_refuses_a_million_micro_batches(tmp_path):
                      stages=1, micro_batches=10**6)
     finally:
         dist.destroy_process_group()
+
+
+def test_bench_with_every_row_failed_writes_nothing(tmp_path, monkeypatch, capsys):
+    """The results folder keeps its files when a bench measured nothing (issue 13, case 5)."""
+    import chimera.bench.harness
+    from chimera.bench.rows import BenchConfig, select_rows
+
+    rows = select_rows(BenchConfig(rows=("single",)))
+    monkeypatch.setattr(chimera.bench.harness, "measure",
+                        lambda cfg, rows: {"failed": {r.id: "boom" for r in rows}})
+    (tmp_path / "bench.json").write_text("earlier results")
+    assert main(["bench", "--rows", "single", "--out", str(tmp_path)]) == 1
+    assert (tmp_path / "bench.json").read_text() == "earlier results"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+    assert "every row failed" in capsys.readouterr().err and rows
