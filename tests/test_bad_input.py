@@ -6,7 +6,9 @@ so a case that got as far as starting processes fails loudly instead of training
 """
 
 import argparse
+import json
 import math
+import os
 import shutil
 
 import pytest
@@ -14,6 +16,8 @@ import pytest
 from chimera.cli import main
 from chimera.ir import ScheduleError
 from chimera.train import ConfigError, TrainConfig
+
+PROFILE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "profile-gpt2-bench.json")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,31 @@ def files(tmp_path_factory):
     shutil.copytree(root / "gpt2-tiny", root / "corrupt")
     blob = next((root / "corrupt" / "step-00000001").glob("*.distcp"))
     blob.write_bytes(blob.read_bytes()[:-100])  # truncated
+    shutil.copytree(root / "gpt2-tiny", root / "tampered")
+    meta = root / "tampered" / "step-00000001" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "step": "seven"}))
+    (root / "short.txt").write_bytes(b"x" * 32)  # one sequence, but not after the held-out 5%
+    os.mkfifo(root / "fifo")
+    _measured_files(root)
     return root
+
+
+def _measured_files(root):
+    """Profiles and traces with values no cost can be made of."""
+    profile = json.loads(open(PROFILE).read())
+
+    def variant(name, edit, base=profile):
+        data = json.loads(json.dumps(base))
+        edit(data)
+        (root / name).write_text(json.dumps(data))  # json writes inf as Infinity
+    variant("beta0.json", lambda d: d["p2p"].update(beta_bytes_per_s=0))
+    variant("null.json", lambda d: d["layers"][1].update(param_bytes=None))
+    variant("inf.json", lambda d: d["layers"][1].update(forward_s=math.inf))
+    assert main(["show", "-D", "2", "-N", "2", "--trace", str(root / "trace.json")]) == 0
+    trace = json.loads((root / "trace.json").read_text())
+    variant("step-str.json", lambda d: d["otherData"].update(step_s="fast"), trace)
+    variant("trace-inf.json", lambda d: next(e for e in d["traceEvents"] if e.get("ph") == "X")
+            .update(dur=math.inf), trace)
 
 
 PLAN = ["plan", "--model", "gpt2-small", "--gpus", "8", "--global-batch", "64", "--hardware", "a100"]
@@ -75,16 +103,51 @@ CASES = [
     ([*PLAN[:8], "nope"], "nope"),
     ([*PLAN, "--profile", "/no/such.json"], "/no/such.json"),
     ([*PLAN, "--profile", "{root}/profile.json"], "profile"),
+    # issue 13, case 2: a directory holding another run's checkpoints
+    (["train", "--checkpoint-dir", "{root}/gpt2-tiny"], "--resume"),
+    # case 3: sizes beyond a stated limit, special files
+    (["show", "-D", "1000000"], "limit of 1024"),
+    (["show", "-D", "512", "-N", "512"], "limit of 65,536"),
+    (["train", "-N", "10000000"], "limit of 16384"),
+    (["train", "-B", "100000000"], "limit of 65536"),
+    (["train", "--data", "/dev/urandom"], "character device"),
+    (["train", "--data", "{root}/fifo"], "FIFO"),
+    # case 4: tracebacks before
+    (["train", "--partition", "abc"], "abc"),
+    (["train", "--partition", "0-3"], "--partition"),
+    (["train", "--data", "{root}/short.txt"], "training split"),
+    (["train", "--comm-timeout", "1e300"], "604800"),
+    (["train", "--comm-timeout", "1e-9"], "--comm-timeout"),
+    (["train", "--resume", "--checkpoint-dir", "{root}/tampered"], "malformed"),
+    (["simulate", "--profile", "{root}/beta0.json"], "beta_bytes_per_s > 0"),
+    (["simulate", "--profile", "{root}/null.json"], "param_bytes"),
+    (["simulate", "--profile", "{root}/inf.json"], "Infinity"),
+    (["simulate", "--from-trace", "{root}/step-str.json"], "step_s"),
+    (["simulate", "--from-trace", "{root}/trace-inf.json"], "Infinity"),
+    # case 5: output paths checked before the work; no rows, no overwrite
+    (["train", "--trace", "{root}/binary"], "is a directory"),
+    (["train", "--png", "{root}/not-a-dir/t.png"], "not a folder"),
+    (["train", "--log-json", "{root}/binary"], "is a directory"),
+    (["bench", "--rows", ","], "no rows"),
+    (["bench", "--out", "{root}/not-a-dir"], "not a directory"),
+    (["profile", "--out", "{root}/not-a-dir/p.json"], "not a folder"),
 ]
+if not __import__("torch").cuda.is_available():
+    CASES.append((["train", "--device", "cuda"], "--device cuda"))
 
 
 @pytest.fixture
 def no_launch(monkeypatch):
     import chimera.train.launch
 
-    def trap(cfg):
+    import chimera.bench.harness
+    import chimera.bench.profiler
+
+    def trap(*args, **kwargs):
         raise AssertionError("bad input reached the launcher")
     monkeypatch.setattr(chimera.train.launch, "launch", trap)
+    monkeypatch.setattr(chimera.bench.harness, "measure", trap)
+    monkeypatch.setattr(chimera.bench.profiler, "build_profile", trap)
 
 
 @pytest.mark.parametrize("argv, word", CASES, ids=[" ".join(a) for a, _ in CASES])
@@ -104,6 +167,8 @@ API_CASES = [
     dict(lr=math.nan), dict(lr=0.0), dict(stages=20), dict(stages=3), dict(model="gpt3"),
     dict(micro_batch_size=0), dict(comm_timeout=-1.0), dict(resume=True), dict(checkpoint_every=-1),
     dict(data="/no/such/file"), dict(schedule="nope"), dict(steps=1.5),
+    dict(micro_batches=10**6), dict(data="/dev/urandom"), dict(comm_timeout=1e300),
+    dict(partition="abc"), dict(micro_batch_size=10**8),
 ]
 
 
@@ -120,3 +185,34 @@ def test_api_refuses_another_models_checkpoint(files):
         TrainConfig(resume=True, checkpoint_dir=str(files / "bert-tiny"))
     with pytest.raises(ConfigError, match="corrupt"):
         TrainConfig(resume=True, checkpoint_dir=str(files / "corrupt"))
+
+
+def test_api_pipeline_refuses_a_million_micro_batches(tmp_path):
+    """The size is checked before anything is built (a world of one: 1F1B on one stage)."""
+    import torch
+    import torch.distributed as dist
+
+    from chimera.api import Pipeline
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with pytest.raises(ScheduleError, match="limit of 16384"):
+            Pipeline([torch.nn.Linear(2, 2)], torch.nn.functional.mse_loss, schedule="1f1b",
+                     stages=1, micro_batches=10**6)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bench_with_every_row_failed_writes_nothing(tmp_path, monkeypatch, capsys):
+    """The results folder keeps its files when a bench measured nothing (issue 13, case 5)."""
+    import chimera.bench.harness
+    from chimera.bench.rows import BenchConfig, select_rows
+
+    rows = select_rows(BenchConfig(rows=("single",)))
+    monkeypatch.setattr(chimera.bench.harness, "measure",
+                        lambda cfg, rows: {"failed": {r.id: "boom" for r in rows}})
+    (tmp_path / "bench.json").write_text("earlier results")
+    assert main(["bench", "--rows", "single", "--out", str(tmp_path)]) == 1
+    assert (tmp_path / "bench.json").read_text() == "earlier results"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+    assert "every row failed" in capsys.readouterr().err and rows

@@ -137,11 +137,20 @@ def test_replay_of_a_recorded_run(tmp_path):
     # timeline's own makespan also counts the time before the first action began)
     span = max(e.end for e in timeline.events) - min(e.start for e in timeline.events)
     assert wall.measured_makespan == pytest.approx(span, rel=1e-3)
-    # the run's own costs, replayed: close to what was measured (loose: a shared machine)
-    assert 0.5 < wall.predicted.makespan / wall.measured_makespan < 1.5
+    # exact parts only: how close a prediction comes to the wall clock depends on the load
+    # of the machine, so no ratio of wall times is asserted (issue 13)
+    again = replay(str(tmp_path / "run.json"), "wall")
+    assert again.predicted.makespan == wall.predicted.makespan  # a function of the trace
+    assert again.cost == wall.cost
+    schedule = cfg.build_schedule()
+    assert sorted(str(e.action) for e in wall.predicted.events) == \
+        sorted(str(a) for prog in schedule.programs for a in prog)  # every action, once
+    for costs in (wall.cost.f, wall.cost.b):  # each a median of actions inside the step
+        assert all(0 < c <= span for c in costs), costs
     assert wall.predicted_step_s >= wall.predicted.makespan
-    # thread CPU time never exceeds wall time, action by action
-    assert cpu.predicted.makespan <= wall.predicted.makespan * 1.05
+    # thread CPU time never exceeds wall time, action by action (1 ms: clock granularity)
+    for c, w in zip(cpu.cost.f + cpu.cost.b, wall.cost.f + wall.cost.b):
+        assert c <= w + 1e-3
 
 
 def test_replay_with_profile_links_prices_the_allreduce_over_the_trace_width(tmp_path):

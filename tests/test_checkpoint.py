@@ -17,6 +17,8 @@ import torch
 from chimera.models import build_model, get_config
 from chimera.train import ConfigError, TrainConfig
 from chimera.train import checkpoint as ckpt
+from chimera.train.launch import launch
+from chimera.train.lease import Lease, claim
 from chimera.train.loop import NonFiniteLoss, Trainer
 
 
@@ -68,7 +70,7 @@ def test_publish_is_atomic_and_keeps_the_last_few(data, tmp_path):
     (tmp_path / ".tmp-step-00000001").mkdir()  # a save that died half-way
     for step in (1, 2, 3, 4):
         ckpt.save(t, tmp_path, step, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "step-00000003", "step-00000004"]
     (tmp_path / ".tmp-step-00000009").mkdir()  # never read: only published folders count
     assert ckpt.latest(tmp_path).name == "step-00000004"
     ckpt.save(t, tmp_path, 4, keep=2)  # the same step again replaces it whole
@@ -135,6 +137,75 @@ def test_corrupt_or_foreign_checkpoints_are_refused_before_start(data, tmp_path)
     (path / "meta.json").write_text("{not json")
     with pytest.raises(ConfigError, match="meta.json"):
         TrainConfig(**cfg)
+
+
+# -- one run per directory (issue 13, case 2) -----------------------------------------------
+def test_a_directory_with_checkpoints_needs_resume(data, tmp_path):
+    t = Trainer(ref_cfg(data))
+    t.step(0)
+    ckpt.save(t, tmp_path, 3, keep=3)
+    cfg = dict(schedule="none", stages=1, data=data, checkpoint_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="holds another run's checkpoints.*--resume"):
+        TrainConfig(**cfg)
+    TrainConfig(**cfg, resume=True)  # continues that run
+    with pytest.raises(ckpt.CheckpointError, match="--resume"):  # checked again under the lease
+        claim(tmp_path, resume=False)
+
+
+def test_pruning_keeps_another_runs_checkpoints(data, tmp_path):
+    t = Trainer(ref_cfg(data))
+    t.step(0)
+    ckpt.save(t, tmp_path, 1, keep=1, lease=Lease(tmp_path, "theirs"))
+    for step in (2, 3):
+        ckpt.save(t, tmp_path, step, keep=1, lease=Lease(tmp_path, "mine"))
+    assert [p.name for _, p in ckpt.published(tmp_path)] == ["step-00000001", "step-00000003"]
+    assert ckpt.owner(tmp_path / "step-00000001") == "theirs"
+    assert ckpt.owner(tmp_path / "step-00000003") == "mine"
+
+
+def test_a_second_run_at_once_is_refused(data, tmp_path):
+    t = Trainer(ref_cfg(data))
+    t.step(0)
+    first = claim(tmp_path, resume=False)
+    try:
+        ckpt.save(t, tmp_path, 1, keep=2, lease=first)
+        with pytest.raises(ckpt.CheckpointError, match=f"in use by run {first.run_id}, pid"):
+            claim(tmp_path, resume=True)
+        with pytest.raises(ckpt.CheckpointError, match="in use by"):  # a lease-less save too
+            ckpt.save(t, tmp_path, 2, keep=2)
+        cfg = ref_cfg(data, steps=2, checkpoint_dir=str(tmp_path), resume=True)
+        with pytest.raises(ckpt.CheckpointError, match="in use by"):
+            launch(cfg)
+    finally:
+        first.release()
+    assert ckpt.latest(tmp_path).name == "step-00000001"
+    ckpt.verify(ckpt.latest(tmp_path))
+    assert launch(cfg)["steps"][0]["step"] == 1  # released: resuming continues its run
+    assert ckpt.owner(ckpt.latest(tmp_path)) == first.run_id
+
+
+def test_a_tampered_meta_is_refused_in_one_line(data, tmp_path):
+    t = Trainer(ref_cfg(data))
+    t.step(0)
+    path = ckpt.save(t, tmp_path, 1, keep=2)
+    meta = json.loads((path / "meta.json").read_text())
+    for field, value in (("step", "x"), ("files", {"a": {"bytes": None}}), ("layout", None)):
+        (path / "meta.json").write_text(json.dumps({**meta, field: value}))
+        with pytest.raises(ConfigError, match="malformed") as exc:
+            TrainConfig(schedule="none", stages=1, data=data, checkpoint_dir=str(tmp_path), resume=True)
+        assert "\n" not in str(exc.value)
+
+
+def test_a_full_disk_while_writing_meta_is_one_error(data, tmp_path, monkeypatch):
+    t = Trainer(ref_cfg(data))
+    t.step(0)
+
+    def full(path, text):
+        raise OSError(28, "No space left on device", str(path))
+    monkeypatch.setattr(ckpt, "_write_synced", full)
+    with pytest.raises(ckpt.CheckpointIOError, match="No space left on device"):
+        ckpt.save(t, tmp_path, 1, keep=2)
+    assert ckpt.latest(tmp_path) is None
 
 
 # -- several processes: another layout, determinism, agreement on NaN ------------------------
@@ -244,7 +315,7 @@ def test_every_rank_agrees_on_a_nonfinite_step(layouts):
         assert "step 1" in out["stop"] and "not finite" in out["stop"]
     assert ckpt.latest(root / "skip").name == "step-00000004"
     assert ckpt.latest(root / "stop").name == "step-00000001"  # before the NaN, finite
-    for path in (root / "skip").iterdir():
+    for _, path in ckpt.published(root / "skip"):
         assert all(torch.isfinite(v).all() for v in _params(path).values())
     log = json.loads(json.dumps(outs[0]["skip"][0]))
     assert log[1][2] is True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ import torch
 
 DEFAULT_MAX_BYTES = 4 * 2**20
 VAL_FRACTION = 0.05              # the last 5% of the corpus is held out
+# every rank holds the whole corpus in memory (one byte a token), read before training
+MAX_CORPUS_BYTES = 2 * 2**30
 KINDS = ("gpt2", "bert")
 SPLITS = ("train", "val")
 BYTE_VOCAB = 256
@@ -95,25 +98,59 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int | None 
         max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     else:
         where, p = str(path), Path(path)
-        if not p.exists():
-            raise ValueError(f"corpus path {where!r} does not exist")
+        check_corpus_path(p)
         files = _text_files(p) if p.is_dir() else [p]
+        _check_total_size(where, files, max_bytes)
     data = _read_files(files, max_bytes)
     if not data.strip():
         raise ValueError(f"corpus from {where!r} is empty (no text files or no bytes)")
-    if seq_len is not None and len(data) < seq_len + 1:
-        raise ValueError(f"corpus from {where!r} has {len(data)} bytes, fewer than one "
-                         f"sequence of {seq_len} + 1")
+    train = len(split_corpus_bytes(len(data))[0])
+    if seq_len is not None and train < seq_len + 1:
+        raise ValueError(f"corpus from {where!r} has {len(data)} bytes: fewer than one sequence "
+                         f"of {seq_len} + 1 in its training split ({train} bytes; the last "
+                         f"{VAL_FRACTION:.0%} is held out)")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def special_kind(p: Path) -> str | None:
+    """What ``p`` is when it is neither a regular file nor a directory ("a FIFO", ...): such a
+    corpus would block forever (a FIFO) or never end (a device)."""
+    mode = p.stat().st_mode
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a special file")
+
+
+def check_corpus_path(p: Path) -> None:
+    if not p.exists():
+        raise ValueError(f"corpus path {str(p)!r} does not exist")
+    kind = special_kind(p)
+    if kind:
+        raise ValueError(f"corpus path {str(p)!r} is {kind}: give a regular text file or a "
+                         "directory of them")
+
+
+def _check_total_size(where: str, files: list[Path], max_bytes: int | None) -> None:
+    total = sum(f.stat().st_size for f in files)
+    if max_bytes is None and total > MAX_CORPUS_BYTES:
+        raise ValueError(f"corpus from {where!r} has {total:,} bytes, more than the limit of "
+                         f"{MAX_CORPUS_BYTES:,} (every rank holds it in memory)")
+
+
+def split_corpus_bytes(n: int) -> tuple[range, range]:
+    """Positions of the training and the held-out split of an ``n``-byte corpus."""
+    cut = n - max(1, int(n * VAL_FRACTION))
+    return range(0, cut), range(cut, n)
 
 
 def split_corpus(corpus: torch.Tensor, split: str) -> torch.Tensor:
     """The first 95% (``"train"``) or the last 5% (``"val"``) of the corpus."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    n_val = max(1, int(len(corpus) * VAL_FRACTION))
-    cut = len(corpus) - n_val
-    return corpus[:cut] if split == "train" else corpus[cut:]
+    train, val = split_corpus_bytes(len(corpus))
+    return corpus[:train.stop] if split == "train" else corpus[val.start:]
 
 
 # ---------------------------------------------------------------------------------------

@@ -16,12 +16,14 @@ Every cost a replay uses is named in :attr:`Replay.sources`, so a prediction can
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 
 from chimera.ir import COMPUTE_OPS, Op, Schedule, ScheduleError
 from chimera.sim import CostModel, Link, Timeline, simulate
 from chimera.sim.timeline import Event
+from chimera.viz.trace import strict_json
 
 PROFILE_SCHEMA = "chimera.profile/1"
 CLOCKS = ("wall", "cpu")
@@ -33,26 +35,41 @@ def load_profile(path: str) -> dict:
     """Read and check a profile JSON file (exits the CLI with one line when it is not one)."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            data = strict_json(f.read())
     except OSError as exc:
         raise ScheduleError(f"cannot read profile {path!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ScheduleError(f"profile {path!r} is not JSON: {exc.msg} at line {exc.lineno}") from None
+    except ValueError as exc:
+        raise ScheduleError(f"profile {path!r}: {exc}") from None
     if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
         raise ScheduleError(f"{path}: not a profile (expected \"schema\": \"{PROFILE_SCHEMA}\")")
     layers = data.get("layers")
     if not isinstance(layers, list) or not layers or not all(
             isinstance(x, dict) and _num(x.get("forward_s")) and _num(x.get("backward_s")) for x in layers):
-        raise ScheduleError(f"{path}: profile layers must be objects with forward_s and backward_s")
+        raise ScheduleError(f"{path}: profile layers must be objects with forward_s and backward_s "
+                            "(finite numbers >= 0)")
+    for i, layer in enumerate(layers):
+        bad = next((k for k in _LAYER_NUMBERS if k in layer and not _num(layer[k])), None)
+        if bad:
+            raise ScheduleError(f"{path}: layers[{i}].{bad} must be a finite number >= 0, got {layer[bad]!r}")
     for key in ("p2p", "allreduce"):
         part = data.get(key)
-        if not isinstance(part, dict) or not _num(part.get("alpha_s")) or not _num(part.get("beta_bytes_per_s")):
-            raise ScheduleError(f"{path}: profile needs {key}.alpha_s and {key}.beta_bytes_per_s")
+        if not isinstance(part, dict) or not _num(part.get("alpha_s")) or not _num(part.get("beta_bytes_per_s")) \
+                or part["beta_bytes_per_s"] <= 0:
+            got = {k: part.get(k) for k in ("alpha_s", "beta_bytes_per_s")} if isinstance(part, dict) else part
+            raise ScheduleError(f"{path}: profile needs {key}.alpha_s >= 0 and {key}.beta_bytes_per_s > 0 "
+                                f"(finite numbers), got {got!r}")
     return data
 
 
+# per-layer fields that, when present, are priced: a null or a string there cannot be
+_LAYER_NUMBERS = ("input_backward_s", "weight_backward_s", "activation_bytes", "output_bytes",
+                  "param_bytes")
+
+
 def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 def profile_link(profile: dict, key: str) -> Link:
@@ -138,14 +155,19 @@ def replay(path: str, clock: str = "wall", profile: dict | None = None) -> Repla
         raise ScheduleError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     try:
         schedule, events, other = load_trace(path)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (OSError, KeyError, TypeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise ScheduleError(f"cannot read trace {path!r}: {exc}") from None
     if schedule is None:
         raise ScheduleError(f"{path}: the trace does not carry its schedule; record it again "
                             "(chimera train --trace FILE)")
+    step_s = other.get("step_s")
+    if step_s is not None and not _num(step_s):
+        raise ScheduleError(f"{path}: otherData.step_s must be a finite number >= 0, got {step_s!r}")
+    if not events or not all(math.isfinite(e.start) and math.isfinite(e.end) for e in events):
+        raise ScheduleError(f"{path}: the trace's events must have finite times")
     cost, sources = cost_from_trace(schedule, events, other, clock, profile)
     measured = max(e.end for e in events) - min(e.start for e in events)
-    return Replay(schedule, cost, simulate(schedule, cost), measured, other.get("step_s"), clock, sources)
+    return Replay(schedule, cost, simulate(schedule, cost), measured, step_s, clock, sources)
 
 
 def cost_from_trace(schedule: Schedule, events: list[Event], other: dict, clock: str = "wall",

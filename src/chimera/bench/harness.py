@@ -11,31 +11,30 @@ process's high-water mark cannot be split between rows that share it).
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import resource
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from chimera.bench.rows import BenchConfig, Row
 from chimera.bench.runners import make_runner, peak_activation_bytes
+from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
+from chimera.runtime.workers import gloo_group
 from chimera.train.launch import free_port
 
 
-def _init(rank: int, world: int, port: int, cfg: BenchConfig) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(cfg.threads)
+FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to say why
+
+
+def _group(rank: int, world: int, port: int, cfg: BenchConfig):
     keep_freed_memory()  # as `chimera train` runs: every row, torch's too, gets the same malloc
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.comm_timeout))
+    return gloo_group(rank, world, port, cfg.threads, cfg.comm_timeout)
 
 
 def _say(rank: int, text: str) -> None:
@@ -98,8 +97,7 @@ def _activations(cfg: BenchConfig, runners: list) -> list[float | None]:
 
 def _timing_worker(rank: int, world: int, cfg: BenchConfig, rows: list[Row], port: int,
                    out: str) -> None:
-    _init(rank, world, port, cfg)
-    try:
+    with _group(rank, world, port, cfg):
         _say(rank, f"bench: building {len(rows)} rows on {world} ranks")
         runners, failed = _build(cfg, rows, rank)
         for row_id, why in failed.items():
@@ -111,16 +109,10 @@ def _timing_worker(rank: int, world: int, cfg: BenchConfig, rows: list[Row], por
             with open(out, "w") as f:
                 json.dump({"times": times, "activation_mb": acts, "failed": failed,
                            "first_loss": losses}, f)
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _memory_worker(rank: int, world: int, cfg: BenchConfig, row: Row, port: int, out: str) -> None:
-    _init(rank, world, port, cfg)
-    try:
+    with _group(rank, world, port, cfg):
         runner = make_runner(cfg, row, rank)
         for i in range(2):
             dist.barrier()
@@ -130,26 +122,25 @@ def _memory_worker(rank: int, world: int, cfg: BenchConfig, row: Row, port: int,
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({"peak_rss_mb": float(peak)}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(fn, world: int, args: tuple) -> None:
-    mp.start_processes(fn, args=(world, *args), nprocs=world, start_method="spawn")
+    codes = workers.run(fn, (world, *args), world, grace=FAILURE_GRACE_S)
+    failed = workers.first_failure(codes)
+    if failed is not None:
+        raise RuntimeError(f"rank {failed} exited with code {codes[failed]} (its message is above)")
 
 
 def measure_memory(cfg: BenchConfig, row: Row, tmp: str) -> float | None:
     """Peak RSS (MB, the largest over ranks) of a fresh process group running only ``row``."""
     out = os.path.join(tmp, "memory.json")
     world = 1 if row.impl == "single" else cfg.stages
-    for attempt in (1, 2):  # a rare abort in gloo's shutdown should not cost the figure
-        try:
-            _spawn(_memory_worker, world, (cfg, row, free_port(), out))
-            with open(out) as f:
-                return json.load(f)["peak_rss_mb"]
-        except Exception as exc:  # memory is a side figure: never lose the timings for it
-            print(f"bench: peak RSS of {row.id} not measured (attempt {attempt}): {exc}",
-                  file=sys.stderr)
+    try:
+        _spawn(_memory_worker, world, (cfg, row, free_port(), out))
+        with open(out) as f:
+            return json.load(f)["peak_rss_mb"]
+    except Exception as exc:  # memory is a side figure: never lose the timings for it
+        print(f"bench: peak RSS of {row.id} not measured: {exc}", file=sys.stderr)
     return None
 
 

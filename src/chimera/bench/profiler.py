@@ -25,13 +25,14 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from chimera.bench.calibrate import PROFILE_SCHEMA
 from chimera.bench.runners import ActivationMeter
 from chimera.models import build_layers, get_config, layer_names, loss_fn
+from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.split_backward import backward_input, backward_weight
+from chimera.runtime.workers import gloo_group
 from chimera.train.launch import free_port
 
 LINK_SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
@@ -157,10 +158,7 @@ def _allreduce(rank: int, buf: torch.Tensor) -> float:
 
 
 def _links_worker(rank: int, port: int, repeat: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, 2, port):
         result: dict = {"p2p": [], "allreduce": []}
         for nbytes in LINK_SIZES:
             buf = torch.zeros(nbytes // 4)
@@ -170,15 +168,16 @@ def _links_worker(rank: int, port: int, repeat: int, out: str) -> None:
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def measure_links(repeat: int = 20) -> dict:
     """p2p and allreduce alpha-beta of two gloo processes on this machine."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "links.json")
-        mp.start_processes(_links_worker, args=(free_port(), repeat, out), nprocs=2, start_method="spawn")
+        codes = workers.run(_links_worker, (free_port(), repeat, out), 2, grace=10.0)
+        if any(codes):
+            raise RuntimeError(f"measuring the links failed (exit codes {codes}; the ranks' "
+                               "messages are above)")
         with open(out) as f:
             raw = json.load(f)
     return {"p2p": fit_link(raw["p2p"]), "allreduce": {**fit_link(raw["allreduce"], steps=2), "group": 2}}

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
              detail=str(exc))
     except BrokenPipeError:
         return 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # every rank a launcher started is stopped by now
+        signum = getattr(exc, "signum", 2)
+        print(f"chimera {args.command}: {exc.args[0] if exc.args else 'interrupted'}", file=sys.stderr)
+        return 128 + signum
     return 0

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
-from chimera.cli.common import positive_int
+from chimera.cli.common import UsageError, check_output, positive_int
 
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 
@@ -64,6 +65,12 @@ def _command(args: argparse.Namespace) -> str:
     return " ".join(words + (["--no-memory"] if args.no_memory else []))
 
 
+def _check_out(out: str) -> None:
+    check_output(out, "--out", directory=True)
+    for ext in ("json", "md", "png"):
+        check_output(os.path.join(out, f"bench.{ext}"), "--out")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from chimera.bench import report
     from chimera.bench.harness import measure
@@ -73,8 +80,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     get_config(cfg.model)  # unknown model: one line, exit 2, before any process starts
     rows = select_rows(cfg)
+    if not rows:
+        raise UsageError("no rows to run (--rows selects none); the results in "
+                         f"{args.out} are left as they are")
+    _check_out(args.out)
     started, load = time.time(), os.getloadavg()
     raw = measure(cfg, rows)
+    if len(raw["failed"]) == len(rows):
+        print(f"chimera bench: every row failed ({', '.join(raw['failed'])}); nothing written "
+              f"to {args.out}", file=sys.stderr)
+        return 1
     data = report.assemble(cfg, rows, raw, started, (load, os.getloadavg()))
     paths = report.save(data, args.out)
     if args.json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from chimera.ir import Schedule
@@ -22,6 +23,28 @@ def fail(message: str, detail: str | None = None) -> None:
     if detail and "\n" in detail:
         print("\n".join(detail.splitlines()[1:]), file=sys.stderr)
     raise SystemExit(2)
+
+
+def check_output(path: str | None, flag: str, directory: bool = False) -> None:
+    """Refuse an output path that could not be written, before any work is done: a result
+    must never be lost after the work (UsageError)."""
+    if not path:
+        return
+    where = os.path.abspath(path)
+    if directory and os.path.exists(where) and not os.path.isdir(where):
+        raise UsageError(f"{flag} {path}: exists and is not a directory")
+    if not directory and os.path.isdir(where):
+        raise UsageError(f"{flag} {path}: is a directory, not a file")
+    if not directory and os.path.exists(where) and not os.access(where, os.W_OK):
+        raise UsageError(f"{flag} {path}: exists and is not writable")
+    folder = where if directory else os.path.dirname(where)
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"{flag} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {existing} is not writable")
 
 
 def positive_int(text: str) -> int:

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from chimera.cli.common import positive_int
+from chimera.cli.common import check_output, positive_int
 
 
 def add_parsers(sub) -> None:
@@ -34,6 +34,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     get_config(args.model)  # unknown model: one line, exit 2
     out = args.out or os.path.join("out", f"profile-{args.model}-B{args.micro_batch_size}.json")
+    check_output(out, "--out")  # before minutes of measuring
     data = build_profile(args.model, args.micro_batch_size, args.threads, args.repeat)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

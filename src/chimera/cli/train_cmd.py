@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from chimera.cli.common import nonneg_float, positive_int
+from chimera.cli.common import check_output, nonneg_float, positive_int
 from chimera.passes import SYNC_MODES
 from chimera.schedules import schemes
 from chimera.schedules.bidirectional import STRATEGIES
@@ -115,10 +115,13 @@ def config_from_args(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     import json
 
+    from chimera.train import checkpoint
     from chimera.train.launch import FAILURES, TrainingFailed, launch
     from chimera.train.report import measured_timeline, summary
 
     cfg = config_from_args(args)  # every check happens here, before any process starts
+    for path, flag in ((cfg.trace, "--trace"), (cfg.png, "--png"), (cfg.log_json, "--log-json")):
+        check_output(path, flag)
     if args.data is not None:
         _check_data(cfg)
     try:
@@ -127,6 +130,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not getattr(exc, "reported", False):
             print(f"chimera train: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:  # the ranks are stopped; say what is left to resume from
+        newest = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        where = f"; newest checkpoint {newest} (continue with --resume)" if newest else ""
+        print(f"chimera train: {exc.args[0] if exc.args else 'interrupted'}: every rank stopped{where}",
+              file=sys.stderr)
+        return 128 + getattr(exc, "signum", 2)
     if not result:  # a non-zero rank under torchrun
         return 0
     if not result["steps"]:

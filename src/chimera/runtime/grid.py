@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +21,18 @@ def collective_device() -> torch.device:
 
 
 def end_group(device) -> None:
-    """Barrier, then tear the default group down: no rank closes its connections while a peer
-    still uses them (gloo aborted at exit under load without it). Only on success: after a
+    """The one teardown of a worker that succeeded: finish outstanding device work, barrier
+    (no rank closes its connections while a peer still uses them: gloo aborted at exit under
+    load without it), drop unreachable group objects, destroy. Only on success: after a
     failure a peer may be gone, so skip the barrier."""
-    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+    if not dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+    gc.collect()  # a subgroup kept alive by a reference cycle would outlive its backend
     dist.destroy_process_group()
 
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from chimera.runtime import workers
 from chimera.runtime.grid import end_group
 
 COMM_WORDS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
@@ -47,9 +48,8 @@ def _entry(rank: int, world: int, fn, port: int, backend: str, errdir: str) -> N
     try:
         fn(rank, world)
     except BaseException as exc:
-        _report(errdir, rank, exc)
-        dist.destroy_process_group()  # no barrier: a peer may be gone
-        raise
+        _report(errdir, rank, exc)  # the launcher reports it, root cause first
+        raise SystemExit(1) from None  # no teardown: a peer may be gone
     end_group(torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu"))
 
 
@@ -68,34 +68,12 @@ def spawn(fn: Callable[[int, int], None], world: int, backend: str = "gloo") -> 
 
     Raises :class:`SpawnError` if any rank fails, with every rank's error, root cause first.
     """
-    import torch.multiprocessing as mp
-
     from chimera.train.launch import free_port
 
     with tempfile.TemporaryDirectory(prefix="chimera-spawn-") as errdir:
-        ctx = mp.start_processes(_entry, args=(world, fn, free_port(), backend, errdir),
-                                 nprocs=world, start_method="spawn", join=False)
-        codes = _wait(ctx.processes)
+        codes = workers.run(_entry, (world, fn, free_port(), backend, errdir), world, grace=GRACE_S)
         if any(c != 0 for c in codes):
             raise _error(errdir, codes)
-
-
-def _wait(procs) -> list[int | None]:
-    failed_at = None
-    while True:
-        codes = [p.exitcode for p in procs]
-        if all(c is not None for c in codes):
-            return codes
-        if failed_at is None and any(c not in (None, 0) for c in codes):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
-            for p in procs:
-                if p.exitcode is None:
-                    p.terminate()
-            for p in procs:
-                p.join()
-            return [p.exitcode for p in procs]
-        time.sleep(0.05)
 
 
 def _error(errdir: str, codes: list[int | None]) -> SpawnError:

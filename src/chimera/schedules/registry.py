@@ -10,6 +10,12 @@ from chimera.ir import Schedule, ScheduleError
 
 Generator = Callable[..., Schedule]
 
+# What a schedule may hold, checked before anything is built: building, lowering and
+# validating take about 25 s and 250 MB at D·N·v = 65,536 cells (v: chunks or pipes per rank)
+MAX_STAGES = 1024
+MAX_MICRO_BATCHES = 16384
+MAX_CELLS = 65536
+
 
 @dataclass(frozen=True)
 class Scheme:
@@ -66,9 +72,25 @@ def build(name: str, stages: int, micro_batches: int, **options) -> Schedule:
     for arg, value in (("stages", stages), ("micro_batches", micro_batches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{arg} must be a positive integer, got {value!r}")
+    _check_size(stages, micro_batches, options)
     given = {k: v for k, v in options.items() if v is not None}
     unknown = [k for k in given if k not in scheme.options]
     if unknown:
         raise ScheduleError(f"schedule {name!r} does not take option(s) {', '.join(unknown)} "
                             f"(it takes: {', '.join(scheme.options) or 'none'})")
     return scheme.fn(stages, micro_batches, **given)
+
+
+def _check_size(stages: int, micro_batches: int, options: dict) -> None:
+    for arg, value, limit in (("stages", stages, MAX_STAGES),
+                              ("micro_batches", micro_batches, MAX_MICRO_BATCHES)):
+        if value > limit:
+            raise ScheduleError(f"{arg} {value} exceeds the limit of {limit}")
+    per_rank = 1
+    for opt in ("chunks", "pipes"):
+        value = options.get(opt)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            per_rank *= value
+    if stages * micro_batches * per_rank > MAX_CELLS:
+        raise ScheduleError(f"stages x micro_batches x chunks/pipes = {stages * micro_batches * per_rank:,} "
+                            f"exceeds the limit of {MAX_CELLS:,} schedule cells")

@@ -17,6 +17,10 @@ On disk (a file system every rank sees)::
 
 Every rank writes into ``.tmp-*``; rank 0 then adds ``meta.json`` and renames the folder
 into place, so a ``step-*`` folder is complete or absent. The last ``keep`` are kept.
+
+A directory belongs to one run: ``meta.json`` names the run (``run_id``), and
+``chimera.train.lease`` keeps it that way (a lock while a run writes, no mixing of runs,
+pruning only the run's own checkpoints).
 Nothing is unpickled freely: DCP reads tensors with ``torch.load(weights_only=True)``, its
 index goes through a restricted unpickler, and our metadata is JSON.
 """
@@ -30,6 +34,7 @@ import pickle
 import re
 import shutil
 import time
+import uuid
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -158,7 +163,40 @@ def read_meta(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {path}: unreadable {META}: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: {META} is not a {FORMAT} description")
+    bad = _malformed(meta)
+    if bad:
+        raise CheckpointError(f"checkpoint {path}: {META} is malformed ({bad}); move the folder "
+                              "away to resume from the one before")
     return meta
+
+
+def _malformed(meta: dict) -> str | None:
+    """What is wrong with a (perhaps hand-edited) ``meta.json``, or None."""
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not count(meta.get("step")):
+        return f"step {meta.get('step')!r} is not an integer >= 0"
+    if not isinstance(meta.get("model"), str):
+        return "model is not a name"
+    layout = meta.get("layout")
+    if not isinstance(layout, dict) or not count(layout.get("world")):
+        return "layout.world is not an integer >= 0"
+    files = meta.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(i, dict) and count(i.get("bytes")) and isinstance(i.get("sha256"), str)
+            and "/" not in n and n not in ("", ".", "..") for n, i in files.items()):
+        return "files is not a table of names with bytes and sha256"
+    if not isinstance(meta.get("run_id", ""), str):
+        return "run_id is not a string"
+    return None
+
+
+def owner(path: str | os.PathLike) -> str | None:
+    """The run id a checkpoint was written by (None: unreadable, or written before run ids)."""
+    try:
+        return read_meta(path).get("run_id")
+    except CheckpointError:
+        return None
 
 
 def _sha256(path: Path) -> str:
@@ -229,11 +267,13 @@ def _barrier(what: str) -> None:
         collective(what, dist.barrier)
 
 
-def save(trainer, directory: str | os.PathLike, step: int, keep: int) -> Path:
+def save(trainer, directory: str | os.PathLike, step: int, keep: int, lease=None) -> Path:
     """Write the state after ``step`` optimizer steps to ``directory/step-<step>``.
 
     Collective: every rank calls it. Raises NonFiniteCheckpoint (on every rank, before
     anything is written) when some parameter or optimizer state is NaN or infinite.
+    ``lease``: rank 0's claim on the directory for the whole run (``lease.claim_all``);
+    without one, rank 0 claims it for this save alone, continuing its newest checkpoint's run.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -242,21 +282,54 @@ def save(trainer, directory: str | os.PathLike, step: int, keep: int) -> Path:
     state = _tensors(trainer.optimizer, trainer.checkpoint_parameters(), whole)
     state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
     _refuse_nonfinite(state, step, world)
-    final = step_dir(directory, step)
-    tmp = final.with_name(f".tmp-{final.name}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier("checkpoint: creating the folder")
-    start = time.perf_counter()
-    _dcp(f"writing {final.name}", dcp.save, state,
-         storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    if rank == 0:
-        _write_meta(trainer, tmp, step, world, time.perf_counter() - start)
-        _publish(tmp, final)
-        prune(directory, keep)
-    _barrier("checkpoint: publishing")
+    from chimera.train.lease import claim_all  # (it reads checkpoints: imports this module)
+
+    own = lease or claim_all(directory, resume=True)
+    try:
+        final = step_dir(directory, step)
+        tmp = final.with_name(f".tmp-{final.name}")
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier("checkpoint: creating the folder")
+        start = time.perf_counter()
+        _dcp(f"writing {final.name}", dcp.save, state,
+             storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        error = None
+        if rank == 0:
+            error = _publish_on_rank0(trainer, own.run_id, tmp, final, world, keep,
+                                      time.perf_counter() - start)
+        agree(error, f"publishing {final.name}")
+    finally:
+        if lease is None:
+            own.release()
     return final
+
+
+def _publish_on_rank0(trainer, run_id: str, tmp: Path, final: Path, world: int, keep: int,
+                      seconds: float) -> str | None:
+    """Add ``meta.json``, publish, prune; the error text if the disk refused (full, read-only)."""
+    from chimera.train.lease import prune
+
+    try:
+        _write_meta(trainer, tmp, final, run_id, world, seconds)
+        _publish(tmp, final)
+        prune(final.parent, keep, run_id)
+    except OSError as exc:
+        return f"rank 0: publishing {final.name} failed: {exc.strerror or exc} ({exc.filename or tmp})"
+    return None
+
+
+def agree(error: str | None, what: str, kind: type[Exception] = CheckpointIOError) -> None:
+    """Every rank raises ``kind`` when any had ``error`` (the ranks without one quietly: the
+    rank that failed says why)."""
+    flag = torch.tensor([0.0 if error is None else 1.0], device=collective_device())
+    if _rank_world()[1] > 1:
+        collective(f"checkpoint: {what}", dist.all_reduce, flag)
+    if flag.item():
+        exc = kind(error or f"{what} failed on another rank")
+        exc.reported = error is None  # chimera train prints each rank's own message
+        raise exc
 
 
 def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
@@ -270,15 +343,15 @@ def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
                                   f"holds NaN or infinite values{where}")
 
 
-def _write_meta(trainer, tmp: Path, step: int, world: int, seconds: float) -> None:
+def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, seconds: float) -> None:
     cfg = trainer.cfg
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(tmp.iterdir()) if p.is_file()}
     meta = {
-        "format": FORMAT, "step": step, "model": cfg.model,
-        "model_config": model_fingerprint(cfg.model),
-        "data": {"next_step": step, "seed": cfg.seed, "global_batch": cfg.global_batch,
-                 "source": cfg.data},
+        "format": FORMAT, "step": int(final.name[len("step-"):]), "run_id": run_id,
+        "model": cfg.model, "model_config": model_fingerprint(cfg.model),
+        "data": {"next_step": int(final.name[len("step-"):]), "seed": cfg.seed,
+                 "global_batch": cfg.global_batch, "source": cfg.data},
         "layout": {"schedule": cfg.schedule, "stages": cfg.stages,
                    "data_parallel": cfg.data_parallel, "world": world, "dtype": cfg.dtype},
         "files": files, "save_seconds": round(seconds, 4), "written_at": time.time(),
@@ -318,16 +391,6 @@ def _publish(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
     _fsync(final.parent)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def prune(directory: str | os.PathLike, keep: int) -> None:
-    """Keep the newest ``keep`` checkpoints; drop leftovers of interrupted saves."""
-    for _, path in published(directory)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
-    newest = latest(directory)
-    for path in Path(directory).glob(".tmp-step-*"):
-        if newest is None or path.name[len(".tmp-"):] < newest.name:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 # -- what comes out -----------------------------------------------------------------------

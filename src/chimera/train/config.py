@@ -11,6 +11,11 @@ from chimera.ir import Schedule, ScheduleError
 
 WIRE_DTYPES = {None: None, "bf16": "bfloat16", "float16": "float16"}  # name -> torch attribute
 DTYPES = ("float32", "float64", "bf16")
+# sizes refused before anything is allocated (the schedule's own limits are in
+# chimera.schedules.registry): a micro-batch is (B, seq_len) tokens on every first stage
+# below a second the ranks cannot even rendezvous; above a week is no timeout (and overflows C)
+MIN_COMM_TIMEOUT_S, MAX_COMM_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
+LIMITS = {"micro_batch_size": 65536, "data_parallel": 1024, "threads": 1024}
 
 
 class ConfigError(ValueError):
@@ -72,9 +77,10 @@ class TrainConfig:
                               f"(use --schedule none --stages 1 for single-process training)")
         if not self.reference:
             _check_runnable(self.schedule)
-        if self.data is not None and not os.path.exists(self.data):
-            raise ConfigError(f"--data {self.data}: no such file or directory")
+        if self.data is not None:
+            self._check_data_path()
         self._check_model()
+        self._check_device()
         if not self.reference:
             self.build_schedule()  # raises ScheduleError on impossible layouts
         self._check_checkpoint()
@@ -84,6 +90,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            if value > LIMITS.get(name, value):
+                raise ConfigError(f"--{name.replace('_', '-')} {value} exceeds the limit of {LIMITS[name]}")
         if self.micro_batches is not None and (not isinstance(self.micro_batches, int) or self.micro_batches < 1):
             raise ConfigError(f"--micro-batches must be a positive integer, got {self.micro_batches!r}")
         for name, low in (("lr", 0.0), ("weight_decay", 0.0), ("clip", 0.0), ("comm_timeout", 0.0),
@@ -93,8 +101,21 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= {low:g}, got {value!r}")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr!r}")
-        if self.comm_timeout <= 0:
-            raise ConfigError(f"--comm-timeout must be positive, got {self.comm_timeout!r}")
+        if not MIN_COMM_TIMEOUT_S <= self.comm_timeout <= MAX_COMM_TIMEOUT_S:
+            raise ConfigError(f"--comm-timeout must be between {MIN_COMM_TIMEOUT_S:g} and "
+                              f"{MAX_COMM_TIMEOUT_S:g} seconds, got {self.comm_timeout!r}")
+
+    def _check_data_path(self) -> None:
+        from pathlib import Path
+
+        from chimera.data import special_kind
+
+        if not os.path.exists(self.data):
+            raise ConfigError(f"--data {self.data}: no such file or directory")
+        kind = special_kind(Path(self.data))
+        if kind:
+            raise ConfigError(f"--data {self.data} is {kind}: give a regular text file or a "
+                              "directory of them")
 
     def _check_model(self) -> None:
         from chimera.models import get_config
@@ -106,9 +127,35 @@ class TrainConfig:
         if self.stages_total > cfg.n_layers_total:
             raise ConfigError(f"cannot cut {self.model} ({cfg.n_layers_total} layers: embedding, "
                               f"{cfg.n_layer} blocks, head) into {self.stages_total} stages")
+        if self.partition is not None and not self.reference:
+            self._check_partition(cfg.n_layers_total)
         if self.strategy == "halving" and self.micro_batch_size % 2:
             raise ConfigError("backward halving splits each micro-batch in two: "
                               "--micro-batch-size must be even")
+
+    def _check_partition(self, n_layers: int) -> None:
+        from chimera.models.partition import parse_partition
+
+        try:
+            ranges = parse_partition(self.partition, n_layers)
+        except ValueError as exc:
+            raise ConfigError(f"--partition {self.partition}: {str(exc).splitlines()[0]}") from None
+        if len(ranges) != self.stages_total:
+            raise ConfigError(f"--partition {self.partition} gives {len(ranges)} stages, the "
+                              f"schedule needs {self.stages_total}")
+
+    def _check_device(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda: this torch build has no CUDA or no GPU is "
+                                  "visible; use --device cpu")
+            if self.world > torch.cuda.device_count() and "WORLD_SIZE" not in os.environ:
+                raise ConfigError(f"--device cuda: the layout needs {self.world} GPUs (one per "
+                                  f"rank), {torch.cuda.device_count()} are visible")
 
     def _check_checkpoint(self) -> None:
         for name, low in (("checkpoint_every", 0), ("keep_checkpoints", 1)):
@@ -129,6 +176,16 @@ class TrainConfig:
             raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir}: {parent} is not writable")
         if self.resume:
             self._check_resumable()
+        else:
+            self._check_unowned()
+
+    def _check_unowned(self) -> None:
+        """A directory holding checkpoints belongs to their run: only --resume continues it."""
+        from chimera.train import checkpoint, lease
+
+        newest = checkpoint.latest(self.checkpoint_dir)
+        if newest is not None:
+            raise ConfigError(lease.foreign_message(self.checkpoint_dir, newest))
 
     def _check_resumable(self) -> None:
         from chimera.train import checkpoint

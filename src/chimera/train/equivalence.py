@@ -16,8 +16,9 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from chimera.runtime import workers
+from chimera.runtime.workers import gloo_group
 from chimera.train.config import TrainConfig
 from chimera.train.launch import free_port
 from chimera.train.loop import Trainer
@@ -80,16 +81,11 @@ def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float],
 
 
 def _worker(rank: int, world: int, configs: list[TrainConfig], port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         results = [_one(rank, cfg) for cfg in configs]
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def check_equivalence(configs: list[TrainConfig]) -> list[dict]:
@@ -99,8 +95,11 @@ def check_equivalence(configs: list[TrainConfig]) -> list[dict]:
         raise ValueError(f"configs must share one world size, got {sorted(worlds)}")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "equivalence.json")
-        mp.start_processes(_worker, args=(worlds.pop(), configs, free_port(), out),
-                           nprocs=configs[0].world, start_method="spawn")
+        codes = workers.run(_worker, (worlds.pop(), configs, free_port(), out), configs[0].world,
+                            grace=10.0)
+        if any(codes):
+            raise RuntimeError(f"check_equivalence: ranks exited with codes {codes} (their "
+                               "messages are above)")
         with open(out) as f:
             return json.load(f)
 

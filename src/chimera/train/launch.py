@@ -13,17 +13,16 @@ import os
 import socket
 import sys
 import tempfile
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 
+from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.grid import end_group
 from chimera.runtime.p2p import CommTimeout
 from chimera.train import checkpoint, faults
+from chimera.train import lease as leases
 from chimera.train.config import TrainConfig
 from chimera.train.loop import NonFiniteLoss, StepLog, Trainer, log_line, peak_rss_mb
 
@@ -35,6 +34,10 @@ class TrainingFailed(RuntimeError):
 # What ends a run with a message instead of a traceback (exit code 1).
 FAILURES = (CommTimeout, NonFiniteLoss, checkpoint.NonFiniteCheckpoint, checkpoint.CheckpointError,
             checkpoint.CheckpointIOError)
+
+
+# after one rank fails, how long the others get to say where they were before being stopped
+FAILURE_GRACE_S = 10.0
 
 
 def free_port() -> int:
@@ -71,7 +74,8 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
         trainer = Trainer(cfg, rank, device)
         result = _train(trainer, cfg, result_path, hooks)
     except FAILURES as exc:  # say why now: a launcher may SIGTERM us once any rank has exited
-        print(f"chimera train: {exc}", file=sys.stderr, flush=True)
+        if not getattr(exc, "reported", False):  # (set where another rank says why)
+            print(f"chimera train: {exc}", file=sys.stderr, flush=True)
         exc.reported = True
         raise  # no destroy_process_group: its peers may be gone
     end_group(device)
@@ -95,6 +99,17 @@ def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta
 
 
 def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -> dict | None:
+    # the directory's lease, before anything is read from it or written to it
+    lease = leases.claim_all(cfg.checkpoint_dir, cfg.resume) if cfg.checkpoint_dir else None
+    try:
+        return _train_owning(trainer, cfg, result_path, hooks, lease)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks,
+                  lease) -> dict | None:
     rank = 0 if cfg.reference else dist.get_rank()
     start = checkpoint.restore(trainer, cfg.checkpoint_dir) if cfg.resume else 0
     trace_step = cfg.trace_step if cfg.trace_step is not None else cfg.steps - 1
@@ -120,7 +135,7 @@ def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -
                 bar.update(1)
                 bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens / log.seconds:,.0f}")
             if _checkpoint_due(cfg, step + 1):
-                checkpoint.save(trainer, cfg.checkpoint_dir, step + 1, cfg.keep_checkpoints)
+                checkpoint.save(trainer, cfg.checkpoint_dir, step + 1, cfg.keep_checkpoints, lease)
     finally:
         if bar is not None:
             bar.close()
@@ -190,9 +205,6 @@ def _spawn_entry(rank: int, world: int, cfg: TrainConfig, port: int, result_path
         if not getattr(exc, "reported", False):
             print(f"chimera train: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except Exception:
-        traceback.print_exc()
-        raise
 
 
 def launch(cfg: TrainConfig) -> dict:
@@ -207,17 +219,19 @@ def launch(cfg: TrainConfig) -> dict:
         if world != cfg.world:
             raise ValueError(f"torchrun started {world} processes but the layout needs "
                              f"W·D = {cfg.data_parallel}·{cfg.stages} = {cfg.world}")
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: die with it
+            workers.bind_to_parent(os.getppid(), ignore_sigint=False)
         return run_rank(int(os.environ["RANK"]), world, cfg, None) or {}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         if cfg.reference:
             run_rank(0, 1, cfg, path)
         else:
-            try:
-                mp.start_processes(_spawn_entry, args=(cfg.world, cfg, free_port(), path),
-                                   nprocs=cfg.world, start_method="spawn")
-            except ProcessException as exc:
-                raise TrainingFailed(f"rank {exc.error_index} failed ({str(exc).splitlines()[0]}); "
-                                     "the ranks' messages are above") from None
+            codes = workers.run(_spawn_entry, (cfg.world, cfg, free_port(), path), cfg.world,
+                                grace=FAILURE_GRACE_S)
+            failed = workers.first_failure(codes)
+            if failed is not None:
+                raise TrainingFailed(f"rank {failed} failed (exit code {codes[failed]}); "
+                                     "the ranks' messages are above")
         with open(path) as f:
             return json.load(f)

@@ -56,7 +56,7 @@ def load_trace_events(path, unit: str | None = None) -> list[Event]:
     Only JSON is parsed; events whose name is not an action (allreduces, metadata, events of
     other tools) are skipped. Returns the events sorted by (rank, start).
     """
-    data = json.loads(Path(path).read_text())
+    data = strict_json(Path(path).read_text())
     if isinstance(data, list):  # the bare-array form of the format
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
@@ -73,7 +73,7 @@ def load_trace(path) -> tuple[Schedule | None, list[Event], dict]:
     The schedule is None for traces written before it was stored. Allreduce intervals (tid 2)
     come back in ``otherData["collectives"]`` as ``(rank, stage, start, end)`` tuples.
     """
-    data = json.loads(Path(path).read_text())
+    data = strict_json(Path(path).read_text())
     other = data.get("otherData") if isinstance(data, dict) and isinstance(data.get("otherData"), dict) else {}
     schedule = Schedule.from_json(other["lowered_schedule"]) if "lowered_schedule" in other else None
     scale = _scale(other.get("unit", "s"))
@@ -85,6 +85,13 @@ def load_trace(path) -> tuple[Schedule | None, list[Event], dict]:
 
 
 # -- helpers ------------------------------------------------------------------------------
+def strict_json(text: str):
+    """Standard JSON only: a trace holding ``Infinity`` or ``NaN`` is refused (ValueError)."""
+    def refuse(name: str):
+        raise ValueError(f"non-standard JSON constant {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
 def _scale(unit: str) -> float:
     if unit not in US_PER:
         raise ValueError(f"unknown time unit {unit!r} (expected one of {sorted(US_PER)})")

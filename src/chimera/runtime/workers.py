@@ -1,0 +1,184 @@
+"""Local worker processes that never outlive their launcher, and one way for them to end.
+
+The contract of every local launch (``chimera train``, the API's ``spawn``, the bench
+harness, the profiler, the equivalence check):
+
+- A signal to the launcher (SIGINT, SIGTERM, SIGHUP) stops every rank within seconds:
+  SIGTERM, then SIGKILL after ``STOP_S``; the launcher then raises :class:`Interrupted`.
+- The launcher's death, even by SIGKILL, ends its ranks: each asks the kernel for SIGKILL
+  when its parent dies (``PR_SET_PDEATHSIG``; torch's default there is SIGINT, which a
+  script's ``&`` ignores), and a watchdog thread polls the parent id where prctl is missing.
+- Ranks ignore SIGINT: Ctrl-C reaches the whole foreground group, and the launcher decides.
+- A rank that succeeded tears its group down with :func:`end_group` and leaves through
+  ``os._exit``: interpreter shutdown racing gloo's threads aborted ("terminate called
+  without an active exception").
+
+Killing a rank at any moment leaves the newest checkpoint intact: a checkpoint is
+published by one rename, complete or absent (``chimera.train.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from chimera.runtime.grid import end_group
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_S = 5.0  # after SIGTERM, how long a rank gets before SIGKILL
+WATCH_S = 0.25  # how often the watchdog looks at the parent id
+_PR_SET_PDEATHSIG = 1
+
+
+class Interrupted(KeyboardInterrupt):
+    """The launcher got ``signum``; every rank it started has been stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+# -- in the launcher ----------------------------------------------------------------------
+def run(fn, args: tuple, nprocs: int, grace: float) -> list[int]:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return their exit codes.
+
+    Once one fails the others get ``grace`` seconds to fail too (and say why), then are
+    stopped. A signal to this process stops them all and raises :class:`Interrupted`.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = []
+    previous = _catch_signals()
+    try:
+        for rank in range(nprocs):
+            procs.append(ctx.Process(target=_bound, args=(rank, fn, os.getpid(), args),
+                                     name=f"chimera-rank-{rank}"))
+            procs[-1].start()
+        return _wait(procs, grace)
+    finally:
+        _set_handlers(dict.fromkeys(previous, signal.SIG_IGN))  # a second Ctrl-C must not cut stop short
+        try:
+            stop(procs)
+        finally:
+            _set_handlers(previous)
+
+
+def first_failure(codes: list[int]) -> int | None:
+    """The rank whose exit code is the first non-zero one, or None."""
+    return next((r for r, c in enumerate(codes) if c != 0), None)
+
+
+def stop(procs) -> None:
+    """SIGTERM every live process, SIGKILL those still alive ``STOP_S`` later; reap all."""
+    live = [p for p in procs if p.pid is not None and p.exitcode is None]
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + STOP_S
+    for p in live:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in live:
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+def _wait(procs, grace: float) -> list[int]:
+    failed_at = None
+    while True:
+        codes = [p.exitcode for p in procs]
+        if all(c is not None for c in codes):
+            return codes
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            stop(procs)
+            return [p.exitcode for p in procs]
+        time.sleep(0.05)
+
+
+def _raise_interrupted(signum, _frame) -> None:
+    raise Interrupted(signum)
+
+
+def _catch_signals() -> dict:
+    """Install handlers raising Interrupted; return the previous ones ({} off the main thread,
+    where Python allows no handlers: the caller's thread owns the signals then)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {s: signal.getsignal(s) for s in SIGNALS}
+    # a signal ignored when we started (a script's `cmd &` ignores SIGINT) stays ignored
+    _set_handlers({s: _raise_interrupted for s, h in previous.items() if h is not signal.SIG_IGN})
+    return previous
+
+
+def _set_handlers(handlers: dict) -> None:
+    for s, h in handlers.items():
+        signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+# -- in a worker --------------------------------------------------------------------------
+def _bound(rank: int, fn, parent: int, args: tuple) -> None:
+    bind_to_parent(parent)
+    code = 0
+    try:
+        fn(rank, *args)
+    except SystemExit as exc:  # fn has said why
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def bind_to_parent(parent: int, ignore_sigint: bool = True) -> None:
+    """End this process when ``parent`` dies (kernel signal plus a watchdog thread)."""
+    if ignore_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+    threading.Thread(target=_watch, args=(parent,), daemon=True, name="chimera-parent-watch").start()
+
+
+def _set_pdeathsig(sig: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return  # the watchdog alone
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # the watchdog alone
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(WATCH_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int, threads: int = 1, timeout_s: float | None = None):
+    """A worker's default gloo group on the loopback address, torn down by :func:`end_group`
+    when the body succeeds (after a failure a peer may be gone: no barrier, no destroy)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group("gloo", rank=rank, world_size=world, **kw)
+    yield
+    end_group(torch.device("cpu"))
