@@ -1,5 +1,6 @@
 """The planner: memory model, bounds, exact search, asynchronous schemes, CLI (no torch)."""
 
+import dataclasses
 import io
 import json
 import math
@@ -313,3 +314,27 @@ def test_plan_prices_the_bench_layouts_from_a_profile():
         assert set(times) == {"chimera", "chimera (doubling)", "1f1b", "interleaved"}
         assert all(0 < t < 10 for t in times.values())
         assert times["chimera"] < times["1f1b"]  # fewer bubbles on the same costs
+
+
+def test_sharded_optimizer_saves_memory_costs_an_all_gather_and_keeps_bounds():
+    """--shard-optimizer both: a sharded candidate holds less AdamW state where its stages have
+    replicas (Chimera: 2W, the optimizer's 8 bytes a parameter split over them), pays the
+    parameters' all-gather, and the bounds stay lower bounds (the search stays exact)."""
+    work = Workload(get_config("gpt2-small"), 8, 16, get_hardware("a100"), name="gpt2-small")
+    pl = Planner(work, ["1f1b", "chimera", "pipedream-2bw"], shard=(False, True))
+    evals, best = _brute_force(pl)
+    by = {e.candidate: e for e in evals}
+    assert not any(c.shard for c in by if not get_scheme(c.scheme).runnable)
+    sharded = [c for c in by if c.shard]
+    assert sharded
+    for c in sharded:
+        plain = by[dataclasses.replace(c, shard=False)]
+        e = by[c]
+        if c.scheme == "chimera" or c.width > 1:
+            assert e.memory_bytes < plain.memory_bytes and e.iteration_s > plain.iteration_s
+        else:  # one replica per stage and W=1: nothing to shard over
+            assert e.memory_bytes == plain.memory_bytes and e.iteration_s == plain.iteration_s
+        floor, mem = pl.lower_bounds(c)
+        assert floor <= e.iteration_s * (1 + 1e-9) and mem <= e.memory_bytes * (1 + 1e-9)
+    result = pl.run(top_k=5)
+    assert {k: e.iteration_s for k, e in result.best.items()} == pytest.approx(best)

@@ -45,6 +45,9 @@ def add_parsers(sub) -> None:
                    help="comma-separated schemes to consider (default: all registered)")
     p.add_argument("--recompute", choices=("both", "on", "off"), default="both",
                    help="activation recomputation: try both (default), always, never")
+    p.add_argument("--shard-optimizer", choices=("off", "on", "both"), default="off",
+                   help="AdamW state split over each stage's replicas (chimera train "
+                        "--shard-optimizer): off (default), on, or try both")
     p.add_argument("--vocab-size", type=positive_int, help="override the preset's vocabulary")
     p.add_argument("--dropout", type=float, help="override the preset's dropout (memory model)")
     p.add_argument("--top", "-k", type=positive_int, default=10, help="configurations to list")
@@ -79,7 +82,8 @@ def _plan(args: argparse.Namespace) -> int:
     work = workload_from_args(args)
     names = [s.strip() for s in args.schemes.split(",") if s.strip()] if args.schemes else None
     recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
-    planner = Planner(work, names, recompute)
+    shard = {"both": (False, True), "on": (True,), "off": (False,)}[args.shard_optimizer]
+    planner = Planner(work, names, recompute, shard=shard)
     result = planner.run(args.top)
     if args.json:
         data = to_json(result)

@@ -61,7 +61,8 @@ def time_floor(shape: Shape, sc: StageCosts, hops: list[float], micro_batches: i
     return bound
 
 
-def memory_floor(shape: Shape, sc: StageCosts, precision: str, recompute: bool) -> float:
+def memory_floor(shape: Shape, sc: StageCosts, precision: str, recompute: bool,
+                 shards: int = 1) -> float:
     """The fullest rank holds at least its replicas' state and one micro-batch."""
     worst = 0.0
     for held in shape.replicas:
@@ -69,7 +70,7 @@ def memory_floor(shape: Shape, sc: StageCosts, precision: str, recompute: bool) 
         act = min(sc.act_kept[stage] for _, stage in held)
         if recompute:  # and one of its stages rebuilt during its backward
             act += max(sc.act_full[stage] for _, stage in held)
-        worst = max(worst, state_bytes(params, precision) + act)
+        worst = max(worst, state_bytes(params, precision, shards=shards) + act)
     return worst
 
 

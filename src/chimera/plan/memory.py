@@ -59,10 +59,12 @@ def layer_input_bytes(cfg: ModelConfig, tokens: float, precision: str) -> list[f
     return [tokens * 8] + [hidden] * (cfg.n_layers_total - 1)
 
 
-def state_bytes(params: float, precision: str, weight_versions: int = 1) -> float:
-    """Weights (times ``weight_versions``), gradients and AdamW state of ``params`` parameters."""
+def state_bytes(params: float, precision: str, weight_versions: int = 1, shards: int = 1) -> float:
+    """Weights (times ``weight_versions``), gradients and AdamW state of ``params`` parameters;
+    with a sharded optimizer (``--shard-optimizer``) the AdamW state is split over ``shards``
+    replicas (a reduce-scatter output of 1/shards of the gradients is small and not counted)."""
     w, g, o = STATE_BYTES[precision]
-    return params * (w * weight_versions + g + o)
+    return params * (w * weight_versions + g + o / shards)
 
 
 def stage_params(cfg: ModelConfig, ranges: list[range]) -> list[int]:

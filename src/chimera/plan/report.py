@@ -66,7 +66,7 @@ def to_json(result: PlanResult) -> dict:
         c = e.candidate
         return {"scheme": c.scheme, "options": dict(c.options), "variant": c.variant,
                 "W": c.width, "D": c.depth, "B": c.micro_batch, "N": c.micro_batches,
-                "recompute": c.recompute, "iteration_s": e.iteration_s,
+                "recompute": c.recompute, "shard_optimizer": c.shard, "iteration_s": e.iteration_s,
                 "throughput_seq_per_s": e.throughput, "bubble_ratio": e.bubble_ratio,
                 "memory_gib": e.memory_bytes / GIB, "allreduce_share": e.allreduce_share,
                 "compute_s": e.compute_s, "asynchronous": e.asynchronous}

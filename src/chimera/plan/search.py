@@ -42,13 +42,14 @@ class Candidate:
     micro_batch: int  # B: sequences per micro-batch
     micro_batches: int  # N: micro-batches per pipeline per iteration
     recompute: bool
+    shard: bool = False  # optimizer sharded over each stage's replica group (ZeRO-1)
 
     @property
     def variant(self) -> str:
-        """The scheme with its options, e.g. ``chimera Q=2 direct``."""
+        """The scheme with its options, e.g. ``chimera Q=2 direct`` (``+zero1`` if sharded)."""
         short = {"pipes": "Q", "chunks": "v"}
         parts = [f"{short[k]}={v}" if k in short else str(v) for k, v in self.options]
-        return " ".join([self.scheme] + parts)
+        return " ".join([self.scheme] + parts + (["+zero1"] if self.shard else []))
 
 
 @dataclass(frozen=True)
@@ -158,12 +159,13 @@ def check_request(work: Workload, names: list[str]) -> None:
 
 class Planner:
     def __init__(self, work: Workload, scheme_names: list[str] | None = None,
-                 recompute: tuple[bool, ...] = (False, True), shapes: ShapeCache | None = None):
+                 recompute: tuple[bool, ...] = (False, True), shapes: ShapeCache | None = None,
+                 shard: tuple[bool, ...] = (False,)):
         names = list(scheme_names or [s.name for s in schemes()])
         for name in names:
             get_scheme(name)  # unknown names fail here, with the list of known ones
         check_request(work, names)
-        self.work, self.names, self.recompute = work, names, recompute
+        self.work, self.names, self.recompute, self.shard = work, names, recompute, shard
         self.pricing = Pricing(work)
         self.capacity = work.capacity
         self.shapes = shapes or ShapeCache()
@@ -180,7 +182,9 @@ class Planner:
                 n = g // (width * b)
                 for name in self.names:
                     for opts in variants(name, depth, layers):
-                        out += [Candidate(name, opts, depth, width, b, n, rc) for rc in self.recompute]
+                        shard = self.shard if get_scheme(name).runnable else (False,)
+                        out += [Candidate(name, opts, depth, width, b, n, rc, sh)
+                                for rc in self.recompute for sh in shard]
         return out
 
     # -- pricing one candidate ------------------------------------------------------------
@@ -220,7 +224,8 @@ class Planner:
         sc = probe and self.stage_costs(c, probe)
         if sc is None:
             return None
-        mem = bounds.memory_floor(probe, sc, self.work.precision, c.recompute)
+        mem = bounds.memory_floor(probe, sc, self.work.precision, c.recompute,
+                                  self._shards(c, probe.schedule))
         if probe.asynchronous:
             return self._async(c, sc)[0], mem
         return bounds.time_floor(probe, sc, self._hops(c, sc), c.micro_batches,
@@ -231,7 +236,8 @@ class Planner:
         s, worst = shape.schedule, 0.0
         for rank in range(s.ranks):
             params = sum(sc.params[stage] for _, stage in shape.replicas[rank])
-            state = state_bytes(params, self.work.precision, weight_versions(s, rank))
+            state = state_bytes(params, self.work.precision, weight_versions(s, rank),
+                                self._shards(c, s))
             act = shape.held.peak(rank, sc.act_kept)
             if c.recompute:
                 act += max(sc.act_full[st] for st in shape.held.stages[rank])
@@ -262,7 +268,20 @@ class Planner:
         self.stats.simulated += 1
         cost = self.pricing.cost_model(sc, c.depth, c.width, shape.schedule.micro_scale)
         t = compiled.times(cost, eager_sync=True)
-        return self._evaluation(c, t.makespan, t.busy, t.compute_end, mem)
+        return self._evaluation(c, t.makespan + self._all_gather(c, shape, sc), t.busy,
+                                t.compute_end, mem)
+
+    def _shards(self, c: Candidate, s) -> int:
+        """Replicas the optimizer of a stage is split over (1: not sharded)."""
+        return len(s.placement.replicas(0)) * c.width if c.shard else 1
+
+    def _all_gather(self, c: Candidate, shape: Shape, sc: StageCosts) -> float:
+        """Sharded: the parameters' all-gather after the step, not overlapped in the runtime
+        (half of a ring allreduce; the reduce-scatter takes the allreduce's place)."""
+        group = self._shards(c, shape.schedule)
+        if group < 2:
+            return 0.0
+        return max(self._allreduce().allreduce(x, group) for x in sc.grad_bytes) / 2
 
     def _evaluation(self, c: Candidate, total: float, busy: list[float], compute_end: float,
                     mem: float, asynchronous: bool = False) -> Evaluation:
@@ -368,7 +387,7 @@ def gc_paused():
 
 
 def plan(work: Workload, scheme_names: list[str] | None = None, top_k: int = 10,
-         recompute: tuple[bool, ...] = (False, True)) -> PlanResult:
+         recompute: tuple[bool, ...] = (False, True), shard: tuple[bool, ...] = (False,)) -> PlanResult:
     """The ``top_k`` fastest configurations of ``work`` that fit, and the best per scheme."""
     with gc_paused():
-        return Planner(work, scheme_names, recompute).run(top_k)
+        return Planner(work, scheme_names, recompute, shard=shard).run(top_k)
