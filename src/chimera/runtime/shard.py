@@ -28,12 +28,14 @@ OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 
 @dataclass
 class Piece:
-    """The part of ``param`` (flat offsets ``start:end``) inside this rank's slice."""
+    """The part ``start:end`` of ``param`` (which starts at ``offset`` in the flat buffer)
+    inside this rank's slice."""
 
     piece: nn.Parameter
     param: nn.Parameter
     start: int
     end: int
+    offset: int
 
 
 @dataclass
@@ -66,7 +68,7 @@ class StageShard:
             if a < b:
                 piece = nn.Parameter(flat[a:b])  # shares flat's memory: a step updates p
                 piece.grad = shard.grad[a - shard.lo:b - shard.lo]
-                shard.pieces.append(Piece(piece, p, a - off, b - off))
+                shard.pieces.append(Piece(piece, p, a - off, b - off, off))
         return shard
 
     def reduce_scatter(self, flat_grad: torch.Tensor):
@@ -88,8 +90,7 @@ class StageShard:
             for pc in self.pieces:
                 state = optimizer.state.get(pc.piece)
                 if state:
-                    off = self.offsets[self._index(pc.param)]
-                    full[off + pc.start:off + pc.end].copy_(state[key])
+                    full[pc.offset + pc.start:pc.offset + pc.end].copy_(state[key])
                     step = state["step"]
             self.all_gather(full)
             for p, off in zip(self.params, self.offsets):
@@ -105,6 +106,3 @@ class StageShard:
             for key in OPTIM_KEYS:
                 state[key] = src[key].detach().reshape(-1)[pc.start:pc.end].clone()
             state["step"] = src["step"].detach().clone()
-
-    def _index(self, param: nn.Parameter) -> int:
-        return next(i for i, p in enumerate(self.params) if p is param)
