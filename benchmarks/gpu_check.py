@@ -179,7 +179,8 @@ def check_api(device: str, tmp: str) -> list[dict]:
     import chimera.api as chimera
 
     out = os.path.join(tmp, "api.json")
-    chimera.spawn(functools.partial(_api_rank, device=device, out=out), world=1,
+    where = "cuda:0" if device == "cuda" else device
+    chimera.spawn(functools.partial(_api_rank, device=where, out=out), world=1,
                   backend="nccl" if device == "cuda" else "gloo")
     with open(out) as f:
         r = json.load(f)

@@ -170,6 +170,8 @@ class Pipeline:
         self.ranges = self._partition(source, partition)
         self.ties = source.ties(self.ranges)
         device = torch.device(device) if device is not None else default_device()
+        if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         if device.type == "cuda":  # NCCL's object collectives (probe, state_dict) use it
             torch.cuda.set_device(device)
         opts = None if not compile else ({} if compile is True else dict(compile))
