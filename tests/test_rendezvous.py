@@ -284,3 +284,12 @@ def test_runtime_calls_equal_the_replayed_calls(monkeypatch, name, options, d):
                     want = _replayed(plan, rank, w, buckets=bucket_bytes > 0)
                     assert got == want, f"{name} {options} D={d} sync={sync} W={w} rank {rank}"
                     assert any(c[0] == "isend" for c in got)
+
+
+def test_plan_and_check_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, chimera.comm_plan, chimera.rendezvous, chimera.validate, chimera.passes; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
