@@ -124,9 +124,6 @@ class CommPlan:
         """Per rank, the messages it receives, in the order it posts them."""
         return tuple(tuple(s.message for s in steps if isinstance(s, Post)) for steps in self.steps)
 
-    def to_text(self) -> str:
-        return "\n".join(f"{r}: " + " ".join(map(str, steps)) for r, steps in enumerate(self.steps))
-
 
 def plan_comm(schedule: Schedule) -> CommPlan:
     """The communication plan of a lowered ``schedule`` (see the module docstring)."""

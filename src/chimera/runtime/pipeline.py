@@ -133,7 +133,6 @@ class PipelineRuntime:
         self.schedule, self.grid, self.loss_fn = schedule, grid, loss_fn
         self.device = device or torch.device("cpu")
         self.rows = rows  # rows of one schedule micro-batch
-        self.comm_timeout = comm_timeout
         self.wire_dtype = wire_dtype  # floating boundary leaves travel in it (None: as computed)
         self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
         grid.build_groups()
