@@ -38,11 +38,12 @@ WIDTH, B, STEPS, TIMEOUT_S = 4, 2, 2, 60.0
 D2 = [("chimera", {}, 4), ("chimera", {"strategy": "doubling"}, 4),
       ("chimera", {"strategy": "halving"}, 2), ("1f1b", {}, 4), ("interleaved", {"chunks": 2}, 4),
       ("zb-h1", {}, 4), ("zb-v", {}, 4), ("dualpipev", {}, 4), ("dualpipe", {}, 4),
-      ("chimera-zb", {}, 4)]
+      ("chimera-zb", {}, 4), ("chimera", {"shard": True}, 4)]
 D4 = [("chimera", {}, 4), ("chimera", {"strategy": "doubling"}, 8),
       ("chimera", {"strategy": "halving"}, 4), ("chimera", {"pipes": 4}, 8), ("1f1b", {}, 4),
       ("interleaved", {"chunks": 2}, 4), ("zb-h1", {}, 4), ("zb-v", {}, 8),
-      ("dualpipev", {}, 8), ("dualpipe", {}, 8), ("chimera-zb", {}, 8)]
+      ("dualpipev", {}, 8), ("dualpipe", {}, 8), ("chimera-zb", {}, 8),
+      ("1f1b", {"shard": True}, 4)]
 WORLDS = {2: [(2, 1, D2)], 4: [(4, 1, D4), (2, 2, D2)], 8: [(4, 2, D4)]}
 
 
@@ -52,11 +53,15 @@ def _stage(stage: int) -> nn.Module:
 
 
 def _runtime(name, opts, stages, n, dp, timeout_s=TIMEOUT_S) -> PipelineRuntime:
+    """``opts`` go to the generator, except ``shard``: a sharded optimizer (reduce-scatters
+    at the Launches, all-gathers after the step, all through the emulation's stream)."""
+    opts = dict(opts)
+    shard = opts.pop("shard", False)
     schedule = validate(lower(build(name, stages, n, **opts)))
     grid = ProcessGrid(schedule.placement, dp, dist.get_rank())
     rows = int(B * schedule.micro_scale)
     return PipelineRuntime(schedule, grid, _stage, nn.functional.mse_loss, (WIDTH,),
-                           torch.float64, rows, comm_timeout=timeout_s)
+                           torch.float64, rows, comm_timeout=timeout_s, shard_optimizer=shard)
 
 
 def _data(rt: PipelineRuntime, step: int) -> MicroData:
@@ -87,15 +92,19 @@ def _use(rt: PipelineRuntime, transport: Transport) -> None:
 def _train(rt: PipelineRuntime, transport: Transport) -> tuple[list[float], list[torch.Tensor]]:
     """STEPS SGD steps through ``transport``: global losses and the last step's gradients."""
     _use(rt, transport)
-    opt = torch.optim.SGD(rt.parameters(), lr=0.1)
+    opt = torch.optim.SGD([t for t, _ in rt.optimizer_parameters()], lr=0.1)
     losses = []
     for step in range(STEPS):
         rt.zero_grad()
         loss = rt.run(_data(rt, step)).detach().to(torch.float64).reshape(1)
         dist.all_reduce(loss)
         losses.append(float(loss))
+        if rt.shards:  # the reduce-scatter left each replica its slice: gather the rest
+            rt.gather_gradients()
         grads = [g.flat.clone() for g in rt.grads.values()]
         opt.step()
+        rt.gather_parameters()  # sharded: prefetched, waited for at the next first forward
+    rt.finish_gather()  # before the caller closes the transport
     return losses, grads
 
 
@@ -112,6 +121,7 @@ def _compare(name, opts, stages, n, dp) -> dict:
         losses, grads = _train(rt, emulation)
         emulation.close()
         out[mode] = {"losses": losses, "messages": sum(emulation.sent.values()),
+                     "collectives": dict(emulation.kinds), "sharded": bool(rt.shards),
                      "grad_err": max((float((a - b).abs().max()) for a, b in zip(grads, base_grads)
                                       if a.numel()), default=0.0)}
     return out
@@ -240,6 +250,11 @@ def test_training_under_emulation_equals_gloo(world, world2, tmp_path_factory):
                 assert c[mode]["losses"] == pytest.approx(c["losses"], rel=1e-12), (c["config"], mode)
                 assert c[mode]["grad_err"] < 1e-12, (c["config"], mode)
                 assert c[mode]["messages"] >= STEPS, (c["config"], mode)  # it really went through
+                kinds = c[mode]["collectives"]
+                if c[mode]["sharded"]:  # reduce-scatters and all-gathers, no allreduce
+                    assert kinds.get("reduce-scatter", 0) >= STEPS, (c["config"], mode, kinds)
+                    assert kinds.get("all-gather", 0) >= STEPS, (c["config"], mode, kinds)
+                    assert "allreduce" not in kinds, (c["config"], mode, kinds)
             assert c["losses"][1] != c["losses"][0], c["config"]  # the step changed the weights
 
 

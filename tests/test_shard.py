@@ -54,3 +54,39 @@ def test_optimizer_state_halves_and_checkpoints_cross_sharding(tmp_path):
         _train(tmp_path, "first", "--checkpoint-dir", ck, "--steps", "2", *first)
         _, resumed = _train(tmp_path, "then", "--checkpoint-dir", ck, "--resume", *then)
         assert {s: resumed[s] for s in (2, 3)} == {s: straight[s] for s in (2, 3)}
+
+
+def test_parameter_all_gathers_are_prefetched():
+    """After the optimizer step the all-gathers are in flight, not waited for: each replica's
+    is waited for at its own first forward of the next step, so the gather of a rank's later
+    replica overlaps the forwards of its first."""
+    from chimera.runtime.virtual import run_virtual
+    from chimera.train.loop import Trainer
+
+    cfg = TrainConfig(schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2,
+                      dtype="float64", steps=2, shard_optimizer=True)
+
+    def body(rank):
+        trainer = Trainer(cfg, rank)
+        trainer.step(0)
+        in_flight = sorted(trainer.runtime.gathering)
+        seen, wait = [], trainer.runtime.executor.before_forward
+
+        def spy(key):
+            seen.append((key, sorted(trainer.runtime.gathering)))
+            wait(key)
+
+        trainer.runtime.executor.before_forward = spy
+        trainer.step(1)
+        return sorted(trainer.runtime.modules), in_flight, seen
+
+    for held, in_flight, seen in run_virtual(2, body):
+        assert in_flight == held and len(held) == 2  # both replicas' gathers issued, none waited
+        first = {}
+        for key, pending in seen:
+            first.setdefault(key, pending)
+        assert len(first) == 2
+        (a, at_a), (b, at_b) = sorted(first.items(), key=lambda kv: -len(kv[1]))
+        assert at_a == held  # the first forward: both still in flight
+        assert at_b == [b]  # the other replica's forward: only its own left, waited for now
+        assert all(pending == [] for key, pending in seen[seen.index((b, [b])) + 1:])

@@ -85,6 +85,7 @@ class Executor:
         self.mailbox, self.sync = mailbox, sync
         self.recompute, self.autocast, self.device = recompute, autocast, device
         self.last = schedule.stages - 1
+        self.before_forward = None  # called with (pipe, stage) before each forward, if set
         self.record_epoch: float | None = None  # wall-clock time of the recorded run's t0
         self._calls_of: tuple = (None, [])  # (program, its handler per step)
         self.params = {k: [p for p in m.parameters() if p.requires_grad] for k, m in modules.items()}
@@ -156,6 +157,8 @@ class Executor:
         return detach_input(x, spec)
 
     def _forward(self, a: Action) -> None:
+        if self.before_forward is not None:
+            self.before_forward((a.pipe, a.stage))
         x, grad_leaves = self._stage_input(a)
         module = self.modules[(a.pipe, a.stage)]
         with self._autocast():

@@ -26,14 +26,16 @@ Not emulated:
 - Real NCCL sends small messages eagerly (below ``NCCL_BUFFSIZE``, about 4 MiB per
   connection), so an order that hangs here may pass on GPUs with small activations: this
   is the worst case, which is what a schedule must survive (large models, large batches).
-- Collectives: :meth:`NcclEmulation.all_reduce` gates gloo's async allreduce the same way,
-  on one collective stream per rank shared by every group (the worst case of NCCL's rule
-  that communicators used concurrently see their operations in one order): it completes
-  when every member has it at the head. The runtime's GradSync does not route through it
-  yet; until it does, the stage allreduces, the loss and norm allreduces, communicator
-  creation and ``grid.warm_up``'s exchange go straight to gloo, and their order is checked
-  by the validator's rendezvous replay only. p2p and collectives are separate streams (as
-  on NCCL: different communicators).
+- Collectives: :meth:`NcclEmulation.all_reduce`, :meth:`~NcclEmulation.reduce_scatter` and
+  :meth:`~NcclEmulation.all_gather` gate gloo's async collectives the same way, on one
+  collective stream per rank shared by every group (the worst case of NCCL's rule that
+  communicators used concurrently see their operations in one order): one completes when
+  every member has it at the head. The runtime routes the stage allreduces and, with a
+  sharded optimizer, the reduce-scatters and the prefetched parameter all-gathers through
+  it (``collectives_from_env``); the loss and norm allreduces, communicator creation,
+  ``grid.warm_up``'s exchange and the API's tie and buffer collectives go straight to gloo,
+  and their order is checked by the validator's rendezvous replay only. p2p and
+  collectives are separate streams (as on NCCL: different communicators).
 - Timing: a rendezvous costs a few store round trips (microseconds on one host) and a
   thread hand-off, and the polling backs off to :data:`POLL_MAX_S`; CUDA stream semantics
   (a wait that only orders streams) do not exist on CPU.
@@ -138,8 +140,10 @@ class _P2P:
 
 @dataclass
 class _Collective:
-    """One allreduce on group ``name`` over ``ranks`` (the k-th on that group)."""
+    """One collective (``kind``: allreduce, reduce-scatter, all-gather) on group ``name``
+    over ``ranks``, the k-th collective on that group."""
 
+    kind: str
     name: str  # the same on every member: groups are created in one order everywhere
     ranks: tuple[int, ...]
     k: int
@@ -147,13 +151,13 @@ class _Collective:
     work: EmulatedWork = field(default_factory=EmulatedWork)
 
     def key(self) -> str:
-        return f"allreduce/{self.name}#{self.k}"
+        return f"{self.kind}/{self.name}#{self.k}"
 
     def meet(self, emulation: "NcclEmulation") -> None:
         emulation.gather(self)
 
     def __str__(self) -> str:
-        return f"allreduce #{self.k} on group {self.name} (ranks {', '.join(map(str, self.ranks))})"
+        return f"{self.kind} #{self.k} on group {self.name} (ranks {', '.join(map(str, self.ranks))})"
 
 
 _Op = _P2P | _Collective  # what a stream holds
@@ -259,7 +263,8 @@ class NcclEmulation(Transport):
         self.stop = threading.Event()
         self.sent: dict[int, int] = {}  # per destination: sends issued so far
         self.received: dict[int, int] = {}  # per source: receives issued so far
-        self.reduced: dict[str, int] = {}  # per group name: allreduces issued so far
+        self.reduced: dict[str, int] = {}  # per group name: collectives issued so far
+        self.kinds: dict[str, int] = {}  # per kind (allreduce, reduce-scatter, all-gather)
         self.streams: dict[object, _Stream] = {}
         self.issuing = threading.Lock()  # issue order is the streams' order, whatever the thread
 
@@ -282,12 +287,26 @@ class NcclEmulation(Transport):
     def all_reduce(self, tensor: torch.Tensor, group) -> EmulatedWork:
         """gloo's async allreduce (sum) on ``group``, complete only once every member has it at
         the head of its collective stream (see the module docstring)."""
+        return self._collective("allreduce", group, lambda: dist.all_reduce(
+            tensor, group=group, async_op=True))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group) -> EmulatedWork:
+        """gloo's async reduce-scatter (sum), gated as :meth:`all_reduce`."""
+        return self._collective("reduce-scatter", group, lambda: dist.reduce_scatter_tensor(
+            output, input, group=group, async_op=True))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group) -> EmulatedWork:
+        """gloo's async all-gather into one tensor, gated as :meth:`all_reduce`."""
+        return self._collective("all-gather", group, lambda: dist.all_gather_into_tensor(
+            output, input, group=group, async_op=True))
+
+    def _collective(self, kind: str, group, issue) -> EmulatedWork:
         with self.issuing:
             name = group.group_name
             k = self.reduced.get(name, 0)
             self.reduced[name] = k + 1
-            gloo = dist.all_reduce(tensor, group=group, async_op=True)
-            op = _Collective(name, tuple(dist.get_process_group_ranks(group)), k, gloo)
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
+            op = _Collective(kind, name, tuple(dist.get_process_group_ranks(group)), k, issue())
             return self._issue(op, "collectives")
 
     def _issue(self, op: _Op, stream: int | str) -> EmulatedWork:

@@ -19,7 +19,7 @@ from chimera.runtime.boundary import BoundarySpec, Stage, call_layer, call_loss,
 from chimera.runtime.executor import ActionRecord, Executor, MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.nccl_emulation import collectives_from_env, transport_from_env
-from chimera.runtime.p2p import Mailbox
+from chimera.runtime.p2p import Mailbox, peers_text, wait_work
 from chimera.runtime.shard import StageShard
 from chimera.runtime.sync import BUCKET_BYTES, GradSync, ReplicaGrads
 
@@ -131,6 +131,7 @@ class PipelineRuntime:
         if not schedule.lowered:
             raise ScheduleError("the runtime needs a lowered schedule (chimera.passes.lower)")
         self.schedule, self.grid, self.loss_fn = schedule, grid, loss_fn
+        self.gathering: dict[tuple[int, int], tuple] = {}  # replica -> (all-gather work, source)
         self.device = device or torch.device("cpu")
         self.rows = rows  # rows of one schedule micro-batch
         self.wire_dtype = wire_dtype  # floating boundary leaves travel in it (None: as computed)
@@ -157,6 +158,8 @@ class PipelineRuntime:
         self.eval_plan = plan_comm(self.eval_schedule)
         self.evaluator = Executor(self.eval_schedule, self.modules, loss_fn, None, self.sync,
                                   False, autocast, self.device, forward_only=True)
+        if self.shards:  # a replica's first forward waits for its prefetched parameters
+            self.executor.before_forward = self.evaluator.before_forward = self._gathered
         self.program = self.plan.steps[grid.d]
         self.signature: tuple | None = None  # of the micro-batch input the boundaries fit
         self._probed: dict[tuple, tuple] = {}  # signature -> (boundaries, mailbox, eval mailbox)
@@ -215,9 +218,29 @@ class PipelineRuntime:
             shard.all_gather(flat)
 
     def gather_parameters(self) -> None:
-        """After the optimizer step: every replica gets every slice (stages in order)."""
+        """After the optimizer step: every replica gets every slice. The all-gathers are issued
+        now, stages in order on every rank (one collective order, as NCCL needs), and each is
+        waited for right before its replica's first forward (prefetch: a rank's later stages
+        gather while its first ones compute) or any read of the parameters
+        (:meth:`finish_gather`)."""
+        self.finish_gather()  # a replica that ran no forward since the last step
         for key in sorted(self.shards, key=lambda k: (k[1], k[0])):
-            self.shards[key].all_gather()
+            self.gathering[key] = self.shards[key].all_gather_async(self.sync.collectives)
+
+    def _gathered(self, key: tuple[int, int]) -> None:
+        if key in self.gathering:
+            self.finish_gather(key)
+
+    def finish_gather(self, key: tuple[int, int] | None = None) -> None:
+        """Wait for the parameter all-gather of replica ``key`` (default: every replica)."""
+        keys = list(self.gathering) if key is None else [key]
+        for k in keys:
+            pending = self.gathering.pop(k, None)
+            if pending is not None:
+                ranks = self.grid.stage_ranks[k[1]]
+                wait_work(pending[0], self.sync.timeout, self.grid.rank,
+                          f"parameter all-gather of stage {k[1]} (pipe {k[0]}) with "
+                          f"{peers_text(self.grid.rank, ranks)}", ranks)
 
     KEEP_SHAPES = 4  # boundary layouts (and their receive buffers) kept for alternating shapes
 
@@ -251,10 +274,11 @@ class PipelineRuntime:
         return (bounds[msg.stage].nbytes(backward=True),)
 
     def parameters(self) -> list[nn.Parameter]:
+        self.finish_gather()
         return [p for m in self.modules.values() for p in m.parameters()]
 
-    def _trainable(self) -> tuple:
-        return tuple(p.requires_grad for p in self.parameters())
+    def _trainable(self) -> tuple:  # (reads no values: needs no pending all-gather)
+        return tuple(p.requires_grad for m in self.modules.values() for p in m.parameters())
 
     def zero_grad(self, keep: bool = False) -> None:
         """Point every ``.grad`` back at its flat buffer (``zero_grad(set_to_none=True)`` or an

@@ -6,7 +6,10 @@ instead of an allreduce: member k of the group (n members) receives the sum of s
 the stage's flat gradient only. The optimizer updates that slice (its AdamW state is 1/n of
 the stage's); after the step an all-gather hands every replica the whole updated stage.
 Reduce-scatter and all-gather are the two halves of an allreduce, so the bytes on the wire
-stay those of one allreduce, while optimizer state and work fall by n.
+stay those of one allreduce, while optimizer state and work fall by n. The all-gathers are
+issued right after the optimizer step and each is waited for just before its replica's
+first forward of the next iteration (``PipelineRuntime.gather_parameters``): the gathers of
+the stages a rank runs later overlap the forwards it runs first, as FSDP's prefetch.
 
 The slicing is the one ``PipelineRuntime.owned_sq_norm`` already uses (slice k of size
 ceil(numel / n)), so the global norm reads each owned slice once. Parameters become views
@@ -71,9 +74,22 @@ class StageShard:
                 shard.pieces.append(Piece(piece, p, a - off, b - off, off))
         return shard
 
-    def reduce_scatter(self, flat_grad: torch.Tensor):
-        """Async: the group's sum of slice k of ``flat_grad`` into ``self.grad``."""
+    def reduce_scatter(self, flat_grad: torch.Tensor, collectives=None):
+        """Async: the group's sum of slice k of ``flat_grad`` into ``self.grad`` (through the
+        NCCL emulation's collective stream when ``collectives`` is given)."""
+        if collectives is not None:
+            return collectives.reduce_scatter(self.grad, flat_grad, self.group)
         return dist.reduce_scatter_tensor(self.grad, flat_grad, group=self.group, async_op=True)
+
+    def all_gather_async(self, collectives=None):
+        """Async: every member's updated slice into every member's parameters. Returns the
+        work; the slice's copy it sends lives as long as the work (``work.source``)."""
+        source = self.flat[self.lo:self.hi].clone()
+        if collectives is not None:
+            work = collectives.all_gather(self.flat, source, self.group)
+        else:
+            work = dist.all_gather_into_tensor(self.flat, source, group=self.group, async_op=True)
+        return work, source
 
     def all_gather(self, flat: torch.Tensor | None = None) -> torch.Tensor:
         """Every member's slice of ``flat`` (default: the parameters) into every member's."""

@@ -256,6 +256,8 @@ class Trainer:
 
     def replica_parameters(self) -> list[tuple[str, int, torch.Tensor]]:
         """(model-wide name, pipe, parameter) for every replica this rank holds."""
+        if not self.cfg.reference:
+            self.runtime.finish_gather()  # sharded: the last step's all-gathers are complete
         if self.cfg.reference:
             return [(self._global_name(n, range(self.model_cfg.n_layers_total)), 0, p)
                     for n, p in self.model.named_parameters()]
@@ -268,6 +270,7 @@ class Trainer:
         pipe 0's in data replica 0, so each stage once, spread over the D ranks."""
         if self.cfg.reference:
             return {n: p for n, _, p in self.replica_parameters()}
+        self.runtime.finish_gather()
         if self.grid.w != 0:
             return {}
         return {self._global_name(n, self.ranges[stage]): p
