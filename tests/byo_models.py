@@ -8,6 +8,8 @@ padded (mask 0, target -100) with lengths that differ per row; the loss is token
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -46,9 +48,11 @@ class Head(nn.Module):
         return logits, 1e-2 * (h * mask.unsqueeze(-1)).pow(2).sum((1, 2))  # aux: (B,)
 
 
-def make_gpt(blocks: int = 3) -> list[nn.Module]:
+def make_gpt(blocks: int = 3, tied: bool = True) -> list[nn.Module]:
+    """``tied=False``: the head gets its own copy of the embedding (same initial values)."""
     wte = nn.Embedding(V, C)
-    return [layer.double() for layer in [Embed(wte), *[Block() for _ in range(blocks)], Head(wte)]]
+    head = Head(wte if tied else copy.deepcopy(wte))
+    return [layer.double() for layer in [Embed(wte), *[Block() for _ in range(blocks)], head]]
 
 
 def gpt_loss(logits, aux, targets):
@@ -82,9 +86,9 @@ def plan(rows: int) -> list[list]:
 CLIP = 0.5
 
 
-def reference(rows: int, blocks: int = 3) -> dict:
+def reference(rows: int, blocks: int = 3, tied: bool = True) -> dict:
     torch.manual_seed(0)
-    layers = make_gpt(blocks)
+    layers = make_gpt(blocks, tied)
     model = nn.Sequential(*layers)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     out = {"grads": [], "norms": [], "losses": []}
@@ -117,6 +121,8 @@ def pipelined(pipe, rows: int) -> dict:
         for i, (x, y) in enumerate(batches):
             out["losses"].append(pipe.step(x, y, accumulate=i > 0))
         out["norms"].append(float(pipe.clip_grad_norm_(CLIP)))
+        if pipe.runtime.shards:  # each replica holds its slice of the sum: gather the rest
+            pipe.runtime.gather_gradients()
         out["grads"].append([(n, p.grad.clone()) for n, p in pipe.named_parameters()])
         opt.step()
     out["params"] = [(n, p.detach().clone()) for n, p in pipe.named_parameters()]

@@ -25,11 +25,20 @@ RECOMPUTE = {("1f1b", 2, 2), ("zb-h1", 4, 1)}  # activation checkpointing with p
 N, B = 4, 2  # micro-batches, micro-batch size
 
 
-def _main_case(schedule: str, d: int, w: int) -> dict:
-    pipe = chimera.Pipeline(bm.make_gpt, bm.gpt_loss, schedule=schedule, stages=d, data_parallel=w,
+def _main_case(schedule: str, d: int, w: int, shard: bool = False) -> dict:
+    make = functools.partial(bm.make_gpt, tied=False) if shard else bm.make_gpt
+    pipe = chimera.Pipeline(make, bm.gpt_loss, schedule=schedule, stages=d, data_parallel=w,
                             micro_batches=N, micro_batch_size=B, loss_reduction="token_mean",
-                            recompute=(schedule, d, w) in RECOMPUTE)
-    return bm.pipelined(pipe, N * B * w)
+                            recompute=(schedule, d, w) in RECOMPUTE, shard_optimizer=shard)
+    out = bm.pipelined(pipe, N * B * w)
+    if shard:  # what this rank's optimizer holds: its slices, not whole replicas
+        out["optimized"] = sum(p.numel() for p in pipe.parameters())
+        out["held"] = sum(p.numel() for m in pipe.runtime.modules.values() for p in m.parameters())
+    return out
+
+
+SHARDED2 = [("chimera", 2, 1)]
+SHARDED4 = [("chimera", 2, 2), ("1f1b", 2, 2), ("chimera", 4, 1)]
 
 
 # -- small cases (world 2) -----------------------------------------------------------------
@@ -177,6 +186,10 @@ def _review_cases(rank: int) -> dict:
 
 def _worker2(rank: int, world: int, out: str) -> None:
     res = {s: _main_case(s, d, w) for s, d, w in MAIN2}
+    res.update({f"shard-{s}-{d}-{w}": _main_case(s, d, w, True) for s, d, w in SHARDED2})
+    res["shard_tied"] = _raises(lambda: chimera.Pipeline(
+        bm.make_gpt, bm.gpt_loss, stages=2, micro_batches=N, micro_batch_size=B,
+        shard_optimizer=True))
     res["frozen"] = {s: _frozen_case(s) for s in ("chimera", "zb-h1")}
     res["factory"] = _factory_case(rank)
     res["meta"] = _meta_case()
@@ -188,6 +201,7 @@ def _worker2(rank: int, world: int, out: str) -> None:
 
 def _worker4(rank: int, world: int, out: str) -> None:
     res = {f"{s}-{d}-{w}": _main_case(s, d, w) for s, d, w in MAIN4}
+    res.update({f"shard-{s}-{d}-{w}": _main_case(s, d, w, True) for s, d, w in SHARDED4})
     torch.save(res, f"{out}.{rank}")
 
 
@@ -210,6 +224,11 @@ def world4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def refs():
     return {w: bm.reference(N * B * w) for w in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def untied_refs():
+    return {w: bm.reference(N * B * w, tied=False) for w in (1, 2)}
 
 
 def _close(a, b) -> bool:
@@ -452,3 +471,20 @@ def test_replicas_built_from_each_ranks_rng_start_equal(world2):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("case", [f"shard-{s}-{d}-{w}" for s, d, w in SHARDED2 + SHARDED4])
+def test_sharded_optimizer_trains_as_one_process(world2, world4, untied_refs, case):
+    """shard_optimizer=True (issue 14): each rank's optimizer updates its slices of the
+    stage's replicas (half of what it holds at 2 replicas a stage, a quarter at 4), and the
+    recipe (zero_grad both modes, accumulation, a new shape, clipping, eval, state_dict)
+    gives the single-process run's gradients, norms, losses and parameters."""
+    got = [r[case] for r in (world2 if case in world2[0] else world4)]
+    _check_main(got, untied_refs[int(case[-1])])
+    replicas = 2 * int(case[-1]) if case.startswith("shard-chimera") else int(case[-1])
+    for res in got:
+        assert res["optimized"] <= -(-res["held"] // replicas) + 2 * replicas, res["optimized"]
+
+
+def test_sharded_optimizer_refuses_cross_stage_ties(world2):
+    assert "tied across stages" in world2[0]["shard_tied"], world2[0]["shard_tied"]

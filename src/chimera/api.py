@@ -152,7 +152,7 @@ class Pipeline:
                  sync_buffers: bool = True, example_target=None,
                  init: Callable[[nn.Module], None] | None = None,
                  wire_dtype: torch.dtype | None = None, token_count: Callable | None = None,
-                 check_batch: bool = True):
+                 check_batch: bool = True, shard_optimizer: bool = False):
         self._check_args(loss_reduction, stages, data_parallel)
         keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
         n = micro_batches or stages
@@ -169,6 +169,11 @@ class Pipeline:
         source = LayerSource(layers, num_layers, seed, ties, init)
         self.ranges = self._partition(source, partition)
         self.ties = source.ties(self.ranges)
+        if shard_optimizer and self.ties:
+            raise ValueError(f"shard_optimizer=True with weights tied across stages "
+                             f"({', '.join(t.names[0] for t in self.ties)}) is not supported: a "
+                             "tie's gradient sum needs whole gradients, a sharded replica holds a "
+                             "slice; untie them or train without shard_optimizer")
         device = torch.device(device) if device is not None else default_device()
         if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
             device = torch.device("cuda", torch.cuda.current_device())
@@ -180,7 +185,8 @@ class Pipeline:
             lambda s: source.stage(self.ranges[s], self.ties, device, opts), loss_fn,
             rows=self.rows, recompute=recompute, autocast=autocast, device=device,
             comm_timeout=comm_timeout, example=self._example(example_input, device),
-            target_example=self._example(example_target, device), wire_dtype=wire_dtype)
+            target_example=self._example(example_target, device), wire_dtype=wire_dtype,
+            shard_optimizer=shard_optimizer)
         del source  # the layers a rank does not hold are garbage now
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
@@ -214,15 +220,30 @@ class Pipeline:
 
     # -- parameters ------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters (all replicas it holds): give them to your optimizer."""
+        """What this rank's optimizer updates: give them to your optimizer. Every replica's
+        parameters it holds; with ``shard_optimizer=True``, this rank's slices of them (flat
+        pieces sharing the parameters' memory; their ``.grad`` is the slice of the summed
+        gradient), gathered into every replica at the next :meth:`step`, :meth:`eval_step`,
+        :meth:`named_parameters`, :meth:`state_dict` or :meth:`sync_parameters`."""
+        if self.runtime.shards:
+            return [t for t, _ in self.runtime.optimizer_parameters()]
         return self.runtime.parameters()
 
     def named_parameters(self):
         """(model-wide name, parameter) for every replica this rank holds: the names of
         ``nn.Sequential(*layers)`` (``"3.attn.weight"``); a name repeats when a rank holds
-        two copies (a second replica, or both ends of a tie)."""
-        for _, module in sorted(self.runtime.modules.items()):
-            yield from module.named_parameters()
+        two copies (a second replica, or both ends of a tie). With ``shard_optimizer=True``
+        a collective (every rank calls it): the optimizer's slices are gathered first."""
+        self.sync_parameters()
+        return iter([item for _, module in sorted(self.runtime.modules.items())
+                     for item in module.named_parameters()])
+
+    def sync_parameters(self) -> None:
+        """With ``shard_optimizer=True``: every replica gets the slices the optimizers
+        updated (a collective: call on every rank). Nothing to do otherwise."""
+        if self.runtime.shards:
+            self.runtime.gather_parameters()
+            self.runtime.finish_gather()
 
     def train(self, mode: bool = True) -> "Pipeline":
         for module in self.runtime.modules.values():
@@ -293,16 +314,18 @@ class Pipeline:
             raise ValueError("step() needs targets (the loss is computed from them); "
                              "eval_step(inputs) runs the forwards alone")
         data = self._micro_data(inputs, targets, loss_scale)
+        if self.runtime.shards:  # the slices the optimizer updated; each replica waits for
+            self.runtime.gather_parameters()  # its own at its first forward (prefetch)
         self.runtime.zero_grad(keep=accumulate)
-        kept = [g.flat.clone() for g in self.runtime.grads.values()] if accumulate else None
+        kept = [t.clone() for t in self.runtime.grad_tensors()] if accumulate else None
         if kept is not None:  # the sums below must cover only this step's gradients
             self.runtime.zero_grad(keep=False)
         loss = self.runtime.run(data, record)
         self.tie_sync.reduce_grads()
         if self.sync_buffers:
             sync_buffers(self.runtime)
-        for g, k in zip(self.runtime.grads.values(), kept or []):
-            g.flat += k
+        for t, k in zip(self.runtime.grad_tensors(), kept or []):
+            t += k
         dist.all_reduce(loss)
         return float(loss)
 
@@ -312,6 +335,8 @@ class Pipeline:
         the mini-batch loss (None without targets), and with ``return_outputs`` also the last
         stage's outputs for the whole mini-batch, on every rank, in row order."""
         data = self._micro_data(inputs, targets, 1.0, outputs=return_outputs)
+        if self.runtime.shards:
+            self.runtime.gather_parameters()
         loss = self.runtime.run_forward(data)
         dist.all_reduce(loss)
         loss = None if targets is None else float(loss)
@@ -335,6 +360,15 @@ class Pipeline:
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
         """Clip the gradients by the model's global 2-norm (each stage once, each tie once)
         and return that norm: the value ``torch.nn.utils.clip_grad_norm_`` gives on one device."""
+        if self.runtime.shards:  # each rank's slices: every stage once, no ties (refused)
+            sq = self.runtime.owned_sq_norm()
+            dist.all_reduce(sq)
+            norm = sq.sqrt()
+            grads = self.runtime.grad_tensors()
+            coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+            if math.isfinite(float(norm)):
+                torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            return norm
         sq = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         skip = self.tie_sync.counted_elsewhere()
         counted = set()
@@ -360,6 +394,7 @@ class Pipeline:
         """The whole model's state dict, named as ``nn.Sequential(*layers)``'s, gathered on
         rank 0 (on every rank with ``all_ranks``; ``{}`` elsewhere). Tied names map to one
         tensor (``torch.save`` stores it once). Call on every rank."""
+        self.sync_parameters()
         part = {}
         for (pipe, stage), module in sorted(self.runtime.modules.items()):
             if pipe == 0 and self.grid.rank == self._owner(stage):
@@ -389,6 +424,7 @@ class Pipeline:
         """Load a whole-model state dict (as :meth:`state_dict` returns, or the state dict of
         ``nn.Sequential(*layers)``) on every rank; each rank copies what it holds. Tied copies
         take the value of the tie's first name."""
+        self.runtime.finish_gather()  # a pending all-gather would overwrite what is loaded
         state = dict(state)
         for tie in self.ties:
             src = next((n for n in tie.names if n in state), None)

@@ -276,8 +276,9 @@ class Planner:
         return len(s.placement.replicas(0)) * c.width if c.shard else 1
 
     def _all_gather(self, c: Candidate, shape: Shape, sc: StageCosts) -> float:
-        """Sharded: the parameters' all-gather after the step, not overlapped in the runtime
-        (half of a ring allreduce; the reduce-scatter takes the allreduce's place)."""
+        """Sharded: the exposed part of the parameters' all-gathers after the step: one stage's
+        (half of a ring allreduce), the one a rank runs first; the runtime prefetches the
+        others behind its first forwards. The reduce-scatter takes the allreduce's place."""
         group = self._shards(c, shape.schedule)
         if group < 2:
             return 0.0

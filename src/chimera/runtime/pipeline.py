@@ -285,6 +285,14 @@ class PipelineRuntime:
         assignment detached it) and zero the buffers unless ``keep``."""
         for g in self.grads.values():
             g.attach(keep)
+        for shard in self.shards.values():  # the optimizer's pieces (their sums: overwritten)
+            shard.attach(keep)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Per replica, the tensor that holds its synchronized gradient after :meth:`run`:
+        the owned slice where the optimizer is sharded, the whole flat buffer elsewhere."""
+        return [self.shards[k].grad if k in self.shards else g.flat
+                for k, g in sorted(self.grads.items())]
 
     def run(self, data: MicroData, record: list[ActionRecord] | None = None) -> torch.Tensor:
         """One iteration's forwards, backwards and gradient sync (not the optimizer step);

@@ -74,6 +74,19 @@ class StageShard:
                 shard.pieces.append(Piece(piece, p, a - off, b - off, off))
         return shard
 
+    def attach(self, keep: bool = False) -> None:
+        """Re-point each piece's ``.grad`` at its part of ``self.grad`` (an optimizer's
+        ``zero_grad(set_to_none=True)`` dropped it); with ``keep``, a dropped one counts as
+        zero and an assigned tensor's values are copied in (as ``ReplicaGrads.attach``)."""
+        for pc in self.pieces:
+            view = self.grad[pc.offset + pc.start - self.lo:pc.offset + pc.end - self.lo]
+            g = pc.piece.grad
+            if g is not None and g.data_ptr() == view.data_ptr() and g.shape == view.shape:
+                continue
+            if keep:
+                view.copy_(g) if g is not None else view.zero_()
+            pc.piece.grad = view
+
     def reduce_scatter(self, flat_grad: torch.Tensor, collectives=None):
         """Async: the group's sum of slice k of ``flat_grad`` into ``self.grad`` (through the
         NCCL emulation's collective stream when ``collectives`` is given)."""
