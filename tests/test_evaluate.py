@@ -115,6 +115,7 @@ def test_log_json_carries_the_held_out_loss(layouts):
     assert [l["step"] for l in lines] == [0, 1, 2]
     assert "val_loss" not in lines[0]
     assert [l["val_loss"] for l in lines[1:]] == [v for _, _, v in outs[0]["chimera"][0][1:]]
+    assert all(l["eval_s"] > 0 for l in lines[1:])
 
 
 # -- one process -------------------------------------------------------------------------

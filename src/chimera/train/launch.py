@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -123,7 +124,9 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
             log = trainer.step(step, record if step == trace_step else None,
                                on_grads=faults.grad_hook(rank, step))
             if _eval_due(cfg, step + 1):
+                began = time.perf_counter()
                 log.val_loss = trainer.evaluate()
+                log.eval_seconds = time.perf_counter() - began
             logs.append(log)
             if hooks is not None:
                 hooks(trainer, step, log)

@@ -35,6 +35,7 @@ class StepLog:
     tokens: int
     skipped: bool = False  # non-finite loss or gradient norm with --skip-nonfinite: no step taken
     val_loss: float | None = None  # held-out loss after this step, where --eval-every asked for it
+    eval_seconds: float | None = None  # what computing it took (not in ``seconds``)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -362,5 +363,5 @@ def log_line(log: StepLog) -> str:
     if log.skipped:
         line["skipped"] = True
     if log.val_loss is not None:
-        line["val_loss"] = log.val_loss
+        line.update(val_loss=log.val_loss, eval_s=log.eval_seconds)
     return json.dumps(line)
