@@ -22,6 +22,8 @@ LAYOUTS = {  # world 2; every one has the mini-batch of 8 sequences
     "1f1b": dict(schedule="1f1b", stages=2, micro_batches=4),
     "w2": dict(schedule="1f1b", stages=1, data_parallel=2, micro_batches=2),
     "chimera-off": dict(schedule="chimera", stages=2, micro_batches=4, eval_every=0),
+    "sharded-recompute": dict(schedule="chimera", stages=2, micro_batches=4, shard_optimizer=True,
+                              recompute=True),
     "bert-halving": dict(model="bert-tiny", schedule="chimera", stages=2, micro_batches=4,
                          strategy="halving"),
     "bert-off": dict(model="bert-tiny", schedule="chimera", stages=2, micro_batches=4,
@@ -79,7 +81,7 @@ def test_held_out_loss_is_the_same_on_every_layout(layouts, data):
     ref = _reference(data)
     assert [(s, v is not None) for s, _, v in ref] == [(0, False), (1, True), (2, True)]
     assert ref[1][2] > ref[2][2] > 0  # a real loss, lower after one more step
-    for name in ("chimera", "1f1b", "w2"):
+    for name in ("chimera", "1f1b", "w2", "sharded-recompute"):
         for rank in (0, 1):  # every rank returns the all-reduced value
             got = outs[rank][name][0]
             assert [(s, v is None) for s, _, v in got] == [(s, v is None) for s, _, v in ref]
