@@ -205,14 +205,18 @@ class Trainer:
 
     def _reference_backward(self, inputs, targets) -> float:
         self.optimizer.zero_grad(set_to_none=False)
-        kind = "sum" if self.model_cfg.kind == "bert" else "mean"
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast is not None):
-            out = self.model(inputs.to(self.device))
-            loss = loss_fn(self.model_cfg, kind)(out, targets.to(self.device))
-        if kind == "sum":
+        loss = self._reference_loss(inputs, targets)
+        if self.model_cfg.kind == "bert":
             loss = loss / int((targets != IGNORE_INDEX).sum())
         loss.backward()
         return float(loss.detach())
+
+    def _reference_loss(self, inputs, targets) -> torch.Tensor:
+        """The single-process model's loss: the mean (GPT-2), the sum over masked tokens (BERT)."""
+        kind = "sum" if self.model_cfg.kind == "bert" else "mean"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast is not None):
+            out = self.model(inputs.to(self.device))
+            return loss_fn(self.model_cfg, kind)(out, targets.to(self.device))
 
     def _pipeline_backward(self, inputs, targets, record) -> float:
         data = self._micro_data(inputs, targets)
@@ -285,11 +289,7 @@ class Trainer:
         """This rank's share of the held-out loss of one mini-batch (a float64 scalar)."""
         if not self.cfg.reference:
             return self.runtime.run_forward(self._micro_data(inputs, targets, weight))
-        kind = "sum" if self.model_cfg.kind == "bert" else "mean"
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast is not None):
-            out = self.model(inputs.to(self.device))
-            loss = loss_fn(self.model_cfg, kind)(out, targets.to(self.device))
-        return loss.double() * weight
+        return self._reference_loss(inputs, targets).double() * weight
 
     def _clip(self) -> float:
         """Clip by the global norm, each stage counted once (not once per replica)."""
