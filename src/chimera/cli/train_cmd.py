@@ -70,12 +70,12 @@ def add_parsers(sub) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--skip-nonfinite", action="store_true", help="skip (and log) a step whose "
                    "loss or gradient norm is NaN/inf instead of stopping the run")
-    e = p.add_argument_group("evaluation (the held-out split: the last 5%% of the data)")
+    e = p.add_argument_group("evaluation (the held-out split: the last 5% of the data)")
     e.add_argument("--eval-every", type=_nonneg_int, default=0, metavar="K",
                    help="every K steps and at the end, the held-out loss: forwards only on every "
                         "rank (eval mode, no gradients, training unchanged), the same value on "
-                        "every layout; in the log line, --log-json (val_loss) and --json "
-                        "(default: 0, never)")
+                        "every layout; in the summary, the progress bar, --log-json "
+                        "(val_loss) and --json (default: 0, never)")
     e.add_argument("--eval-batches", type=positive_int, default=8, metavar="M",
                    help="mini-batches of W*N*B sequences per evaluation, the same ones each "
                         "time (default: 8)")
