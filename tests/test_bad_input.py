@@ -45,6 +45,7 @@ def files(tmp_path_factory):
     meta = root / "tampered" / "step-00000001" / "meta.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "step": "seven"}))
     (root / "short.txt").write_bytes(b"x" * 32)  # one sequence, but not after the held-out 5%
+    (root / "short-val.txt").write_bytes(b"x" * 300)  # trains; 15 held-out bytes: no sequence
     os.mkfifo(root / "fifo")
     _measured_files(root)
     return root
@@ -131,6 +132,20 @@ CASES = [
     (["bench", "--rows", ","], "no rows"),
     (["bench", "--out", "{root}/not-a-dir"], "not a directory"),
     (["profile", "--out", "{root}/not-a-dir/p.json"], "not a folder"),
+    # issue 15: evaluation and sampling
+    (["train", "--eval-every", "-1"], "-1"),
+    (["train", "--eval-every", "5", "--eval-batches", "0"], "positive"),
+    (["train", "--data", "{root}/short-val.txt", "--eval-every", "5"], "held-out split"),
+    (["generate", "--checkpoint", "{root}/nope", "--prompt", "x"], "no such directory"),
+    (["generate", "--checkpoint", "{root}/binary", "--prompt", "x"], "no checkpoint"),
+    (["generate", "--checkpoint", "{root}/corrupt", "--prompt", "x"], "corrupt"),
+    (["generate", "--checkpoint", "{root}/tampered", "--prompt", "x"], "malformed"),
+    (["generate", "--checkpoint", "{root}/bert-tiny", "--prompt", "x"], "BERT"),
+    (["generate", "--checkpoint", "{root}/gpt2-tiny", "--prompt", ""], "empty"),
+    (["generate", "--checkpoint", "{root}/gpt2-tiny", "--prompt", "x", "--temperature", "-1"],
+     "--temperature"),
+    (["generate", "--checkpoint", "{root}/gpt2-tiny", "--prompt", "x", "--tokenizer",
+      "{root}/text.txt"], "not a tokenizers file"),
 ]
 if not __import__("torch").cuda.is_available():
     CASES.append((["train", "--device", "cuda"], "--device cuda"))

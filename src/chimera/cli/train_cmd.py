@@ -70,6 +70,15 @@ def add_parsers(sub) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--skip-nonfinite", action="store_true", help="skip (and log) a step whose "
                    "loss or gradient norm is NaN/inf instead of stopping the run")
+    e = p.add_argument_group("evaluation (the held-out split: the last 5% of the data)")
+    e.add_argument("--eval-every", type=_nonneg_int, default=0, metavar="K",
+                   help="every K steps and at the end, the held-out loss: forwards only on every "
+                        "rank (eval mode, no gradients, training unchanged), the same value on "
+                        "every layout; in the summary, the progress bar, --log-json "
+                        "(val_loss) and --json (default: 0, never)")
+    e.add_argument("--eval-batches", type=positive_int, default=8, metavar="M",
+                   help="mini-batches of W*N*B sequences per evaluation, the same ones each "
+                        "time (default: 8)")
     c = p.add_argument_group("checkpoints (torch.distributed.checkpoint, keyed by parameter name: "
                              "resume on another D, W or schedule)")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints DIR/step-<n> "
@@ -109,7 +118,8 @@ def config_from_args(args: argparse.Namespace):
         trace=args.trace, png=args.png, progress=not args.no_progress,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
-        skip_nonfinite=args.skip_nonfinite)
+        skip_nonfinite=args.skip_nonfinite, eval_every=args.eval_every,
+        eval_batches=args.eval_batches)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -122,7 +132,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # every check happens here, before any process starts
     for path, flag in ((cfg.trace, "--trace"), (cfg.png, "--png"), (cfg.log_json, "--log-json")):
         check_output(path, flag)
-    if args.data is not None:
+    if args.data is not None or cfg.eval_every:
         _check_data(cfg)
     try:
         result = launch(cfg)
@@ -159,5 +169,9 @@ def _check_data(cfg) -> None:
     """Missing, empty or too-short data fails here, not inside a spawned process."""
     from chimera.data import load_corpus
     from chimera.models import get_config
+    from chimera.train.loop import check_heldout
 
-    load_corpus(cfg.data, seq_len=get_config(cfg.model).seq_len)
+    model = get_config(cfg.model)
+    corpus = load_corpus(cfg.data, seq_len=model.seq_len)
+    if cfg.eval_every:
+        check_heldout(corpus, model.kind, model.seq_len)

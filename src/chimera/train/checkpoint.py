@@ -351,13 +351,29 @@ def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, second
         "format": FORMAT, "step": int(final.name[len("step-"):]), "run_id": run_id,
         "model": cfg.model, "model_config": model_fingerprint(cfg.model),
         "data": {"next_step": int(final.name[len("step-"):]), "seed": cfg.seed,
-                 "global_batch": cfg.global_batch, "source": cfg.data},
+                 "global_batch": cfg.global_batch, "source": cfg.data,
+                 "tokenizer": tokenizer_record(cfg)},
         "layout": {"schedule": cfg.schedule, "stages": cfg.stages,
                    "data_parallel": cfg.data_parallel, "world": world, "dtype": cfg.dtype},
         "files": files, "save_seconds": round(seconds, 4), "written_at": time.time(),
     }
     _write_synced(tmp / META, json.dumps(meta, indent=1))
     _fsync(tmp / ".metadata")
+
+
+def tokenizer_record(cfg) -> dict | None:
+    """What ``chimera generate`` needs to turn the run's token ids back into text: the
+    tokenizer file (absolute path) and its SHA-256; None for byte tokens. Reads
+    ``cfg.tokenizer`` where the config has one (a ``tokenizers`` file), else bytes."""
+    path = getattr(cfg, "tokenizer", None)
+    if not path:
+        return None
+    path = Path(path).resolve()
+    return {"path": str(path), "sha256": _sha256(path)}
+
+
+def sha256_of(path: Path) -> str:
+    return _sha256(path)
 
 
 def model_fingerprint(model: str) -> dict:

@@ -15,7 +15,7 @@ DTYPES = ("float32", "float64", "bf16")
 # chimera.schedules.registry): a micro-batch is (B, seq_len) tokens on every first stage
 # below a second the ranks cannot even rendezvous; above a week is no timeout (and overflows C)
 MIN_COMM_TIMEOUT_S, MAX_COMM_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
-LIMITS = {"micro_batch_size": 65536, "data_parallel": 1024, "threads": 1024}
+LIMITS = {"micro_batch_size": 65536, "data_parallel": 1024, "threads": 1024, "eval_batches": 10000}
 
 
 class ConfigError(ValueError):
@@ -61,6 +61,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool = False  # continue from the newest checkpoint in checkpoint_dir, if any
     skip_nonfinite: bool = False  # skip a step with a NaN/inf loss or grad norm instead of stopping
+    eval_every: int = 0  # held-out loss every K steps and at the end; 0: never
+    eval_batches: int = 8  # mini-batches of the held-out split per evaluation (the same ones each time)
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -84,6 +86,7 @@ class TrainConfig:
         if not self.reference:
             self.build_schedule()  # raises ScheduleError on impossible layouts
         self._check_checkpoint()
+        self._check_eval()
 
     def _check_numbers(self) -> None:
         for name in ("stages", "micro_batch_size", "data_parallel", "steps", "threads"):
@@ -178,6 +181,15 @@ class TrainConfig:
             self._check_resumable()
         else:
             self._check_unowned()
+
+    def _check_eval(self) -> None:
+        for name, low in (("eval_every", 0), ("eval_batches", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        if self.eval_batches > LIMITS["eval_batches"]:
+            raise ConfigError(f"--eval-batches {self.eval_batches} exceeds the limit of "
+                              f"{LIMITS['eval_batches']}")
 
     def _check_unowned(self) -> None:
         """A directory holding checkpoints belongs to their run: only --resume continues it."""

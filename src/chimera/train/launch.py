@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,10 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
             faults.before_step(rank, step)
             log = trainer.step(step, record if step == trace_step else None,
                                on_grads=faults.grad_hook(rank, step))
+            if _eval_due(cfg, step + 1):
+                began = time.perf_counter()
+                log.val_loss = trainer.evaluate()
+                log.eval_seconds = time.perf_counter() - began
             logs.append(log)
             if hooks is not None:
                 hooks(trainer, step, log)
@@ -132,8 +137,7 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
                 print(f"step {step}: loss {log.loss} / grad norm {log.grad_norm} not finite: "
                       "skipped (no optimizer step)", file=sys.stderr)
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens / log.seconds:,.0f}")
+                _show(bar, logs)
             if _checkpoint_due(cfg, step + 1):
                 checkpoint.save(trainer, cfg.checkpoint_dir, step + 1, cfg.keep_checkpoints, lease)
     finally:
@@ -142,6 +146,20 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
         if log_file:
             log_file.close()
     return _collect(trainer, cfg, logs, record, result_path)
+
+
+def _show(bar, logs: list[StepLog]) -> None:
+    """The progress bar after ``logs[-1]``: loss, tokens/s, and the latest held-out loss."""
+    log = logs[-1]
+    held = next((l.val_loss for l in reversed(logs) if l.val_loss is not None), None)
+    bar.update(1)
+    bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens / log.seconds:,.0f}",
+                    **({"val": f"{held:.4f}"} if held is not None else {}))
+
+
+def _eval_due(cfg: TrainConfig, done: int) -> bool:
+    """After ``done`` steps: every ``eval_every`` steps, and at the end of the run."""
+    return cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps)
 
 
 def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:

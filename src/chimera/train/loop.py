@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from chimera.data import IGNORE_INDEX, get_batch, load_corpus
+from chimera.data import IGNORE_INDEX, VAL_FRACTION, get_batch, load_corpus, split_corpus
 from chimera.models import (build_layers, get_config, layer_costs, layer_names, loss_fn,
                             parse_partition, partition)
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
@@ -33,6 +34,8 @@ class StepLog:
     seconds: float
     tokens: int
     skipped: bool = False  # non-finite loss or gradient norm with --skip-nonfinite: no step taken
+    val_loss: float | None = None  # held-out loss after this step, where --eval-every asked for it
+    eval_seconds: float | None = None  # what computing it took (not in ``seconds``)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -92,6 +95,25 @@ def loss_weights(cfg: TrainConfig, targets: torch.Tensor, rows: int, n: int) -> 
     return {m: rows / targets.shape[0] for m in range(n)}, "mean"
 
 
+def eval_weight(cfg: TrainConfig, kind: str, targets: list[torch.Tensor], rows: int) -> float:
+    """The factor of each micro-batch loss (of ``rows`` rows) in the held-out loss: the mean
+    over every target token of the evaluation's mini-batches (GPT-2: the per-micro-batch
+    mean loss weighted by its share of the rows; BERT: the summed loss over all masked tokens)."""
+    if kind == "bert":
+        return 1.0 / sum(int((t != IGNORE_INDEX).sum()) for t in targets)
+    return rows / (cfg.global_batch * len(targets))
+
+
+def check_heldout(corpus: torch.Tensor, kind: str, seq_len: int) -> None:
+    """--eval-every needs at least one sequence in the held-out split (ValueError)."""
+    held = len(split_corpus(corpus, "val"))
+    need = seq_len + 1 if kind == "gpt2" else seq_len
+    if held < need:
+        raise ValueError(f"--eval-every: the held-out split (the last {VAL_FRACTION:.0%} of the "
+                         f"data) has {held} tokens, fewer than one sequence of {need}; give more "
+                         "data or drop --eval-every")
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -104,6 +126,8 @@ class Trainer:
         self.device = device or torch.device("cpu")
         self.model_cfg = get_config(cfg.model)
         self.corpus = load_corpus(cfg.data, seq_len=self.model_cfg.seq_len)
+        if cfg.eval_every:
+            check_heldout(self.corpus, self.model_cfg.kind, self.model_cfg.seq_len)
         self.dtype = DTYPE[cfg.dtype]
         self.autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
         if cfg.reference:
@@ -143,9 +167,9 @@ class Trainer:
         return torch.nn.Sequential(*layers).to(self.dtype)
 
     # -- one step -------------------------------------------------------------------------
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         return get_batch(self.corpus, step, self.cfg.global_batch, self.model_cfg.seq_len,
-                         self.cfg.seed, self.model_cfg.kind)
+                         self.cfg.seed, self.model_cfg.kind, split=split)
 
     def step(self, step: int, record: list[ActionRecord] | None = None, on_grads=None) -> StepLog:
         """Forward, backward, gradient sync, clipping and the optimizer step of ``step``.
@@ -181,14 +205,18 @@ class Trainer:
 
     def _reference_backward(self, inputs, targets) -> float:
         self.optimizer.zero_grad(set_to_none=False)
-        kind = "sum" if self.model_cfg.kind == "bert" else "mean"
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast is not None):
-            out = self.model(inputs.to(self.device))
-            loss = loss_fn(self.model_cfg, kind)(out, targets.to(self.device))
-        if kind == "sum":
+        loss = self._reference_loss(inputs, targets)
+        if self.model_cfg.kind == "bert":
             loss = loss / int((targets != IGNORE_INDEX).sum())
         loss.backward()
         return float(loss.detach())
+
+    def _reference_loss(self, inputs, targets) -> torch.Tensor:
+        """The single-process model's loss: the mean (GPT-2), the sum over masked tokens (BERT)."""
+        kind = "sum" if self.model_cfg.kind == "bert" else "mean"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast is not None):
+            out = self.model(inputs.to(self.device))
+            return loss_fn(self.model_cfg, kind)(out, targets.to(self.device))
 
     def _pipeline_backward(self, inputs, targets, record) -> float:
         data = self._micro_data(inputs, targets)
@@ -198,11 +226,16 @@ class Trainer:
         faults.collective("all-reduce of the loss", dist.all_reduce, total)
         return float(total.item())
 
-    def _micro_data(self, inputs, targets) -> MicroData:
+    def _micro_data(self, inputs, targets, weight: float | None = None) -> MicroData:
+        """This rank's micro-batches of a mini-batch; ``weight``: every micro-batch's loss
+        factor (default: the one that makes the summed losses the mini-batch mean)."""
         s, grid, rows = self.schedule, self.grid, self.rows
         per_replica = s.micro_batches * rows
         lo = grid.w * per_replica
-        weights, _ = loss_weights(self.cfg, targets, rows, s.micro_batches)
+        if weight is None:
+            weights, _ = loss_weights(self.cfg, targets, rows, s.micro_batches)
+        else:
+            weights = {m: weight for m in range(s.micro_batches)}
         inputs = to_device(inputs[lo:lo + per_replica], self.device)  # one copy per step
         mine = to_device(targets[lo:lo + per_replica], self.device)
         data = MicroData(weights=weights)
@@ -213,6 +246,50 @@ class Trainer:
             if (pipe, s.stages - 1) in held:
                 data.targets[m] = mine[m * rows:(m + 1) * rows]
         return data
+
+    # -- held-out loss ------------------------------------------------------------------
+    def evaluate(self) -> float:
+        """The loss on the first ``eval_batches`` mini-batches of the held-out split (the same
+        ones at every evaluation, so evaluations compare): the mean over their target tokens.
+
+        Forwards only (the schedule's forward-only program and its own comm plan, the one
+        ``chimera.api.Pipeline.eval_step`` runs), in eval mode (dropout off), without autograd;
+        gradients, optimizer state, RNG and train mode are as they were. Every micro-batch's
+        loss is computed once in the whole world and summed in float64, so every layout gives
+        the single-process value. Collective: every rank calls it.
+        """
+        batches = [self.batch(i, "val") for i in range(self.cfg.eval_batches)]
+        rows = self.cfg.global_batch if self.cfg.reference else self.rows
+        weight = eval_weight(self.cfg, self.model_cfg.kind, [t for _, t in batches], rows)
+        with self._eval_mode():
+            try:
+                local = sum(self._forward_loss(x, t, weight) for x, t in batches)
+            except CommTimeout as exc:
+                raise faults.explain(exc, self.runtime.eval_schedule, self.grid) from exc
+        if self.cfg.reference:
+            return float(local)
+        total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
+        faults.collective("all-reduce of the held-out loss", dist.all_reduce, total)
+        return float(total.item())
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        modules = [self.model] if self.cfg.reference else list(self.runtime.modules.values())
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                torch.no_grad():
+            for m in modules:
+                m.eval()
+            try:
+                yield
+            finally:
+                for m in modules:
+                    m.train()
+
+    def _forward_loss(self, inputs, targets, weight: float) -> torch.Tensor:
+        """This rank's share of the held-out loss of one mini-batch (a float64 scalar)."""
+        if not self.cfg.reference:
+            return self.runtime.run_forward(self._micro_data(inputs, targets, weight))
+        return self._reference_loss(inputs, targets).double() * weight
 
     def _clip(self) -> float:
         """Clip by the global norm, each stage counted once (not once per replica)."""
@@ -288,4 +365,6 @@ def log_line(log: StepLog) -> str:
             "step_s": log.seconds, "tokens": log.tokens}
     if log.skipped:
         line["skipped"] = True
+    if log.val_loss is not None:
+        line.update(val_loss=log.val_loss, eval_s=log.eval_seconds)
     return json.dumps(line)

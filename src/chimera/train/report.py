@@ -62,6 +62,13 @@ def summary(result: dict, schedule: Schedule | None) -> str:
         f"trained {cfg['model']} with {cfg['schedule']} on D={cfg['stages']} x W={cfg['data_parallel']} "
         f"process(es) for {len(losses)} steps",
         f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}",
+    ]
+    held = [(s["step"] + 1, s["val_loss"]) for s in result["steps"] if s.get("val_loss") is not None]
+    if held:
+        lines.append(f"  held-out loss {held[0][1]:.4f} after {held[0][0]} steps -> {held[-1][1]:.4f} "
+                     f"after {held[-1][0]} ({cfg.get('eval_batches')} mini-batches of the held-out "
+                     "split)")
+    lines += [
         f"  throughput {tok_s:,.0f} tokens/s (median step {step_s * 1000:.1f} ms after warm-up)",
     ]
     if schedule is not None:

@@ -1,0 +1,77 @@
+"""`chimera generate`: continue a prompt with a model trained by `chimera train`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from chimera.cli.common import positive_int
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="sample text from a trained checkpoint (GPT-2 presets)",
+        description="Continue a prompt with the model of a checkpoint written by `chimera train "
+                    "--checkpoint-dir DIR`, in this one process, whatever D, W and schedule trained "
+                    "it (checkpoints are keyed by parameter name). Tokens are UTF-8 bytes unless "
+                    "the run recorded a tokenizer (or --tokenizer names one). A prompt longer "
+                    "than the model's context keeps its last tokens (the command says so). BERT "
+                    "checkpoints are refused: a masked LM does not continue text left to right. "
+                    "Prints the prompt followed by the continuation.",
+        epilog="example: chimera train --steps 200 --checkpoint-dir ckpt && "
+               "chimera generate --checkpoint ckpt --prompt 'def main(' --temperature 0")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a run's --checkpoint-dir (its newest step-<n>) or one step-<n> folder")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    p.add_argument("--max-new-tokens", type=positive_int, default=200, metavar="N",
+                   help="tokens to add (bytes with byte tokens; default: 200)")
+    p.add_argument("--temperature", type=_temperature, default=0.8, metavar="T",
+                   help="divide the logits by T before sampling; 0 = greedy, always the most "
+                        "likely token (default: 0.8)")
+    p.add_argument("--top-k", type=positive_int, metavar="K",
+                   help="sample among the K most likely tokens only (default: all)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampler: the same seed gives the same text (default: 0)")
+    p.add_argument("--tokenizer", metavar="FILE", help="a tokenizers file (tokenizer.json) to "
+                   "use instead of the one the run recorded, or of bytes")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch threads (default: 1; a small model decodes fastest on one)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, completion, "
+                   "token ids, checkpoint, step")
+    p.set_defaults(func=cmd_generate)
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0: greedy), got {text!r}")
+    return value
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from chimera.train.generate import generate
+
+    torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no GPU is visible to this torch; use --device cpu")
+    out = generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
+                   args.top_k, args.seed, args.device, args.tokenizer)
+    for note in out.notes:
+        print(f"chimera generate: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"text": out.text, "completion": out.completion,
+                          "prompt_ids": out.prompt_ids, "new_ids": out.new_ids,
+                          "cropped": out.cropped, "checkpoint": out.checkpoint, "step": out.step,
+                          "tokens": out.codec}))
+    else:
+        print(out.text)
+    return 0
