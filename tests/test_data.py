@@ -260,6 +260,27 @@ def test_tokenize_writes_ids_that_decode_to_the_text(fmt, monkeypatch, tmp_path)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_tokenize_cli_on_jsonl_and_datasets_text(fmt, tmp_path, capsys):
+    """The command: a given tokenizer on a .jsonl field, a trained one on a datasets text
+    column (the same text and vocabulary as the fixture's: the same tokenizer, byte for byte)."""
+    root, text, _, docs = fmt
+    tok = root / "tok" / "tokenizer.json"
+    assert main(["tokenize", "--data", str(root / "docs.jsonl"), "--text-field", "body",
+                 "--tokenizer", str(tok), "--out", str(tmp_path / "j"), "--no-progress"]) == 0
+    assert "chimera train --data" in capsys.readouterr().out
+    ids = np.concatenate([np.fromfile(tmp_path / "j" / n, "<u2") for n in ("train.bin", "val.bin")])
+    assert ids.tolist() == encode(tok, docs)
+    (tmp_path / "one.txt").write_text(text)
+    assert main(["tokenize", "--data", str(tmp_path / "one.txt"), "--vocab-size", "300",
+                 "--out", str(tmp_path / "again"), "--no-progress"]) == 0
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == tok.read_bytes()  # deterministic
+    assert main(["tokenize", "--data", str(root / "ds-text"), "--vocab-size", "300",
+                 "--out", str(tmp_path / "d"), "--no-progress"]) == 0
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["tokens"]["train"] + meta["tokens"]["val"] == len(
+        encode(tmp_path / "d" / "tokenizer.json", docs))
+
+
 def test_train_on_a_tokenized_file_with_its_meta(fmt, monkeypatch, tmp_path):
     root = fmt[0]
     seen = train_batches(["--data", str(root / "tok" / "train.bin")], monkeypatch, tmp_path)
@@ -323,9 +344,11 @@ def test_bert_on_token_ids_gets_a_mask_id_after_the_vocabulary(fmt):
 
 def test_token_files_are_memory_mapped_and_sampled_as_in_memory(fmt):
     """A memory map gives the same batches as the same ids in memory (and as a tensor)."""
+    from chimera.data_formats import TokenFile
+
     root, _, ids, _ = fmt
     mapped = open_data(DataSpec(str(root / "u16.bin"), token_dtype="uint16", vocab_size=1000))
-    assert isinstance(mapped.train, np.memmap)
+    assert isinstance(mapped.train, TokenFile) and isinstance(mapped.val, TokenFile)
     loaded = Corpus.from_tokens(ids.astype(np.int64), 1000, "memory")
     tensor = Corpus.from_tokens(torch.from_numpy(ids), 1000, "tensor")
     for step in (0, 7):

@@ -25,7 +25,7 @@ import numpy as np
 
 from chimera import data_text
 from chimera.data import BYTE_VOCAB, VAL_FRACTION, split_corpus_bytes
-from chimera.data_formats import MAX_VOCAB, META, META_FORMAT, DataSpec, describe
+from chimera.data_formats import MAX_VOCAB, META, META_FORMAT, DataSpec, describe, detect
 
 FILES = {"train": "train.bin", "val": "val.bin"}
 COPY_CHUNK = 2**24              # ids copied at once when val.bin is cut off
@@ -52,10 +52,12 @@ def tokenize(spec: DataSpec, out: str | os.PathLike, vocab_size: int | None,
              progress: bool = False) -> dict:
     """Train a tokenizer on ``spec``'s text (or use ``spec.tokenizer``) and write ``out``
     (which must not exist, or be empty). Returns the ``meta.json`` written."""
-    info = describe(DataSpec(spec.path, text_field=spec.text_field))  # the text, as a source
-    if not info.text:
-        raise ValueError(f"{spec.path} holds token ids already (format {info.format}): "
-                         "chimera tokenize reads text")
+    fmt = detect(spec)
+    if fmt in ("bin", "token-folder", "npy"):
+        raise ValueError(f"{spec.path} holds token ids already: chimera tokenize reads text")
+    field = spec.text_field or ("text" if fmt == "datasets" else None)  # not its input_ids
+    info = describe(DataSpec(spec.path, text_field=field))  # the text, read as a source
+    spec = DataSpec(spec.path, text_field=field, tokenizer=spec.tokenizer)
     out = Path(out)
     _check_out(out)
     if spec.tokenizer is not None:

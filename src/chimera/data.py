@@ -163,12 +163,13 @@ def split_corpus_bytes(n: int) -> tuple[range, range]:
 class Corpus:
     """Token ids in two splits, and the vocabulary they come from.
 
-    ``train`` and ``val`` are 1-D arrays (a uint8 tensor for bytes, a NumPy array, often a
-    read-only memory map, for token ids); every id is below ``vocab_size``. ``tokenizer``
-    is the ``tokenizer.json`` that made (or decodes) the ids, if any.
+    ``train`` and ``val`` are 1-D arrays: a uint8 tensor for bytes, a NumPy array or a
+    ``data_formats.TokenFile`` (ids in a file, memory-mapped per read) for token ids; every
+    id is below ``vocab_size``. ``tokenizer`` is the ``tokenizer.json`` that made (or
+    decodes) the ids, if any.
     """
 
-    train: torch.Tensor | np.ndarray
+    train: torch.Tensor | np.ndarray  # or a TokenFile
     val: torch.Tensor | np.ndarray
     vocab_size: int
     where: str
@@ -248,8 +249,9 @@ def mask_tokens(tokens: torch.Tensor, gen: torch.Generator,
     return inputs, targets
 
 
-def _take(data: torch.Tensor | np.ndarray, index: torch.Tensor) -> torch.Tensor:
-    """``data[index]`` as int64; of a memory map only the indexed pages are read."""
+def _take(data, index: torch.Tensor) -> torch.Tensor:
+    """``data[index]`` as int64; of a file (``data_formats.TokenFile``) only the indexed
+    pages are read."""
     if isinstance(data, torch.Tensor):
         return data[index].long()
     return torch.from_numpy(np.asarray(data[index.numpy()], dtype=np.int64))

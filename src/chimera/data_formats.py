@@ -39,6 +39,7 @@ META, META_FORMAT = "meta.json", "chimera-tokens"
 SCAN_CHUNK = 2**24              # ids checked per read of a memory-mapped file
 BAR_TOKENS = 2**27              # a progress bar over the id check from this many tokens on
 TEXT_SUFFIXES = (".jsonl",)
+TOKEN_FILES = ("bin", "token-folder", "npy")
 # files a folder read as text must not hold: they are data in a format of their own
 DATA_SUFFIXES = (".bin", ".npy", ".npz", ".jsonl", ".arrow", ".parquet", ".pkl", ".pickle",
                  ".pt", ".pth", ".safetensors")
@@ -170,6 +171,8 @@ def describe(spec: DataSpec) -> DataInfo:
     _check_flags(spec, fmt)
     column = _datasets_column(spec) if fmt == "datasets" else None
     as_text = fmt in ("stdlib", "text", "jsonl") or column == spec.field
+    if fmt in TOKEN_FILES:
+        _token_arrays(spec, fmt)  # dtype, shape and size: a header and a stat
     known = {}
     if spec.tokenizer is not None:
         known[f"--tokenizer {spec.tokenizer}"] = data_text.load_tokenizer(spec.tokenizer).get_vocab_size()
@@ -254,9 +257,7 @@ def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = Fa
         corpus = Corpus.from_tokens(_datasets_ids(spec, info), info.vocab_size, where,
                                     tokenizer=info.tokenizer)
     else:
-        corpus = _token_files(spec, info)
-    for split in (corpus.train, corpus.val):
-        check_ids(split, corpus.vocab_size, where, progress)
+        corpus = _token_files(spec, info, progress)
     _check_length(corpus, seq_len)
     return corpus
 
@@ -275,11 +276,20 @@ def _text(spec: DataSpec, info: DataInfo, progress: bool) -> Corpus:
     return Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=spec.tokenizer)
 
 
-def _token_files(spec: DataSpec, info: DataInfo) -> Corpus:
+def _token_files(spec: DataSpec, info: DataInfo, progress: bool) -> Corpus:
+    train, val = _token_arrays(spec, info.format, info.vocab_size, progress)
+    if val is None:
+        return Corpus.from_tokens(train, info.vocab_size, spec.path, tokenizer=info.tokenizer)
+    return Corpus(train, val, info.vocab_size, spec.path, tokenizer=info.tokenizer)
+
+
+def _token_arrays(spec: DataSpec, fmt: str, vocab: int | None = None, progress: bool = False):
+    """(the ids, the held-out ids or None) of token files; every id is read and checked
+    against ``vocab`` unless it is None (then only dtype, shape and size are)."""
     p = Path(spec.path)
-    if info.format == "npy":
-        return Corpus.from_tokens(_npy(p), info.vocab_size, str(p), tokenizer=info.tokenizer)
-    meta = _meta_for(spec.path, info.format)
+    if fmt == "npy":
+        return _npy(p, vocab, progress), None
+    meta = _meta_for(spec.path, fmt)
     dtype = spec.token_dtype or (meta or {}).get("dtype")
     if dtype is None:
         raise ValueError(f"{p} holds raw token ids of no stated width: give --token-dtype "
@@ -287,17 +297,47 @@ def _token_files(spec: DataSpec, info: DataInfo) -> Corpus:
     if meta is not None and spec.token_dtype not in (None, meta["dtype"]):
         raise ValueError(f"--token-dtype {spec.token_dtype} contradicts {p if p.is_dir() else p.parent}"
                          f"/{META} (dtype {meta['dtype']})")
-    if info.format == "bin":
-        return Corpus.from_tokens(_bin(p, dtype), info.vocab_size, str(p), tokenizer=info.tokenizer)
+    if fmt == "bin":
+        return _bin(p, dtype, vocab, progress), None
     val = p / "val.bin"  # nanoGPT's layout: train.bin, and val.bin held out
-    if not val.is_file():
-        return Corpus.from_tokens(_bin(p / "train.bin", dtype), info.vocab_size, str(p),
-                                  tokenizer=info.tokenizer)
-    return Corpus(_bin(p / "train.bin", dtype), _bin(val, dtype), info.vocab_size, str(p),
-                  tokenizer=info.tokenizer)
+    held = _bin(val, dtype, vocab, progress) if val.is_file() else None
+    return _bin(p / "train.bin", dtype, vocab, progress), held
 
 
-def _bin(p: Path, dtype: str) -> np.ndarray:
+@dataclass(frozen=True)
+class TokenFile:
+    """Ids ``offset ..`` of a file, a 1-D array the sampler indexes: each read maps the file
+    afresh (as nanoGPT does), so a long run does not keep every page it has touched mapped
+    (and counted in its RSS). A slice is another ``TokenFile``, nothing is read."""
+
+    path: str
+    dtype: np.dtype
+    offset: int      # bytes
+    length: int      # ids
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.length)
+            if step != 1:
+                raise ValueError("a TokenFile slices with step 1 only")
+            return TokenFile(self.path, self.dtype, self.offset + start * self.dtype.itemsize,
+                             max(0, stop - start))
+        ids = np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset,
+                        shape=(self.length,))
+        return np.array(ids[key])  # a copy: the map is dropped here
+
+    def chunks(self, size: int = SCAN_CHUNK):
+        """The ids in order, ``size`` at a time, by plain reads (no map)."""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            for lo in range(0, self.length, size):
+                yield lo, np.fromfile(f, dtype=self.dtype, count=min(size, self.length - lo))
+
+
+def _bin(p: Path, dtype: str, vocab: int | None, progress: bool) -> TokenFile:
     check_corpus_path(p)
     size, width = p.stat().st_size, TOKEN_DTYPES[dtype].itemsize
     if size == 0:
@@ -305,14 +345,18 @@ def _bin(p: Path, dtype: str) -> np.ndarray:
     if size % width:
         raise ValueError(f"{p} has {size:,} bytes, not a multiple of {width} ({dtype} ids): not "
                          "a token file of that dtype")
-    return np.memmap(p, dtype=TOKEN_DTYPES[dtype], mode="r")
+    ids = TokenFile(str(p), TOKEN_DTYPES[dtype], 0, size // width)
+    if vocab is not None:
+        check_ids(ids, vocab, str(p), progress)
+    return ids
 
 
-def _npy(p: Path) -> np.ndarray:
+def _npy(p: Path, vocab: int | None, progress: bool) -> TokenFile:
     try:
-        array = np.load(p, mmap_mode="r", allow_pickle=False)
+        array = np.load(p, mmap_mode="r", allow_pickle=False)  # reads the header only
     except ValueError as exc:  # object arrays need a pickle; a damaged header
-        kind = "Python objects (a pickle)" if "allow_pickle" in str(exc) else str(exc).splitlines()[0]
+        objects = "allow_pickle" in str(exc) or "Python objects" in str(exc)
+        kind = "Python objects (a pickle)" if objects else str(exc).splitlines()[0]
         raise ValueError(f"{p} holds {kind}, not token ids") from None
     except (OSError, EOFError) as exc:
         raise ValueError(f"{p} is not a readable .npy file ({exc})") from None
@@ -322,23 +366,24 @@ def _npy(p: Path) -> np.ndarray:
         raise ValueError(f"{p} is {array.ndim}-D {tuple(array.shape)}: give a 1-D array of token ids")
     if array.size == 0:
         raise ValueError(f"{p} is empty")
-    return array
+    ids = TokenFile(str(p), array.dtype, array.offset, len(array))
+    if vocab is not None:
+        check_ids(ids, vocab, str(p), progress)
+    return ids
 
 
 def check_ids(ids, vocab: int, where: str, progress: bool = False) -> None:
-    """Every id in ``0 .. vocab - 1``: read in chunks, so a memory map is not held whole."""
-    if getattr(ids, "dtype", None) is not None and str(ids.dtype) in ("uint8", "torch.uint8") \
-            and vocab >= BYTE_VOCAB:
-        return
-    ids = np.asarray(ids)
+    """Every id in ``0 .. vocab - 1``; a ``TokenFile`` is read in chunks, not held whole."""
+    chunks = ids.chunks() if isinstance(ids, TokenFile) else (
+        (lo, ids[lo:lo + SCAN_CHUNK]) for lo in range(0, len(ids), SCAN_CHUNK))
     bar = _bar(len(ids), "checking token ids", progress and len(ids) >= BAR_TOKENS)
-    for lo in range(0, len(ids), SCAN_CHUNK):
-        chunk = ids[lo:lo + SCAN_CHUNK]
-        bad = (chunk >= vocab) | (chunk < 0) if np.issubdtype(chunk.dtype, np.signedinteger) \
-            else chunk >= vocab
+    for lo, chunk in chunks:
+        bad = chunk >= vocab
+        if np.issubdtype(chunk.dtype, np.signedinteger):
+            bad |= chunk < 0
         if bad.any():
-            at = lo + int(np.argmax(bad))
-            raise ValueError(f"{where} holds token id {int(ids[at])} (at position {at:,}), "
+            at = int(np.argmax(bad))
+            raise ValueError(f"{where} holds token id {int(chunk[at])} (at position {lo + at:,}), "
                              f"outside the vocabulary of {vocab} ids")
         if bar is not None:
             bar.update(len(chunk))

@@ -11,7 +11,7 @@ def add_parsers(sub) -> None:
     p = sub.add_parser(
         "tokenize", help="train a BPE tokenizer on local text and write token files for training",
         description="Train a byte-level BPE tokenizer (HF tokenizers) on local text and write "
-                    "DIR/tokenizer.json, DIR/train.bin and DIR/val.bin (the last 5%% of the ids) "
+                    "DIR/tokenizer.json, DIR/train.bin and DIR/val.bin (the last 5% of the ids) "
                     "and DIR/meta.json (dtype, vocabulary). Then `chimera train --data DIR` "
                     "trains on them with a model vocabulary of the tokenizer's size; "
                     "`chimera train --data TEXT --tokenizer DIR/tokenizer.json` reads the same ids.")
