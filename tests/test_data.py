@@ -344,7 +344,7 @@ def test_bert_on_token_ids_gets_a_mask_id_after_the_vocabulary(fmt):
 
 def test_token_files_are_memory_mapped_and_sampled_as_in_memory(fmt):
     """A memory map gives the same batches as the same ids in memory (and as a tensor)."""
-    from chimera.data_formats import TokenFile
+    from chimera.data_tokens import TokenFile
 
     root, _, ids, _ = fmt
     mapped = open_data(DataSpec(str(root / "u16.bin"), token_dtype="uint16", vocab_size=1000))

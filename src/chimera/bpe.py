@@ -26,6 +26,7 @@ import numpy as np
 from chimera import data_text
 from chimera.data import BYTE_VOCAB, VAL_FRACTION, split_corpus_bytes
 from chimera.data_formats import MAX_VOCAB, META, META_FORMAT, DataSpec, describe, detect
+from chimera.data_tokens import id_dtype
 
 FILES = {"train": "train.bin", "val": "val.bin"}
 COPY_CHUNK = 2**24              # ids copied at once when val.bin is cut off
@@ -90,7 +91,7 @@ def _check_out(out: Path) -> None:
 
 def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress: bool) -> dict:
     tokenizer.save(str(tmp / "tokenizer.json"))
-    dtype = data_text.id_dtype(vocab)
+    dtype = id_dtype(vocab)
     train, n = tmp / FILES["train"], 0
     with open(train, "wb") as f:  # every id goes to train.bin first; the tail moves to val.bin
         for ids in data_text.encode_chunks(tokenizer, data_text.text_pieces(spec, fmt), vocab,

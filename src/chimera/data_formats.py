@@ -27,17 +27,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
-from chimera import data_text
-from chimera.data import (BYTE_VOCAB, MAX_CORPUS_BYTES, VAL_FRACTION, Corpus, check_corpus_path,
-                          load_corpus)
+from chimera import data_datasets, data_text
+from chimera.data import BYTE_VOCAB, Corpus, check_corpus_path, load_corpus
+from chimera.data_tokens import TOKEN_DTYPES, bin_file, npy_file
 
-TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 MAX_VOCAB = 2**24               # an embedding row per id: beyond this is a typo, not a model
 META, META_FORMAT = "meta.json", "chimera-tokens"
-SCAN_CHUNK = 2**24              # ids checked per read of a memory-mapped file
-BAR_TOKENS = 2**27              # a progress bar over the id check from this many tokens on
 TEXT_SUFFIXES = (".jsonl",)
 TOKEN_FILES = ("bin", "token-folder", "npy")
 # files a folder read as text must not hold: they are data in a format of their own
@@ -151,7 +147,7 @@ def _detect_folder(p: Path) -> str:
         splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
         raise ValueError(f"--data {p} is a datasets DatasetDict (splits: {', '.join(splits)}): "
                          f"pass one split's folder, e.g. --data {p / (splits or ['train'])[0]}")
-    if (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
+    if data_datasets.is_datasets_folder(p):
         return "datasets"
     if (p / "train.bin").is_file():
         return "token-folder"
@@ -169,7 +165,7 @@ def describe(spec: DataSpec) -> DataInfo:
     """The format of ``spec`` and its vocabulary; refuses flags that do not apply."""
     fmt = detect(spec)
     _check_flags(spec, fmt)
-    column = _datasets_column(spec) if fmt == "datasets" else None
+    column = data_datasets.pick_column(spec) if fmt == "datasets" else None
     as_text = fmt in ("stdlib", "text", "jsonl") or column == spec.field
     if fmt in TOKEN_FILES:
         _token_arrays(spec, fmt)  # dtype, shape and size: a header and a stat
@@ -178,7 +174,7 @@ def describe(spec: DataSpec) -> DataInfo:
         known[f"--tokenizer {spec.tokenizer}"] = data_text.load_tokenizer(spec.tokenizer).get_vocab_size()
     meta = _meta_for(spec.path, fmt)
     if meta is not None:
-        known[str(Path(spec.path, META) if fmt == "token-folder" else Path(spec.path).parent / META)] = meta["vocab_size"]
+        known[meta["path"]] = meta["vocab_size"]
     if as_text and spec.tokenizer is None:
         if spec.vocab_size is not None:
             raise ValueError(f"--vocab-size applies to token ids: {_what(spec, fmt)} is read as "
@@ -238,7 +234,7 @@ def _meta_for(path: str | None, fmt: str) -> dict | None:
     if meta.get("dtype") not in TOKEN_DTYPES or not isinstance(meta.get("vocab_size"), int):
         raise ValueError(f"{meta_path} is malformed: it needs dtype (uint16|uint32) and vocab_size")
     tok = meta.get("tokenizer")
-    return {**meta, "tokenizer_path": str(folder / tok) if tok else None}
+    return {**meta, "path": str(meta_path), "tokenizer_path": str(folder / tok) if tok else None}
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,8 +250,8 @@ def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = Fa
     elif info.text:  # of a file, folder, .jsonl or datasets column, as bytes or through a tokenizer
         corpus = _text(spec, info, progress)
     elif info.format == "datasets":
-        corpus = Corpus.from_tokens(_datasets_ids(spec, info), info.vocab_size, where,
-                                    tokenizer=info.tokenizer)
+        ids = data_datasets.token_ids(spec, info.column, info.vocab_size)
+        corpus = Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=info.tokenizer)
     else:
         corpus = _token_files(spec, info, progress)
     _check_length(corpus, seq_len)
@@ -288,197 +284,26 @@ def _token_arrays(spec: DataSpec, fmt: str, vocab: int | None = None, progress: 
     against ``vocab`` unless it is None (then only dtype, shape and size are)."""
     p = Path(spec.path)
     if fmt == "npy":
-        return _npy(p, vocab, progress), None
+        return npy_file(p, vocab, progress), None
     meta = _meta_for(spec.path, fmt)
     dtype = spec.token_dtype or (meta or {}).get("dtype")
     if dtype is None:
         raise ValueError(f"{p} holds raw token ids of no stated width: give --token-dtype "
                          "uint16 or uint32 (nanoGPT writes uint16)")
     if meta is not None and spec.token_dtype not in (None, meta["dtype"]):
-        raise ValueError(f"--token-dtype {spec.token_dtype} contradicts {p if p.is_dir() else p.parent}"
-                         f"/{META} (dtype {meta['dtype']})")
+        raise ValueError(f"--token-dtype {spec.token_dtype} contradicts {meta['path']} "
+                         f"(dtype {meta['dtype']})")
     if fmt == "bin":
-        return _bin(p, dtype, vocab, progress), None
+        return bin_file(p, dtype, vocab, progress), None
     val = p / "val.bin"  # nanoGPT's layout: train.bin, and val.bin held out
-    held = _bin(val, dtype, vocab, progress) if val.is_file() else None
-    return _bin(p / "train.bin", dtype, vocab, progress), held
-
-
-@dataclass(frozen=True)
-class TokenFile:
-    """Ids ``offset ..`` of a file, a 1-D array the sampler indexes: each read maps the file
-    afresh (as nanoGPT does), so a long run does not keep every page it has touched mapped
-    (and counted in its RSS). A slice is another ``TokenFile``, nothing is read."""
-
-    path: str
-    dtype: np.dtype
-    offset: int      # bytes
-    length: int      # ids
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            start, stop, step = key.indices(self.length)
-            if step != 1:
-                raise ValueError("a TokenFile slices with step 1 only")
-            return TokenFile(self.path, self.dtype, self.offset + start * self.dtype.itemsize,
-                             max(0, stop - start))
-        ids = np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset,
-                        shape=(self.length,))
-        return np.array(ids[key])  # a copy: the map is dropped here
-
-    def chunks(self, size: int = SCAN_CHUNK):
-        """The ids in order, ``size`` at a time, by plain reads (no map)."""
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            for lo in range(0, self.length, size):
-                yield lo, np.fromfile(f, dtype=self.dtype, count=min(size, self.length - lo))
-
-
-def _bin(p: Path, dtype: str, vocab: int | None, progress: bool) -> TokenFile:
-    check_corpus_path(p)
-    size, width = p.stat().st_size, TOKEN_DTYPES[dtype].itemsize
-    if size == 0:
-        raise ValueError(f"{p} is empty")
-    if size % width:
-        raise ValueError(f"{p} has {size:,} bytes, not a multiple of {width} ({dtype} ids): not "
-                         "a token file of that dtype")
-    ids = TokenFile(str(p), TOKEN_DTYPES[dtype], 0, size // width)
-    if vocab is not None:
-        check_ids(ids, vocab, str(p), progress)
-    return ids
-
-
-def _npy(p: Path, vocab: int | None, progress: bool) -> TokenFile:
-    try:
-        array = np.load(p, mmap_mode="r", allow_pickle=False)  # reads the header only
-    except ValueError as exc:  # object arrays need a pickle; a damaged header
-        objects = "allow_pickle" in str(exc) or "Python objects" in str(exc)
-        kind = "Python objects (a pickle)" if objects else str(exc).splitlines()[0]
-        raise ValueError(f"{p} holds {kind}, not token ids") from None
-    except (OSError, EOFError) as exc:
-        raise ValueError(f"{p} is not a readable .npy file ({exc})") from None
-    if not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{p} holds {array.dtype} values: token ids must be integers")
-    if array.ndim != 1:
-        raise ValueError(f"{p} is {array.ndim}-D {tuple(array.shape)}: give a 1-D array of token ids")
-    if array.size == 0:
-        raise ValueError(f"{p} is empty")
-    ids = TokenFile(str(p), array.dtype, array.offset, len(array))
-    if vocab is not None:
-        check_ids(ids, vocab, str(p), progress)
-    return ids
-
-
-def check_ids(ids, vocab: int, where: str, progress: bool = False) -> None:
-    """Every id in ``0 .. vocab - 1``; a ``TokenFile`` is read in chunks, not held whole."""
-    chunks = ids.chunks() if isinstance(ids, TokenFile) else (
-        (lo, ids[lo:lo + SCAN_CHUNK]) for lo in range(0, len(ids), SCAN_CHUNK))
-    bar = _bar(len(ids), "checking token ids", progress and len(ids) >= BAR_TOKENS)
-    for lo, chunk in chunks:
-        bad = chunk >= vocab
-        if np.issubdtype(chunk.dtype, np.signedinteger):
-            bad |= chunk < 0
-        if bad.any():
-            at = int(np.argmax(bad))
-            raise ValueError(f"{where} holds token id {int(chunk[at])} (at position {lo + at:,}), "
-                             f"outside the vocabulary of {vocab} ids")
-        if bar is not None:
-            bar.update(len(chunk))
-    if bar is not None:
-        bar.close()
-
-
-def _bar(total: int, desc: str, show: bool):
-    if not show:
-        return None
-    import sys
-
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, file=sys.stderr)
+    held = bin_file(val, dtype, vocab, progress) if val.is_file() else None
+    return bin_file(p / "train.bin", dtype, vocab, progress), held
 
 
 def _check_length(corpus: Corpus, seq_len: int | None) -> None:
     if seq_len is not None and len(corpus.train) < seq_len + 1:
-        held = f"; the last {VAL_FRACTION:.0%} is held out" if len(corpus.val) <= max(
-            1, int(len(corpus) * VAL_FRACTION)) else ""
         raise ValueError(f"{corpus.where} has {len(corpus.train):,} tokens in its training "
-                         f"split: fewer than one sequence of {seq_len} + 1{held}")
-
-
-# ---------------------------------------------------------------------------------------
-# datasets folders (save_to_disk): arrow streams listed in state.json
-
-def _datasets_table(folder: Path):
-    try:
-        import pyarrow as pa
-    except ImportError:
-        raise ValueError(f"--data {folder} is a datasets folder: reading it needs pyarrow "
-                         "(pip install 'chimera-pipeline[hf]')") from None
-    try:
-        names = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{folder / 'state.json'} is not a datasets state file") from None
-    files = [folder / n for n in names]
-    total = sum(f.stat().st_size for f in files if f.is_file())
-    if total > MAX_CORPUS_BYTES:
-        raise ValueError(f"--data {folder} has {total:,} bytes of arrow data, more than the limit "
-                         f"of {MAX_CORPUS_BYTES:,} (it is read into memory): write .bin token files")
-    tables = []
-    for f in files:
-        check_corpus_path(f)
-        try:
-            tables.append(pa.ipc.open_stream(pa.memory_map(str(f))).read_all())
-        except pa.ArrowInvalid as exc:
-            raise ValueError(f"{f} is not an arrow stream ({exc})") from None
-    return pa.concat_tables(tables) if tables else None
-
-
-def _datasets_column(spec: DataSpec) -> str:
-    """``--text-field`` if given, else ``input_ids`` if present, else ``text``."""
-    table = _datasets_table(Path(spec.path))
-    columns = table.column_names if table is not None else []
-    want = spec.text_field or ("input_ids" if "input_ids" in columns else "text")
-    if want not in columns:
-        raise ValueError(f"--data {spec.path} has columns {', '.join(columns) or '(none)'}: no "
-                         f"{want!r} column (give input_ids, or choose a text column with --text-field)")
-    return want
-
-
-def _datasets_ids(spec: DataSpec, info: DataInfo) -> np.ndarray:
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    col = _datasets_table(Path(spec.path)).column(info.column)
-    t = col.type
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) \
-            or not pa.types.is_integer(t.value_type):
-        raise ValueError(f"--data {spec.path}: column {info.column!r} holds {t}, not lists of "
-                         "integer token ids")
-    parts = [pc.list_flatten(chunk) for chunk in col.chunks]
-    if col.null_count or any(part.null_count for part in parts):
-        raise ValueError(f"--data {spec.path}: column {info.column!r} has missing values")
-    ids = np.concatenate([part.to_numpy() for part in parts] or [np.zeros(0, np.int64)])
-    if ids.size == 0:
-        raise ValueError(f"--data {spec.path}: column {info.column!r} holds no token ids")
-    check_ids(ids, info.vocab_size, spec.path)
-    return ids.astype(data_text.id_dtype(info.vocab_size))
-
-
-def text_rows(spec: DataSpec, column: str):
-    """The rows of a datasets folder's text column (for ``data_text``)."""
-    import pyarrow as pa
-
-    col = _datasets_table(Path(spec.path)).column(column)
-    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-        raise ValueError(f"--data {spec.path}: column {column!r} holds {col.type}, not text")
-    if col.null_count:
-        raise ValueError(f"--data {spec.path}: column {column!r} has missing values")
-    for chunk in col.chunks:
-        yield from chunk.to_pylist()
+                         f"split: fewer than one sequence of {seq_len} + 1")
 
 
 def data_size(spec: DataSpec) -> int:

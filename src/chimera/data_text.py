@@ -20,6 +20,7 @@ import torch
 
 from chimera.data import (MAX_CORPUS_BYTES, check_not_binary, check_total_size, text_files,
                           walk_sorted, load_corpus)
+from chimera.data_tokens import id_dtype
 
 PIECE_CHARS = 2**20             # documents are cut after a newline into pieces this long at most
 BATCH_CHARS = 2**23             # characters a tokenizer encodes in one call (in parallel)
@@ -30,11 +31,6 @@ def folder_files(p: Path) -> list[Path]:
     """Non-hidden files under a folder, sorted (what a text folder is made of)."""
     files = walk_sorted(p, lambda d: not d.startswith("."))
     return [f for f in files if not f.name.startswith(".") and f.is_file()]
-
-
-def id_dtype(vocab: int) -> np.dtype:
-    """The narrowest unsigned dtype that holds ids below ``vocab``."""
-    return np.dtype("<u2") if vocab <= 2**16 else np.dtype("<u4")
 
 
 def load_tokenizer(path: str):
@@ -92,7 +88,7 @@ def _documents(spec, fmt: str) -> Iterator[str]:
         for text in _jsonl(Path(spec.path), spec.field):
             yield text + "\n"
     else:  # a datasets folder's text column
-        from chimera.data_formats import text_rows
+        from chimera.data_datasets import text_rows
 
         for text in text_rows(spec, spec.field):
             yield text + "\n"
