@@ -29,7 +29,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     (root / "empty.txt").write_text("")
     (root / "binary").mkdir()
-    (root / "binary" / "blob.bin").write_bytes(b"\0\1\2" * 1000)
+    (root / "binary" / "blob.dat").write_bytes(b"\0\1\2" * 1000)
     (root / "text.txt").write_bytes(open(argparse.__file__, "rb").read()[:20_000])
     (root / "not-a-dir").write_text("x")
     (root / "profile.json").write_text("{this is not json")
@@ -48,7 +48,46 @@ def files(tmp_path_factory):
     (root / "short-val.txt").write_bytes(b"x" * 300)  # trains; 15 held-out bytes: no sequence
     os.mkfifo(root / "fifo")
     _measured_files(root)
+    _data_files(root)
     return root
+
+
+def _data_files(root):
+    """Data in formats that must be refused, never read as bytes (issue 15)."""
+    import pickle
+    import zipfile
+
+    import datasets
+    import numpy as np
+
+    from chimera.bpe import tokenize
+    from chimera.data_formats import DataSpec
+
+    text = (root / "text.txt").read_text()
+    tokenize(DataSpec(str(root / "text.txt")), root / "tok", 300)
+    datasets.Dataset.from_dict({"body": ["a", "b"]}).save_to_disk(str(root / "ds"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(
+        str(root / "dsdict"))
+    np.save(root / "floats.npy", np.random.default_rng(0).random(5000))
+    np.save(root / "objects.npy", np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    np.save(root / "rows.npy", np.zeros((100, 64), dtype=np.int64))
+    np.save(root / "negative.npy", np.arange(-1, 4999, dtype=np.int64))
+    np.savez(root / "ids.npz", ids=np.arange(5000))
+    (root / "odd.bin").write_bytes(b"\1\0" * 2000 + b"\7")      # not a multiple of 2
+    np.arange(5000, dtype="<u2").tofile(root / "ids.bin")           # ids up to 4999
+    (root / "data.pkl").write_bytes(pickle.dumps(list(range(5000))))
+    (root / "pickle.txt").write_bytes(pickle.dumps(list(range(5000))))  # a pickle, misnamed
+    with zipfile.ZipFile(root / "text.zip", "w") as z:
+        z.writestr("a.txt", text)
+    (root / "binary.txt").write_bytes(text.encode()[:9000] + b"\0\1\2" + text.encode()[9000:])
+    (root / "latin1.txt").write_bytes(text.encode() + "caf\u00e9".encode("latin-1"))
+    (root / "records.json").write_text(json.dumps([{"text": text}]))
+    (root / "bad.jsonl").write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
+    (root / "nofield.jsonl").write_text(json.dumps({"body": text}) + "\n")
+    (root / "mixed").mkdir()
+    (root / "mixed" / "notes.txt").write_text(text)
+    np.save(root / "mixed" / "ids.npy", np.arange(5000))
+    (root / "not-a-tokenizer.json").write_text(json.dumps({"hello": 1}))
 
 
 def _measured_files(root):
@@ -146,6 +185,45 @@ CASES = [
      "--temperature"),
     (["generate", "--checkpoint", "{root}/gpt2-tiny", "--prompt", "x", "--tokenizer",
       "{root}/text.txt"], "not a tokenizers file"),
+    # issue 15: anything unrecognized or binary is refused, never read as bytes
+    (["train", "--data", "{root}/ds/state.json"], "datasets folder"),       # its metadata
+    (["train", "--data", "{root}/ds/dataset_info.json"], "datasets folder"),
+    (["train", "--data", "{root}/ds"], "no 'text' column"),
+    (["train", "--data", "{root}/dsdict"], "DatasetDict"),
+    (["train", "--data", "{root}/records.json"], "JSON file"),
+    (["train", "--data", "{root}/tok/tokenizer.json"], "--tokenizer"),
+    (["train", "--data", "{root}/floats.npy"], "float64"),
+    (["train", "--data", "{root}/objects.npy", "--vocab-size", "100"], "pickle"),
+    (["train", "--data", "{root}/rows.npy", "--vocab-size", "100"], "1-D"),
+    (["train", "--data", "{root}/negative.npy", "--vocab-size", "5000"], "token id -1"),
+    (["train", "--data", "{root}/ids.npz"], "npz"),
+    (["train", "--data", "{root}/odd.bin", "--token-dtype", "uint16", "--vocab-size", "9"],
+     "not a multiple of 2"),
+    (["train", "--data", "{root}/ids.bin", "--vocab-size", "5000"], "--token-dtype"),
+    (["train", "--data", "{root}/ids.bin", "--token-dtype", "uint16"], "--vocab-size"),
+    (["train", "--data", "{root}/ids.bin", "--token-dtype", "uint16", "--vocab-size", "4000"],
+     "token id 4000"),
+    (["train", "--data", "{root}/tok", "--token-dtype", "uint32"], "contradicts"),
+    (["train", "--data", "{root}/tok", "--vocab-size", "200"], "smaller"),
+    (["train", "--data", "{root}/data.pkl"], "pickle"),
+    (["train", "--data", "{root}/pickle.txt"], "pickle"),
+    (["train", "--data", "{root}/text.zip"], "zip"),
+    (["train", "--data", "{root}/binary.txt"], "binary"),
+    (["train", "--data", "{root}/mixed"], "ids.npy"),
+    (["train", "--data", "{root}/bad.jsonl"], "line 2"),
+    (["train", "--data", "{root}/nofield.jsonl"], "--text-field"),
+    (["train", "--data", "{root}/latin1.txt", "--tokenizer", "{root}/tok/tokenizer.json"], "UTF-8"),
+    (["train", "--data", "{root}/text.txt", "--token-dtype", "uint16"], "--token-dtype"),
+    (["train", "--data", "{root}/text.txt", "--vocab-size", "512"], "bytes"),
+    (["train", "--data", "{root}/text.txt", "--text-field", "body"], "--text-field"),
+    (["train", "--tokenizer", "{root}/not-a-tokenizer.json"], "not a tokenizers JSON"),
+    (["train", "--tokenizer", "{root}/missing.json"], "no such file"),
+    (["train", "--data", "{root}/ds/data-00000-of-00001.arrow"], "Arrow"),
+    (["tokenize", "--out", "{root}/t"], "--vocab-size"),
+    (["tokenize", "--data", "{root}/negative.npy", "--vocab-size", "300", "--out", "{root}/t"], "text"),
+    (["tokenize", "--vocab-size", "100", "--out", "{root}/t"], "more than 256"),
+    (["tokenize", "--vocab-size", "300", "--out", "{root}/tok"], "not an empty folder"),
+    (["tokenize", "--data", "{root}/binary.txt", "--vocab-size", "300", "--out", "{root}/t"], "binary"),
 ]
 if not __import__("torch").cuda.is_available():
     CASES.append((["train", "--device", "cuda"], "--device cuda"))
@@ -193,6 +271,22 @@ def test_api_raises_a_value_error_subclass(kwargs):
         TrainConfig(**kwargs)
     assert isinstance(exc.value, (ConfigError, ScheduleError))
     assert "\n" not in str(exc.value).strip() or isinstance(exc.value, ScheduleError)
+
+
+def test_api_refuses_data_formats(files):
+    """TrainConfig refuses what its layout and metadata show; open_data what the ids show."""
+    from chimera.data_formats import DataSpec, open_data
+
+    for kwargs, word in ((dict(data=str(files / "floats.npy"), vocab_size=10), "float64"),
+                         (dict(data=str(files / "ds" / "state.json")), "datasets folder"),
+                         (dict(data=str(files / "ids.bin"), token_dtype="uint16"), "--vocab-size"),
+                         (dict(data=str(files / "text.txt"), token_dtype="int8"), "--token-dtype")):
+        with pytest.raises(ConfigError, match=word):
+            TrainConfig(**kwargs)
+    with pytest.raises(ValueError, match="token id 4000"):
+        open_data(DataSpec(str(files / "ids.bin"), token_dtype="uint16", vocab_size=4000))
+    cfg = TrainConfig(data=str(files / "tok"), model="bert-tiny", schedule="none", stages=1)
+    assert cfg.model_config.vocab_size == 301  # the tokenizer's 300 ids and BERT's mask
 
 
 def test_api_refuses_another_models_checkpoint(files):

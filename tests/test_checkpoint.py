@@ -12,6 +12,8 @@ import shutil
 import time
 
 import pytest
+
+from chimera.models import get_config
 import torch
 
 from chimera.models import build_model, get_config
@@ -47,7 +49,7 @@ def test_round_trip_continues_bit_identically(data, tmp_path):
         a.step(step)
     path = ckpt.save(a, tmp_path, 2, keep=3)
     assert path.name == "step-00000002" and (path / "meta.json").is_file()
-    meta = ckpt.verify(path, "gpt2-tiny", ckpt.model_fingerprint("gpt2-tiny"))
+    meta = ckpt.verify(path, "gpt2-tiny", ckpt.model_fingerprint(get_config("gpt2-tiny")))
     assert meta["step"] == 2 and meta["data"]["next_step"] == 2
 
     b = Trainer(cfg)

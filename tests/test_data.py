@@ -139,3 +139,236 @@ def test_get_batch_errors(corpus, kwargs, message):
 def test_derive_seed_is_stable():
     assert derive_seed(1, "x") == derive_seed(1, "x") != derive_seed(1, "y")
     assert 0 <= derive_seed(2**70, "z") < 2**63
+
+
+# ---------------------------------------------------------------------------------------
+# Data formats: a short `chimera train` on each; its batches are windows of the file's ids
+
+import argparse  # noqa: E402  (the sections above need none of these)
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from chimera.cli import main  # noqa: E402
+from chimera.data import Corpus  # noqa: E402
+from chimera.data_formats import DataSpec, open_data  # noqa: E402
+from chimera.train.loop import Trainer  # noqa: E402
+
+T = 32  # gpt2-tiny's sequence length
+
+
+@pytest.fixture(scope="module")
+def fmt(tmp_path_factory):
+    """One file or folder per format, and the ids each holds (the train split's source)."""
+    import datasets
+
+    from chimera.bpe import tokenize
+
+    root = tmp_path_factory.mktemp("formats")
+    text = open(argparse.__file__, encoding="utf-8").read()[:24_000]
+    (root / "text.txt").write_text(text)
+    tokenize(DataSpec(str(root / "text.txt")), root / "tok", 300)
+    ids = np.random.default_rng(0).integers(0, 1000, 6000)
+    ids.astype("<u2").tofile(root / "u16.bin")
+    big = ids + 65_000                                     # ids that need 32 bits
+    big.astype("<u4").tofile(root / "u32.bin")
+    np.save(root / "ids.npy", ids.astype(np.int32))
+    (root / "nanogpt").mkdir()
+    ids[:5000].astype("<u2").tofile(root / "nanogpt" / "train.bin")
+    ids[5000:].astype("<u2").tofile(root / "nanogpt" / "val.bin")
+    (root / "nanogpt" / "prepare.py").write_text("# how nanoGPT made them\n")
+    docs = [text[i:i + 700] for i in range(0, len(text), 700)]
+    with open(root / "docs.jsonl", "w") as f:
+        for n, doc in enumerate(docs):
+            f.write(json.dumps({"id": n, "body": doc}) + "\n")
+    rows = [ids[i:i + 97].tolist() for i in range(0, len(ids), 97)]
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(root / "ds-ids"))
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(root / "ds-text"))
+    return root, text, ids, docs
+
+
+def train_batches(argv, monkeypatch, tmp_path, steps=2):
+    """Run `chimera train` (single process) on ``argv``; return its batches and model vocab."""
+    seen = []
+    real = Trainer.batch
+
+    def batch(self, step):
+        inputs, targets = real(self, step)
+        seen.append((inputs, targets, self.model_cfg.vocab_size))
+        return inputs, targets
+    monkeypatch.setattr(Trainer, "batch", batch)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--schedule", "none", "--stages", "1", "-B", "3", "--steps", str(steps),
+                 "--no-progress", "--json", *argv]) == 0
+    assert len(seen) == steps
+    return seen
+
+
+def assert_windows_of(seen, ids, vocab):
+    """Every row (inputs, then the last target) is T + 1 consecutive ids of ``ids``."""
+    windows = np.lib.stride_tricks.sliding_window_view(np.asarray(ids, dtype=np.int64), T + 1)
+    for inputs, targets, model_vocab in seen:
+        assert model_vocab == vocab
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])
+        for row in torch.cat([inputs, targets[:, -1:]], dim=1).numpy():
+            assert (windows == row).all(axis=1).any(), row
+
+
+def train_split(ids):
+    return ids[:len(ids) - max(1, int(len(ids) * 0.05))]
+
+
+def encode(tokenizer_json, docs):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    return [i for doc in docs for i in tok.encode(doc + "\n", add_special_tokens=False).ids]
+
+
+def test_train_on_text_as_bytes(fmt, monkeypatch, tmp_path):
+    root, text, _, _ = fmt
+    seen = train_batches(["--data", str(root / "text.txt")], monkeypatch, tmp_path)
+    assert_windows_of(seen, train_split(np.frombuffer((text + "\n").encode(), np.uint8)), 256)
+
+
+def test_train_on_text_through_a_tokenizer(fmt, monkeypatch, tmp_path):
+    root, text, _, _ = fmt
+    seen = train_batches(["--data", str(root / "text.txt"), "--tokenizer",
+                          str(root / "tok" / "tokenizer.json")], monkeypatch, tmp_path)
+    assert_windows_of(seen, train_split(encode(root / "tok" / "tokenizer.json", [text])), 300)
+
+
+def test_tokenize_writes_ids_that_decode_to_the_text(fmt, monkeypatch, tmp_path):
+    """chimera tokenize's folder: meta.json, the 95/5 cut, ids that decode back, and the
+    same batches as the text through its tokenizer."""
+    from tokenizers import Tokenizer
+
+    root, text, _, _ = fmt
+    meta = json.loads((root / "tok" / "meta.json").read_text())
+    assert (meta["dtype"], meta["vocab_size"], meta["format"]) == ("uint16", 300, "chimera-tokens")
+    train = np.fromfile(root / "tok" / "train.bin", "<u2")
+    val = np.fromfile(root / "tok" / "val.bin", "<u2")
+    assert [len(train), len(val)] == [meta["tokens"]["train"], meta["tokens"]["val"]]
+    assert len(val) == max(1, int((len(train) + len(val)) * 0.05))
+    tok = Tokenizer.from_file(str(root / "tok" / "tokenizer.json"))
+    assert tok.decode(np.concatenate([train, val]).tolist()) == text + "\n"
+    seen = train_batches(["--data", str(root / "tok")], monkeypatch, tmp_path)
+    assert_windows_of(seen, train, 300)
+    same = train_batches(["--data", str(root / "text.txt"), "--tokenizer",
+                          str(root / "tok" / "tokenizer.json")], monkeypatch, tmp_path)
+    for a, b in zip(seen, same[-2:]):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_tokenize_cli_on_jsonl_and_datasets_text(fmt, tmp_path, capsys):
+    """The command: a given tokenizer on a .jsonl field, a trained one on a datasets text
+    column (the same text and vocabulary as the fixture's: the same tokenizer, byte for byte)."""
+    root, text, _, docs = fmt
+    tok = root / "tok" / "tokenizer.json"
+    assert main(["tokenize", "--data", str(root / "docs.jsonl"), "--text-field", "body",
+                 "--tokenizer", str(tok), "--out", str(tmp_path / "j"), "--no-progress"]) == 0
+    assert "chimera train --data" in capsys.readouterr().out
+    ids = np.concatenate([np.fromfile(tmp_path / "j" / n, "<u2") for n in ("train.bin", "val.bin")])
+    assert ids.tolist() == encode(tok, docs)
+    (tmp_path / "one.txt").write_text(text)
+    assert main(["tokenize", "--data", str(tmp_path / "one.txt"), "--vocab-size", "300",
+                 "--out", str(tmp_path / "again"), "--no-progress"]) == 0
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == tok.read_bytes()  # deterministic
+    assert main(["tokenize", "--data", str(root / "ds-text"), "--vocab-size", "300",
+                 "--out", str(tmp_path / "d"), "--no-progress"]) == 0
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["tokens"]["train"] + meta["tokens"]["val"] == len(
+        encode(tmp_path / "d" / "tokenizer.json", docs))
+
+
+def test_train_on_a_tokenized_file_with_its_meta(fmt, monkeypatch, tmp_path):
+    root = fmt[0]
+    seen = train_batches(["--data", str(root / "tok" / "train.bin")], monkeypatch, tmp_path)
+    assert_windows_of(seen, train_split(np.fromfile(root / "tok" / "train.bin", "<u2")), 300)
+
+
+@pytest.mark.parametrize("name, dtype, offset", [("u16.bin", "uint16", 0), ("u32.bin", "uint32", 65_000)])
+def test_train_on_a_bin_token_file(fmt, monkeypatch, tmp_path, name, dtype, offset):
+    root, _, ids, _ = fmt
+    vocab = 1000 + offset
+    seen = train_batches(["--data", str(root / name), "--token-dtype", dtype, "--vocab-size",
+                          str(vocab)], monkeypatch, tmp_path)
+    assert_windows_of(seen, train_split(ids + offset), vocab)
+
+
+def test_train_on_a_nanogpt_folder(fmt, monkeypatch, tmp_path):
+    root, _, ids, _ = fmt
+    seen = train_batches(["--data", str(root / "nanogpt"), "--token-dtype", "uint16",
+                          "--vocab-size", "1024"], monkeypatch, tmp_path)
+    assert_windows_of(seen, ids[:5000], 1024)              # train.bin whole; val.bin held out
+
+
+def test_train_on_an_npy(fmt, monkeypatch, tmp_path):
+    root, _, ids, _ = fmt
+    seen = train_batches(["--data", str(root / "ids.npy"), "--vocab-size", "1000"],
+                         monkeypatch, tmp_path)
+    assert_windows_of(seen, train_split(ids), 1000)
+
+
+def test_train_on_jsonl_as_bytes_and_tokens(fmt, monkeypatch, tmp_path):
+    root, _, _, docs = fmt
+    argv = ["--data", str(root / "docs.jsonl"), "--text-field", "body"]
+    seen = train_batches(argv, monkeypatch, tmp_path)
+    text = "".join(d + "\n" for d in docs).encode()
+    assert_windows_of(seen, train_split(np.frombuffer(text, np.uint8)), 256)
+    tok = root / "tok" / "tokenizer.json"
+    seen = train_batches([*argv, "--tokenizer", str(tok)], monkeypatch, tmp_path)
+    assert_windows_of(seen[-2:], train_split(encode(tok, docs)), 300)
+
+
+def test_train_on_a_datasets_folder(fmt, monkeypatch, tmp_path):
+    root, _, ids, docs = fmt
+    seen = train_batches(["--data", str(root / "ds-ids"), "--vocab-size", "1000"],
+                         monkeypatch, tmp_path)
+    assert_windows_of(seen, train_split(ids), 1000)
+    seen = train_batches(["--data", str(root / "ds-text")], monkeypatch, tmp_path)
+    text = "".join(d + "\n" for d in docs).encode()
+    assert_windows_of(seen[-2:], train_split(np.frombuffer(text, np.uint8)), 256)
+
+
+def test_bert_on_token_ids_gets_a_mask_id_after_the_vocabulary(fmt):
+    root = fmt[0]
+    corpus = open_data(DataSpec(str(root / "tok")))
+    inputs, targets = get_batch(corpus, 0, 16, T, seed=0, kind="bert")
+    selected = targets != IGNORE_INDEX
+    assert (inputs == 300).any() and (inputs[~selected] < 300).all()
+    assert (targets[selected] < 300).all()
+    with pytest.raises(ValueError, match="needs vocab_size >= 301"):
+        get_batch(corpus, 0, 16, T, seed=0, kind="bert", vocab_size=300)
+
+
+def test_token_files_are_memory_mapped_and_sampled_as_in_memory(fmt):
+    """A memory map gives the same batches as the same ids in memory (and as a tensor)."""
+    from chimera.data_tokens import TokenFile
+
+    root, _, ids, _ = fmt
+    mapped = open_data(DataSpec(str(root / "u16.bin"), token_dtype="uint16", vocab_size=1000))
+    assert isinstance(mapped.train, TokenFile) and isinstance(mapped.val, TokenFile)
+    loaded = Corpus.from_tokens(ids.astype(np.int64), 1000, "memory")
+    tensor = Corpus.from_tokens(torch.from_numpy(ids), 1000, "tensor")
+    for step in (0, 7):
+        a, b, c = (get_batch(x, step, 12, T, seed=3) for x in (mapped, loaded, tensor))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[0], c[0]) and torch.equal(a[1], b[1])
+        val = get_batch(mapped, step, 4, T, seed=3, split="val")[0].numpy()
+        tail = np.lib.stride_tricks.sliding_window_view(ids[len(mapped.train):], T)
+        assert all((tail == row).all(axis=1).any() for row in val)  # from the held-out tail
+
+
+def test_pipeline_on_token_ids_matches_the_reference(fmt, capsys):
+    """1F1B on D=2 ranks, a 1000-id vocabulary: the same losses as one process (float64)."""
+    root = fmt[0]
+    common = ["train", "--data", str(root / "u16.bin"), "--token-dtype", "uint16",
+              "--vocab-size", "1000", "--dtype", "float64", "-N", "4", "-B", "2", "--steps", "2",
+              "--no-progress", "--json", "--trace", "", "--png", ""]
+    losses = []
+    for layout in (["--schedule", "none", "--stages", "1"], ["--schedule", "1f1b", "--stages", "2"]):
+        assert main([*common, *layout]) == 0
+        out = capsys.readouterr().out
+        losses.append([s["loss"] for s in json.loads(out.splitlines()[-1])["steps"]])
+    assert losses[0] == pytest.approx(losses[1], abs=1e-10, rel=0)
+    assert losses[0][0] == pytest.approx(np.log(1000), rel=0.05)   # ids of 1000, uniform-ish

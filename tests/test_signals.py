@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from chimera.models import get_config
+
 from chimera.train import checkpoint as ckpt
 
 ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
@@ -86,7 +88,7 @@ def test_a_signal_to_the_launcher_ends_every_rank(data, tmp_path, sig, ignore_si
         proc.wait()
     newest = ckpt.latest(tmp_path / "ck")
     assert newest is not None
-    ckpt.verify(newest, "gpt2-tiny", ckpt.model_fingerprint("gpt2-tiny"))
+    ckpt.verify(newest, "gpt2-tiny", ckpt.model_fingerprint(get_config("gpt2-tiny")))
     if sig != signal.SIGKILL:
         err = (tmp_path / "err.txt").read_text().strip().splitlines()
         assert err[-1].startswith(f"chimera train: interrupted by {sig.name}") and "Traceback" not in "".join(err)

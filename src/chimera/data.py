@@ -1,8 +1,11 @@
-"""Byte-level training data with a sampler that ignores the parallel layout.
+"""Training data as token ids, with a sampler that ignores the parallel layout.
 
-The default corpus is the Python standard library's own ``.py`` source: it is on every
-machine that runs this code, so the default job needs no download. It is read in sorted
-path order and capped, so it is the same on every run with the same Python install.
+The default corpus is the Python standard library's own ``.py`` source, read as bytes: it
+is on every machine that runs this code, so the default job needs no download. It is read
+in sorted path order and capped, so it is the same on every run with the same Python
+install. Token files, JSON lines and ``datasets`` folders are read by
+``chimera.data_formats`` into a ``Corpus``: a training and a held-out split of token ids
+and the vocabulary they come from.
 
 ``get_batch(corpus, step, ...)`` depends only on ``(step, seed, global_batch, seq_len)``:
 the mini-batch of step ``s`` is the same set of sequences whatever W, D or N are. A
@@ -18,6 +21,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 DEFAULT_MAX_BYTES = 4 * 2**20
@@ -43,7 +47,7 @@ def derive_seed(*parts) -> int:
 # ---------------------------------------------------------------------------------------
 # Corpus
 
-def _walk_sorted(root: Path, keep_dir) -> list[Path]:
+def walk_sorted(root: Path, keep_dir) -> list[Path]:
     """Files under ``root`` (directories pruned by ``keep_dir``), sorted by relative path."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -55,7 +59,7 @@ def _walk_sorted(root: Path, keep_dir) -> list[Path]:
 def stdlib_sources() -> list[Path]:
     """The standard library's ``.py`` files (no site-packages) in sorted path order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = _walk_sorted(root, lambda d: d not in _SKIP_DIRS)
+    files = walk_sorted(root, lambda d: d not in _SKIP_DIRS)
     return [p for p in files if p.suffix == ".py" and p.is_file()]
 
 
@@ -64,11 +68,19 @@ def _looks_like_text(path: Path) -> bool:
         return b"\0" not in f.read(_SNIFF_BYTES)
 
 
-def _text_files(directory: Path) -> list[Path]:
+def text_files(directory: Path) -> list[Path]:
     """Non-hidden files under ``directory`` that look like text, sorted."""
-    files = _walk_sorted(directory, lambda d: not d.startswith("."))
+    files = walk_sorted(directory, lambda d: not d.startswith("."))
     return [p for p in files
             if not p.name.startswith(".") and p.is_file() and _looks_like_text(p)]
+
+
+def check_not_binary(path: Path, data: bytes) -> None:
+    """A single file given as text must be text: a NUL byte anywhere means it is not."""
+    at = data.find(b"\0")
+    if at >= 0:
+        raise ValueError(f"{str(path)!r} is binary (a NUL byte at offset {at:,}), not text: "
+                         "token files are .bin (with --token-dtype) or .npy")
 
 
 def _read_files(files: list[Path], max_bytes: int | None) -> bytes:
@@ -99,9 +111,11 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int | None 
     else:
         where, p = str(path), Path(path)
         check_corpus_path(p)
-        files = _text_files(p) if p.is_dir() else [p]
-        _check_total_size(where, files, max_bytes)
+        files = text_files(p) if p.is_dir() else [p]
+        check_total_size(where, files, max_bytes)
     data = _read_files(files, max_bytes)
+    if path is not None and not p.is_dir():
+        check_not_binary(p, data)
     if not data.strip():
         raise ValueError(f"corpus from {where!r} is empty (no text files or no bytes)")
     train = len(split_corpus_bytes(len(data))[0])
@@ -132,7 +146,7 @@ def check_corpus_path(p: Path) -> None:
                          "directory of them")
 
 
-def _check_total_size(where: str, files: list[Path], max_bytes: int | None) -> None:
+def check_total_size(where: str, files: list[Path], max_bytes: int | None) -> None:
     total = sum(f.stat().st_size for f in files)
     if max_bytes is None and total > MAX_CORPUS_BYTES:
         raise ValueError(f"corpus from {where!r} has {total:,} bytes, more than the limit of "
@@ -145,10 +159,54 @@ def split_corpus_bytes(n: int) -> tuple[range, range]:
     return range(0, cut), range(cut, n)
 
 
-def split_corpus(corpus: torch.Tensor, split: str) -> torch.Tensor:
-    """The first 95% (``"train"``) or the last 5% (``"val"``) of the corpus."""
+@dataclass(frozen=True, eq=False)
+class Corpus:
+    """Token ids in two splits, and the vocabulary they come from.
+
+    ``train`` and ``val`` are 1-D arrays: a uint8 tensor for bytes, a NumPy array or a
+    ``data_formats.TokenFile`` (ids in a file, memory-mapped per read) for token ids; every
+    id is below ``vocab_size``. ``tokenizer`` is the ``tokenizer.json`` that made (or
+    decodes) the ids, if any.
+    """
+
+    train: torch.Tensor | np.ndarray  # or a TokenFile
+    val: torch.Tensor | np.ndarray
+    vocab_size: int
+    where: str
+    is_bytes: bool = False
+    tokenizer: str | None = None
+
+    @classmethod
+    def of_bytes(cls, data: torch.Tensor, where: str) -> "Corpus":
+        """Byte tokens, the last ``VAL_FRACTION`` held out."""
+        return cls.from_tokens(data, BYTE_VOCAB, where, is_bytes=True)
+
+    @classmethod
+    def from_tokens(cls, tokens, vocab_size: int, where: str, **kw) -> "Corpus":
+        """One array of ids, the last ``VAL_FRACTION`` held out."""
+        train, val = split_corpus_bytes(len(tokens))
+        return cls(tokens[:train.stop], tokens[val.start:], vocab_size, where, **kw)
+
+    def __len__(self) -> int:
+        return len(self.train) + len(self.val)
+
+
+def model_vocab(corpus, kind: str) -> int:
+    """The model vocabulary a corpus (or ``data_formats.DataInfo``; a bare tensor is bytes)
+    needs: its own, plus BERT's mask id after token ids (byte data keeps 0xFF, which UTF-8
+    never holds, as the mask)."""
+    if getattr(corpus, "is_bytes", True):
+        return BYTE_VOCAB
+    return corpus.vocab_size + (kind == "bert")
+
+
+def split_corpus(corpus: "Corpus | torch.Tensor", split: str) -> torch.Tensor | np.ndarray:
+    """A ``Corpus``'s split, or of a bare array the first 95% (``"train"``) or the last 5%
+    (``"val"``)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if isinstance(corpus, Corpus):
+        return corpus.train if split == "train" else corpus.val
     train, val = split_corpus_bytes(len(corpus))
     return corpus[:train.stop] if split == "train" else corpus[val.start:]
 
@@ -157,7 +215,7 @@ def split_corpus(corpus: torch.Tensor, split: str) -> torch.Tensor:
 # Batches
 
 def _check_batch_args(step: int, global_batch: int, seq_len: int, kind: str,
-                      vocab_size: int) -> None:
+                      vocab_size: int, corpus=None) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not isinstance(step, int) or step < 0:
@@ -165,8 +223,10 @@ def _check_batch_args(step: int, global_batch: int, seq_len: int, kind: str,
     for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if vocab_size < BYTE_VOCAB:
-        raise ValueError(f"byte data needs vocab_size >= {BYTE_VOCAB}, got {vocab_size}")
+    need = model_vocab(corpus, kind)
+    if vocab_size < need:
+        what = "byte data" if need == BYTE_VOCAB else f"{corpus.where} ({corpus.vocab_size} ids)"
+        raise ValueError(f"{what} needs vocab_size >= {need}, got {vocab_size}")
 
 
 def mask_tokens(tokens: torch.Tensor, gen: torch.Generator,
@@ -189,23 +249,34 @@ def mask_tokens(tokens: torch.Tensor, gen: torch.Generator,
     return inputs, targets
 
 
-def get_batch(corpus: torch.Tensor, step: int, global_batch: int, seq_len: int, seed: int,
-              kind: str = "gpt2", *, split: str = "train",
-              vocab_size: int = BYTE_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+def _take(data, index: torch.Tensor) -> torch.Tensor:
+    """``data[index]`` as int64; of a file (``data_formats.TokenFile``) only the indexed
+    pages are read."""
+    if isinstance(data, torch.Tensor):
+        return data[index].long()
+    return torch.from_numpy(np.asarray(data[index.numpy()], dtype=np.int64))
+
+
+def get_batch(corpus: "Corpus | torch.Tensor", step: int, global_batch: int, seq_len: int,
+              seed: int, kind: str = "gpt2", *, split: str = "train",
+              vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The mini-batch of ``step``: ``(inputs, targets)``, int64, (global_batch, seq_len).
 
-    GPT-2: targets are the inputs shifted by one. BERT: masked LM, targets are the original
-    bytes at the selected positions and ``IGNORE_INDEX`` elsewhere.
+    ``corpus`` is a ``Corpus`` or a bare byte tensor (split 95/5). GPT-2: targets are the
+    inputs shifted by one. BERT: masked LM, targets are the original tokens at the selected
+    positions and ``IGNORE_INDEX`` elsewhere; the mask id is ``vocab_size - 1`` (default:
+    ``model_vocab(corpus, kind)``).
     """
-    _check_batch_args(step, global_batch, seq_len, kind, vocab_size)
+    vocab_size = model_vocab(corpus, kind) if vocab_size is None else vocab_size
+    _check_batch_args(step, global_batch, seq_len, kind, vocab_size, corpus)
     data = split_corpus(corpus, split)
     need = seq_len + 1 if kind == "gpt2" else seq_len
     if len(data) < need:
-        raise ValueError(f"the {split!r} split has {len(data)} bytes, fewer than one "
+        raise ValueError(f"the {split!r} split has {len(data)} tokens, fewer than one "
                          f"sequence needs ({need})")
     gen = torch.Generator().manual_seed(derive_seed(seed, "batch", split, step))
     starts = torch.randint(0, len(data) - need + 1, (global_batch, 1), generator=gen)
-    windows = data[starts + torch.arange(need)].long()                   # (B, need)
+    windows = _take(data, starts + torch.arange(need))                   # (B, need)
     if kind == "gpt2":
         return windows[:, :-1], windows[:, 1:]                           # (B, T) each
     return mask_tokens(windows, gen, vocab_size)
@@ -215,16 +286,17 @@ def get_batch(corpus: torch.Tensor, step: int, global_batch: int, seq_len: int, 
 class Batches:
     """``batches[step]`` is ``get_batch(corpus, step, ...)`` with the fields below."""
 
-    corpus: torch.Tensor
+    corpus: Corpus | torch.Tensor
     global_batch: int
     seq_len: int
     seed: int
     kind: str = "gpt2"
     split: str = "train"
-    vocab_size: int = BYTE_VOCAB
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
-        _check_batch_args(0, self.global_batch, self.seq_len, self.kind, self.vocab_size)
+        vocab = model_vocab(self.corpus, self.kind) if self.vocab_size is None else self.vocab_size
+        _check_batch_args(0, self.global_batch, self.seq_len, self.kind, vocab, self.corpus)
         split_corpus(self.corpus, self.split)                # validates the split name
 
     def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

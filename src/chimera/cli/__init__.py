@@ -14,7 +14,7 @@ from chimera.ir import ScheduleError
 
 COMMANDS = ("chimera.cli.schedule_cmds",)
 OPTIONAL_COMMANDS = ("chimera.cli.train_cmd", "chimera.cli.generate_cmd", "chimera.cli.bench_cmd",
-                     "chimera.cli.plan_cmd", "chimera.cli.profile_cmd")
+                     "chimera.cli.plan_cmd", "chimera.cli.profile_cmd", "chimera.cli.tokenize_cmd")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -25,8 +25,23 @@ def add_parsers(sub) -> None:
     names = ", ".join(["none"] + [s.name for s in schemes(runnable=True)])
     m = p.add_argument_group("model and data")
     m.add_argument("--model", default="gpt2-tiny", help=f"preset: {', '.join(MODELS)} (default: gpt2-tiny)")
-    m.add_argument("--data", metavar="FILE|DIR", help="text to train on, as byte tokens "
-                   "(default: the Python standard library's source files, on every machine)")
+    m.add_argument("--data", metavar="FILE|DIR", help="what to train on: a text file or folder "
+                   "(bytes, or --tokenizer ids), a .bin token file (--token-dtype), a folder with "
+                   "train.bin [val.bin] (from chimera tokenize or nanoGPT), a 1-D integer .npy, a "
+                   ".jsonl (--text-field), or a datasets save_to_disk folder (input_ids or a text "
+                   "column). Anything else is refused. Default: the Python standard library's "
+                   "source files, on every machine")
+    m.add_argument("--token-dtype", choices=("uint16", "uint32"), help="width of the ids in a "
+                   ".bin token file (nanoGPT writes uint16); read from meta.json if it is there")
+    m.add_argument("--vocab-size", type=positive_int, metavar="V", help="token ids are below V; "
+                   "the model's vocabulary (default: the data's: meta.json or the tokenizer; "
+                   "needed for token files without either; BERT adds a mask id after it)")
+    m.add_argument("--text-field", metavar="NAME", help="the text of each .jsonl object, or the "
+                   "column of a datasets folder to read as text (default: text; a datasets "
+                   "folder's input_ids column is read as ids when there is one)")
+    m.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (HF tokenizers) that text "
+                   "goes through (default: text is read as bytes, 256 ids); chimera tokenize "
+                   "trains one")
     m.add_argument("--dtype", choices=("float32", "float64", "bf16"), default="float32",
                    help="parameter precision; bf16 = float32 weights with bf16 autocast")
     m.add_argument("--wire-dtype", choices=("bf16", "float16"), default=None,
@@ -113,7 +128,9 @@ def config_from_args(args: argparse.Namespace):
         weight_decay=args.weight_decay, clip=args.clip, seed=args.seed, recompute=args.recompute,
         shard_optimizer=args.shard_optimizer,
         strategy=args.strategy, pipes=args.pipes, chunks=args.chunks, sync=args.sync,
-        partition=args.partition, data=args.data, dtype=args.dtype, wire_dtype=args.wire_dtype, threads=args.threads,
+        partition=args.partition, data=args.data, token_dtype=args.token_dtype,
+        vocab_size=args.vocab_size, text_field=args.text_field, tokenizer=args.tokenizer,
+        dtype=args.dtype, wire_dtype=args.wire_dtype, threads=args.threads,
         comm_timeout=args.comm_timeout, device=args.device, log_json=args.log_json,
         trace=args.trace, png=args.png, progress=not args.no_progress,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -132,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # every check happens here, before any process starts
     for path, flag in ((cfg.trace, "--trace"), (cfg.png, "--png"), (cfg.log_json, "--log-json")):
         check_output(path, flag)
-    if args.data is not None or cfg.eval_every:
+    if args.data is not None or args.tokenizer is not None or cfg.eval_every:
         _check_data(cfg)
     try:
         result = launch(cfg)
@@ -166,12 +183,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _check_data(cfg) -> None:
-    """Missing, empty or too-short data fails here, not inside a spawned process."""
-    from chimera.data import load_corpus
-    from chimera.models import get_config
+    """Missing, empty, too-short or malformed data, an id outside the vocabulary, and a
+    held-out split too short for --eval-every, fail here, not inside a spawned process."""
+    from chimera.data_formats import open_data
     from chimera.train.loop import check_heldout
 
-    model = get_config(cfg.model)
-    corpus = load_corpus(cfg.data, seq_len=model.seq_len)
+    model = cfg.model_config
+    corpus = open_data(cfg.data_spec, seq_len=model.seq_len, progress=cfg.progress)
     if cfg.eval_every:
         check_heldout(corpus, model.kind, model.seq_len)

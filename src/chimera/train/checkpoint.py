@@ -349,7 +349,7 @@ def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, second
              for p in sorted(tmp.iterdir()) if p.is_file()}
     meta = {
         "format": FORMAT, "step": int(final.name[len("step-"):]), "run_id": run_id,
-        "model": cfg.model, "model_config": model_fingerprint(cfg.model),
+        "model": cfg.model, "model_config": model_fingerprint(cfg.model_config),
         "data": {"next_step": int(final.name[len("step-"):]), "seed": cfg.seed,
                  "global_batch": cfg.global_batch, "source": cfg.data,
                  "tokenizer": tokenizer_record(cfg)},
@@ -364,8 +364,10 @@ def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, second
 def tokenizer_record(cfg) -> dict | None:
     """What ``chimera generate`` needs to turn the run's token ids back into text: the
     tokenizer file (absolute path) and its SHA-256; None for byte tokens. Reads
-    ``cfg.tokenizer`` where the config has one (a ``tokenizers`` file), else bytes."""
-    path = getattr(cfg, "tokenizer", None)
+    the data's tokenizer: ``--tokenizer``, or the one ``chimera tokenize`` left beside its
+    token files (``DataInfo.tokenizer``); None for byte tokens and for bare token files."""
+    info = getattr(cfg, "data_info", None)
+    path = getattr(info, "tokenizer", None) or getattr(cfg, "tokenizer", None)
     if not path:
         return None
     path = Path(path).resolve()
@@ -376,10 +378,10 @@ def sha256_of(path: Path) -> str:
     return _sha256(path)
 
 
-def model_fingerprint(model: str) -> dict:
-    from chimera.models import get_config
-
-    cfg = asdict(get_config(model))
+def model_fingerprint(model) -> dict:
+    """The model's whole config (a ModelConfig: the preset with the data's vocabulary), as
+    ``meta.json`` records it; dropout is left out (it changes no weight)."""
+    cfg = asdict(model)
     return {k: v for k, v in cfg.items() if k not in ("dropout",)}
 
 

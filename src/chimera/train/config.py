@@ -44,7 +44,11 @@ class TrainConfig:
     chunks: int | None = None
     sync: str = "eager"
     partition: str | None = None  # e.g. "0-2,3-5": layer ranges per stage
-    data: str | None = None
+    data: str | None = None  # text, token files, .jsonl, a datasets folder (chimera.data_formats)
+    token_dtype: str | None = None  # uint16 | uint32: the ids of a .bin token file
+    vocab_size: int | None = None  # ids are below it; the model's vocabulary (default: the data's)
+    text_field: str | None = None  # the text of a .jsonl object or a datasets row (default: text)
+    tokenizer: str | None = None  # tokenizer.json (HF tokenizers) text goes through (default: bytes)
     dtype: str = "float32"
     wire_dtype: str | None = None  # bf16 | float16: boundary tensors on the wire (None: as computed)
     threads: int = 1
@@ -81,6 +85,7 @@ class TrainConfig:
             _check_runnable(self.schedule)
         if self.data is not None:
             self._check_data_path()
+        self.data_info  # the format and vocabulary of --data, from its layout and metadata
         self._check_model()
         self._check_device()
         if not self.reference:
@@ -206,7 +211,7 @@ class TrainConfig:
         if path is None:
             return  # nothing yet: --resume starts from scratch (the same command restarts)
         try:
-            checkpoint.verify(path, self.model, checkpoint.model_fingerprint(self.model))
+            checkpoint.verify(path, self.model, checkpoint.model_fingerprint(self.model_config))
         except checkpoint.CheckpointError as exc:
             raise ConfigError(f"--resume: {exc}") from None
 
@@ -222,6 +227,36 @@ class TrainConfig:
     @property
     def global_batch(self) -> int:
         return self.data_parallel * self.n_micro * self.micro_batch_size
+
+    @cached_property
+    def data_spec(self):
+        """--data and the flags that say how to read it (``chimera.data_formats.DataSpec``)."""
+        from chimera.data_formats import DataSpec
+
+        try:
+            return DataSpec(self.data, self.token_dtype, self.vocab_size, self.text_field,
+                            self.tokenizer)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @cached_property
+    def data_info(self):
+        """The format of --data and its vocabulary, found without reading the ids (those are
+        read and checked by ``open_data``: in ``chimera train`` before any process starts)."""
+        from chimera.data_formats import describe
+
+        try:
+            return describe(self.data_spec)
+        except ValueError as exc:
+            raise ConfigError(str(exc).splitlines()[0]) from None
+
+    @cached_property
+    def model_config(self):
+        """The model preset, its vocabulary that of the data (plus BERT's mask id on ids)."""
+        from chimera.data import model_vocab
+        from chimera.models import get_config
+
+        return get_config(self.model, vocab_size=model_vocab(self.data_info, get_config(self.model).kind))
 
     @property
     def world(self) -> int:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from chimera.data import IGNORE_INDEX, VAL_FRACTION, get_batch, load_corpus, split_corpus
+from chimera.data import IGNORE_INDEX, VAL_FRACTION, get_batch, split_corpus
+from chimera.data_formats import open_data
 from chimera.models import (build_layers, get_config, layer_costs, layer_names, loss_fn,
                             parse_partition, partition)
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
@@ -77,7 +78,7 @@ def make_optimizer(params, cfg: TrainConfig, matrix: list[bool] | None = None) -
 
 
 def stage_ranges(cfg: TrainConfig, n_stages: int) -> list[range]:
-    model = get_config(cfg.model)
+    model = cfg.model_config
     if cfg.partition:
         ranges = parse_partition(cfg.partition, model.n_layers_total)
         if len(ranges) != n_stages:
@@ -88,7 +89,7 @@ def stage_ranges(cfg: TrainConfig, n_stages: int) -> list[range]:
 
 def loss_weights(cfg: TrainConfig, targets: torch.Tensor, rows: int, n: int) -> tuple[dict, str]:
     """Per schedule micro-batch: the factor that makes the sum of losses the mini-batch mean."""
-    model = get_config(cfg.model)
+    model = cfg.model_config
     if model.kind == "bert":  # masked tokens differ per micro-batch: sum / global count
         count = int((targets != IGNORE_INDEX).sum())
         return {m: 1.0 / count for m in range(n)}, "sum"
@@ -124,8 +125,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rank: int = 0, device: torch.device | None = None):
         self.cfg, self.rank = cfg, rank
         self.device = device or torch.device("cpu")
-        self.model_cfg = get_config(cfg.model)
-        self.corpus = load_corpus(cfg.data, seq_len=self.model_cfg.seq_len)
+        self.model_cfg = cfg.model_config  # the preset with the data's vocabulary
+        self.corpus = open_data(cfg.data_spec, seq_len=self.model_cfg.seq_len)
         if cfg.eval_every:
             check_heldout(self.corpus, self.model_cfg.kind, self.model_cfg.seq_len)
         self.dtype = DTYPE[cfg.dtype]
@@ -169,7 +170,8 @@ class Trainer:
     # -- one step -------------------------------------------------------------------------
     def batch(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         return get_batch(self.corpus, step, self.cfg.global_batch, self.model_cfg.seq_len,
-                         self.cfg.seed, self.model_cfg.kind, split=split)
+                         self.cfg.seed, self.model_cfg.kind, split=split,
+                         vocab_size=self.model_cfg.vocab_size)
 
     def step(self, step: int, record: list[ActionRecord] | None = None, on_grads=None) -> StepLog:
         """Forward, backward, gradient sync, clipping and the optimizer step of ``step``.

@@ -1,0 +1,121 @@
+"""``chimera tokenize``: train a byte-level BPE tokenizer on local text, write token files.
+
+The folder it writes is what ``chimera train --data DIR`` reads:
+
+- ``tokenizer.json``: a HF ``tokenizers`` byte-level BPE (GPT-2's pre-tokenizer), so every
+  text encodes and the ids decode back to exactly that text;
+- ``train.bin`` and ``val.bin``: the ids (uint16 below 65,536 ids, else uint32), the last
+  ``VAL_FRACTION`` of them in ``val.bin``: the same cut a single file gets;
+- ``meta.json``: format, dtype, vocabulary size, token counts, the tokenizer's file name.
+
+The text is read in the pieces ``chimera.data_text`` makes, so ``chimera train --data TEXT
+--tokenizer DIR/tokenizer.json`` trains on the same ids. The ids stream to disk: only a
+batch of pieces is in memory at once. The folder appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from chimera import data_text
+from chimera.data import BYTE_VOCAB, VAL_FRACTION, split_corpus_bytes
+from chimera.data_formats import MAX_VOCAB, META, META_FORMAT, DataSpec, describe, detect
+from chimera.data_tokens import id_dtype
+
+FILES = {"train": "train.bin", "val": "val.bin"}
+COPY_CHUNK = 2**24              # ids copied at once when val.bin is cut off
+
+
+def train_bpe(pieces, vocab_size: int, progress: bool = False):
+    """A byte-level BPE ``tokenizers.Tokenizer`` of at most ``vocab_size`` ids (fewer when
+    the text runs out of pairs to merge). Deterministic for the same text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if not isinstance(vocab_size, int) or not BYTE_VOCAB < vocab_size <= MAX_VOCAB:
+        raise ValueError(f"--vocab-size must be more than {BYTE_VOCAB} (the byte alphabet) and "
+                         f"at most {MAX_VOCAB:,}, got {vocab_size!r}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(pieces, trainer)
+    return tokenizer
+
+
+def tokenize(spec: DataSpec, out: str | os.PathLike, vocab_size: int | None,
+             progress: bool = False) -> dict:
+    """Train a tokenizer on ``spec``'s text (or use ``spec.tokenizer``) and write ``out``
+    (which must not exist, or be empty). Returns the ``meta.json`` written."""
+    fmt = detect(spec)
+    if fmt in ("bin", "token-folder", "npy"):
+        raise ValueError(f"{spec.path} holds token ids already: chimera tokenize reads text")
+    field = spec.text_field or ("text" if fmt == "datasets" else None)  # not its input_ids
+    info = describe(DataSpec(spec.path, text_field=field))  # the text, read as a source
+    spec = DataSpec(spec.path, text_field=field, tokenizer=spec.tokenizer)
+    out = Path(out)
+    _check_out(out)
+    if spec.tokenizer is not None:
+        tokenizer = data_text.load_tokenizer(spec.tokenizer)
+    else:
+        tokenizer = train_bpe(data_text.text_pieces(spec, info.format), vocab_size, progress)
+    vocab = tokenizer.get_vocab_size()
+    if vocab_size is not None and vocab_size < vocab:
+        raise ValueError(f"--vocab-size {vocab_size} is smaller than the tokenizer's {vocab} ids")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the folder is an ordinary one
+    try:
+        meta = _write(tokenizer, spec, info.format, vocab, tmp, progress)
+        if out.exists():
+            out.rmdir()  # empty (checked): replaced by the complete folder
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not an empty folder: choose a new one")
+
+
+def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress: bool) -> dict:
+    tokenizer.save(str(tmp / "tokenizer.json"))
+    dtype = id_dtype(vocab)
+    train, n = tmp / FILES["train"], 0
+    with open(train, "wb") as f:  # every id goes to train.bin first; the tail moves to val.bin
+        for ids in data_text.encode_chunks(tokenizer, data_text.text_pieces(spec, fmt), vocab,
+                                           progress, data_text.source_bytes(spec, fmt)):
+            ids.tofile(f)
+            n += len(ids)
+    if n < 2:
+        raise ValueError(f"{spec.path or 'the text'} makes {n} token(s): too little to split")
+    cut = split_corpus_bytes(n)[0].stop
+    _move_tail(train, tmp / FILES["val"], cut, dtype)
+    meta = {"format": META_FORMAT, "version": 1, "dtype": str(np.dtype(dtype).name),
+            "vocab_size": vocab, "tokenizer": "tokenizer.json", "files": FILES,
+            "tokens": {"train": cut, "val": n - cut}, "source": spec.path or "stdlib",
+            "text_field": spec.text_field, "split": f"the last {VAL_FRACTION:.0%} of the ids is val.bin",
+            "documents": "each document (file, record, row) is followed by a newline"}
+    (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def _move_tail(train: Path, val: Path, cut: int, dtype: np.dtype) -> None:
+    """Ids ``cut ..`` of ``train`` go to ``val``; ``train`` is truncated to ``cut``."""
+    ids = np.memmap(train, dtype=dtype, mode="r")
+    with open(val, "wb") as f:
+        for lo in range(cut, len(ids), COPY_CHUNK):
+            np.asarray(ids[lo:min(lo + COPY_CHUNK, len(ids))]).tofile(f)
+    del ids
+    os.truncate(train, cut * np.dtype(dtype).itemsize)
