@@ -71,8 +71,8 @@ def loss_of(arch: str, logits, labels):
     from chimera import hf
 
     if arch == "bert":
-        return hf.masked_lm_loss(logits, labels) / hf.masked_token_count(labels)
-    return hf.causal_lm_loss(logits, labels) / hf.causal_token_count(labels)
+        return hf.token_loss(logits, labels) / hf.target_count(labels)
+    return hf.causal_lm_loss(logits, labels) / hf.causal_label_count(labels)
 
 
 # AdamW's eps above the float64 noise of gradients that are exactly zero in exact arithmetic

@@ -27,6 +27,7 @@ ARCHS = ("gpt2", "llama", "bert")
 N, B = 4, 2  # micro-batches, micro-batch size
 MAIN2 = [(a, s, 2, 1) for a in ARCHS for s in ("chimera", "1f1b")]  # (arch, schedule, D, W)
 MAIN4 = [(a, s, 4, 1) for a in ARCHS for s in ("chimera", "1f1b")] + [("llama", "chimera", 2, 2)]
+RECOMPUTE = {("llama", "1f1b", 4, 1), ("bert", "chimera", 4, 1)}  # activation checkpointing
 
 
 def _name(arch, schedule, d, w) -> str:
@@ -36,7 +37,7 @@ def _name(arch, schedule, d, w) -> str:
 def _main_case(folders: dict, arch: str, schedule: str, d: int, w: int) -> dict:
     model = hf.load(folders[arch], dtype=torch.float64, attn_implementation=hm.ATTN[arch])
     pipe = model.pipeline(schedule=schedule, stages=d, data_parallel=w, micro_batches=N,
-                          micro_batch_size=B)
+                          micro_batch_size=B, recompute=(arch, schedule, d, w) in RECOMPUTE)
     return hm.pipelined(model, pipe, arch, N * B * w)
 
 
@@ -173,6 +174,20 @@ def test_export_reloads_with_transformers_same_logits(world2, saved):
         assert json.load(open(f"{written}/config.json"))["architectures"] == [hm.CLASSES[arch]]
 
 
+@pytest.mark.slow
+def test_hf_example_runs():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "hf_llama.py")],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.path.join(root, "src")})
+    assert r.returncode == 0, r.stderr
+    assert "transformers reloads the export: its logits match" in r.stdout, r.stdout
+
+
 # -- one process ----------------------------------------------------------------------------
 def _forward(layers, x):
     for layer in layers:
@@ -197,6 +212,36 @@ def test_layers_compute_hf_forward(arch, attn, tmp_path):
                 assert torch.allclose(_forward(layers, inputs), want, rtol=0, atol=1e-13), (source, left)
 
 
+def test_packed_sequences_and_prefixless_keys(tmp_path):
+    """Position ids that restart, no mask (packed sequences): as HF's forward, block-diagonal
+    attention with config.use_cache=False, plain causal (HF makes a cache, which skips the
+    detection) with use_cache=True; the original GPT-2 files' keys (no "transformer." prefix) load."""
+    ids = torch.randint(4, hm.V, (2, 8), generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    got = {}
+    for arch in ("llama", "gpt2"):
+        for use_cache in (True, False):
+            model = hm.build(arch, "sdpa").eval()
+            model.config.use_cache = use_cache
+            layers = [m.eval() for m in hf.load(model).layers()]
+            with torch.no_grad():
+                want = model(input_ids=ids, position_ids=pos).logits
+                got[use_cache] = _forward(layers, {"input_ids": ids, "position_ids": pos})
+            assert torch.equal(got[use_cache], want), (arch, use_cache)
+        assert not torch.allclose(got[True], got[False]), arch  # the packing mattered
+    from safetensors.torch import save_file
+
+    gpt2 = hm.build("gpt2", "eager").eval()
+    state = {k.removeprefix("transformer."): v for k, v in gpt2.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    gpt2.config.save_pretrained(tmp_path)
+    inputs, _ = hm.batch("gpt2", 2, 3)
+    loaded = hf.load(tmp_path, dtype=torch.float64, attn_implementation="eager")
+    with torch.no_grad():
+        assert torch.equal(_forward([m.eval() for m in loaded.layers()], inputs), gpt2(**inputs).logits)
+    assert "wte.weight" in loaded.read_keys
+
+
 def test_causal_mask_is_applied():
     """The trap: Llama's eager decoder layers called one by one without a mask attend to the
     future. Changing the last token leaves every earlier logit of the layers unchanged (and
@@ -213,7 +258,8 @@ def test_causal_mask_is_applied():
 
 
 def test_loss_is_hfs_loss_in_float32():
-    """loss_fn / token_count is HF's own labels= loss (float32, where HF computes it)."""
+    """loss_fn / token_count is HF's own labels= loss (float32, where HF computes it), with
+    HF's labels or with targets already shifted (labels_shifted=True)."""
     for arch in ARCHS:
         model = hm.build(arch, dtype=torch.float32).eval()
         inputs, labels = hm.batch(arch, 4, 6)
@@ -222,6 +268,12 @@ def test_loss_is_hfs_loss_in_float32():
         m = hf.load(model)
         ours = m.loss_fn(out.logits, labels) / m.token_count(labels)
         assert torch.allclose(ours, out.loss, rtol=1e-6, atol=0), arch
+        if arch != "bert":  # targets already the next tokens (chimera train's batches): no shift
+            m = hf.load(model, labels_shifted=True)
+            with torch.no_grad():
+                logits = model(**{k: v[:, :-1] for k, v in inputs.items()}).logits
+            ours = m.loss_fn(logits, labels[:, 1:]) / m.token_count(labels[:, 1:])
+            assert torch.allclose(ours, out.loss, rtol=1e-6, atol=0), arch
 
 
 def test_sharded_checkpoint_and_config_only(tmp_path):
@@ -285,6 +337,10 @@ def test_refused_with_one_line(tmp_path):
         hf.load(bert)
     with pytest.raises(ValueError, match="BertForSequenceClassification is not supported"):
         hf.load(BertForSequenceClassification(hm.config("bert", "eager")))
+    named = hm.config("bert", "eager")
+    named.architectures = ["BertForSequenceClassification"]
+    with pytest.raises(ValueError, match="architecture BertForSequenceClassification is not supported"):
+        hf.load(named)
     with pytest.raises(ValueError, match="'flash_attention_2' is not supported"):
         hf.load(llama, attn_implementation="flash_attention_2")
     with pytest.raises(ValueError, match="no such file or folder .*local files only"):
@@ -304,5 +360,7 @@ def test_refused_with_one_line(tmp_path):
     with pytest.raises(ValueError, match="labels must be \\(batch, length\\)"):
         hf.causal_lm_loss(torch.zeros(2, 5, hm.V), torch.zeros(2, 4, dtype=torch.long))
     layer0 = hf.load(hm.build("llama")).make_layer(0)
+    with pytest.raises(ValueError, match="4-D masks are not supported"):
+        layer0(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 1, 3, 3))
     with pytest.raises(ValueError, match="unexpected key\\(s\\) \\['token_type_ids'\\]"):
         layer0({"input_ids": torch.zeros(1, 3, dtype=torch.long), "token_type_ids": torch.zeros(1, 3, dtype=torch.long)})

@@ -6,10 +6,10 @@ only a ``config.json``)::
 
     import torch
     import chimera.api as chimera
-    import chimera.hf
+    from chimera import hf
 
     def main(rank, world):
-        model = chimera.hf.load("my-llama/")            # reads nothing yet
+        model = hf.load("my-llama/")                # reads nothing yet
         pipe = model.pipeline(schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
         for step in range(100):
@@ -35,8 +35,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"chimera.hf needs transformers and safetensors ({exc.name} is missing): "
                       "pip install 'chimera-pipeline[hf]'") from None
 
-from chimera.hf.layers import causal_lm_loss, causal_token_count, masked_lm_loss, masked_token_count
+from chimera.hf.layers import causal_label_count, causal_lm_loss, target_count, token_loss
 from chimera.hf.model import ARCHS, HFModel, check_config, load
 
-__all__ = ["ARCHS", "HFModel", "causal_lm_loss", "causal_token_count", "check_config", "load",
-           "masked_lm_loss", "masked_token_count"]
+__all__ = ["ARCHS", "HFModel", "causal_label_count", "causal_lm_loss", "check_config", "load",
+           "target_count", "token_loss"]

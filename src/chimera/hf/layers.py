@@ -44,10 +44,21 @@ def _positions(h: torch.Tensor, position_ids):
     return torch.arange(h.shape[1], device=h.device).unsqueeze(0)
 
 
+def _causal_mask(config, h: torch.Tensor, mask, positions):
+    """HF's causal mask for this batch. HF's decoder ``forward`` makes a KV cache when
+    ``config.use_cache`` (the GPT-2 and Llama default, in training too), and with a cache its
+    mask ignores position ids (no packed-sequence detection); without one, position ids that
+    restart mark packed sequences (block-diagonal attention). The same here, without a cache."""
+    packed = None if getattr(config, "use_cache", False) else positions
+    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=mask, cache=None,
+                              position_ids=packed)
+
+
 class Embed(HFLayer):
     """Layer 0: parse the inputs, embed; ``keys`` are the input names this model takes."""
 
     keys = ("input_ids", "attention_mask", "position_ids")
+    absolute_positions = True  # a position table: longer sequences than it holds are refused
 
     def forward(self, inputs, attention_mask=None, position_ids=None, token_type_ids=None):
         ids, mask, pos, types = self._parse(inputs, attention_mask, position_ids, token_type_ids)
@@ -76,8 +87,6 @@ class Embed(HFLayer):
             raise ValueError(f"sequence length {ids.shape[1]} > max_position_embeddings {limit}")
         return ids, mask, pos, types
 
-    absolute_positions = True
-
 
 def _desc(t) -> str:
     return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -97,8 +106,7 @@ class GPT2Embed(Embed):
 class GPT2Block(HFLayer):
     def forward(self, h, mask, pos):
         p = _positions(h, pos)
-        causal = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=mask,
-                                    cache=None, position_ids=p)
+        causal = _causal_mask(self.config, h, mask, p)
         return self.block(h, None, causal, None, use_cache=False, position_ids=p), mask, pos
 
 
@@ -127,8 +135,7 @@ class LlamaBlock(HFLayer):
 
     def forward(self, h, mask, pos):
         p = _positions(h, pos)
-        causal = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=mask,
-                                    cache=None, position_ids=p)
+        causal = _causal_mask(self.config, h, mask, p)
         rope = self.rotary_emb(h, position_ids=p)
         h = self.layer(h, attention_mask=causal, position_ids=p, cache=None, use_cache=False,
                        position_embeddings=rope)
@@ -194,17 +201,18 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(flat, labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def causal_token_count(labels: torch.Tensor) -> int:
+def causal_label_count(labels: torch.Tensor) -> int:
     """Tokens the causal loss sums over in the whole mini-batch: shifted labels != -100."""
     return int((labels[:, 1:] != IGNORE).sum())
 
 
-def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """HF's masked LM loss as a sum over the labels != -100 (the masked positions)."""
-    _check_labels(logits, labels)
-    return F.cross_entropy(_upcast(logits).flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One target per position, no shift, summed over targets != -100: HF's masked LM loss
+    (BERT), or a causal loss whose targets are already the next tokens."""
+    _check_labels(logits, targets)
+    return F.cross_entropy(_upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                            reduction="sum")
 
 
-def masked_token_count(labels: torch.Tensor) -> int:
-    return int((labels != IGNORE).sum())
+def target_count(targets: torch.Tensor) -> int:
+    return int((targets != IGNORE).sum())

@@ -19,11 +19,11 @@ from torch import nn
 from chimera.hf import layers as L
 from chimera.hf.weights import Checkpoint, cast_parameters, clear_init_flags, load_layer, save_folder, tie_within
 
-# architecture -> (model_type, plan, loss, token count)
+# architecture -> (model_type, plan, causal: labels are the input ids, shifted in the loss)
 ARCHS = {
-    "GPT2LMHeadModel": ("gpt2", L.gpt2_plan, L.causal_lm_loss, L.causal_token_count),
-    "LlamaForCausalLM": ("llama", L.llama_plan, L.causal_lm_loss, L.causal_token_count),
-    "BertForMaskedLM": ("bert", L.bert_plan, L.masked_lm_loss, L.masked_token_count),
+    "GPT2LMHeadModel": ("gpt2", L.gpt2_plan, True),
+    "LlamaForCausalLM": ("llama", L.llama_plan, True),
+    "BertForMaskedLM": ("bert", L.bert_plan, False),
 }
 SUPPORTED = ", ".join(ARCHS)
 ATTENTION = ("eager", "sdpa")
@@ -34,14 +34,21 @@ class HFModel:
 
     Build it on every rank (see :func:`chimera.hf.load`); ``pipeline(**kw)`` makes the
     Pipeline, each rank building (and reading from the checkpoint) only the layers it holds.
-    ``read_keys`` lists the checkpoint keys this process read.
+    ``loss_fn(logits, targets)`` sums over tokens and ``token_count(targets)`` counts them
+    (for ``loss_reduction="token_mean"``). ``read_keys``: the checkpoint keys this process read.
     """
 
     def __init__(self, arch: str, config, model: nn.Module | None = None,
-                 checkpoint: Checkpoint | None = None, dtype: torch.dtype | None = None):
+                 checkpoint: Checkpoint | None = None, dtype: torch.dtype | None = None,
+                 labels_shifted: bool = False):
         self.arch, self.model, self.checkpoint = arch, model, checkpoint
-        self.dtype = dtype if dtype is not None or model is not None else torch.float32
-        _, plan, self.loss_fn, self.token_count = ARCHS[arch]
+        if dtype is None and model is None:
+            dtype = torch.float32  # from a config or a folder; a model object keeps its own
+        self.dtype = dtype
+        _, plan, causal = ARCHS[arch]
+        shift = causal and not labels_shifted
+        self.loss_fn = L.causal_lm_loss if shift else L.token_loss
+        self.token_count = L.causal_label_count if shift else L.target_count
         self.source = model if model is not None else _on_meta(arch, config)  # the HF model
         self.config = self.source.config
         self._shadow = None if model is not None else self.source  # on meta: for sizing
@@ -85,12 +92,14 @@ class HFModel:
         """Per persistent tensor of the layer, the checkpoint keys that may hold it, best
         first: a tie's source before its target (HF ties after loading), each also without
         the base model's prefix (``"h.0..."`` in the original GPT-2 files)."""
-        strip = self.source.base_model_prefix + "."
+        prefix = self.source.base_model_prefix + "."
         out = {}
         for local in layer.state_dict(keep_vars=True):
             hf = self.hf_name(f"{index}.{local}")
             keys = [self.hf_ties[hf], hf] if hf in self.hf_ties else [hf]
-            out[local] = [k for key in keys for k in (key, key[len(strip):] if key.startswith(strip) else None) if k]
+            out[local] = []
+            for key in keys:
+                out[local] += [key, key[len(prefix):]] if key.startswith(prefix) else [key]
         return out
 
     # -- layers ----------------------------------------------------------------------------
@@ -186,7 +195,7 @@ def _on_meta(arch: str, config) -> nn.Module:
 
 # -- load ----------------------------------------------------------------------------------
 def load(source, *, dtype: torch.dtype | None = None, attn_implementation: str | None = None,
-         architecture: str | None = None) -> HFModel:
+         architecture: str | None = None, labels_shifted: bool = False) -> HFModel:
     """An :class:`HFModel` from a model object, a config object, a ``config.json`` file or a
     folder (``config.json``, with ``*.safetensors`` weights when ``save_pretrained`` wrote
     them; without weights the layers are initialized as HF does, seeded per layer).
@@ -194,7 +203,9 @@ def load(source, *, dtype: torch.dtype | None = None, attn_implementation: str |
     ``dtype``: the parameters' dtype (default: the model's own, float32 from a config or a
     folder). ``attn_implementation``: "eager" or "sdpa" (default: HF's choice). ``architecture``:
     overrides the config's ``architectures`` (one of GPT2LMHeadModel, LlamaForCausalLM,
-    BertForMaskedLM). Local files only: nothing is downloaded.
+    BertForMaskedLM). ``labels_shifted``: the targets of a causal model are already the next
+    tokens (``targets[:, t]`` follows ``inputs[:, t]``, as ``chimera train``'s batches), not
+    HF's labels (the input ids, shifted inside the loss). Local files only: nothing is downloaded.
     """
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -218,7 +229,7 @@ def load(source, *, dtype: torch.dtype | None = None, attn_implementation: str |
             raise ValueError(f"the model uses {config._attn_implementation!r} attention; build it with "
                              f"attn_implementation={attn_implementation!r} instead")
         config._attn_implementation = attn_implementation
-    return HFModel(arch, config, model, checkpoint, dtype)
+    return HFModel(arch, config, model, checkpoint, dtype, labels_shifted)
 
 
 def _read_folder(path: Path):
@@ -233,7 +244,7 @@ def _read_folder(path: Path):
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{file}: not a JSON config ({exc})") from None
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
-    if model_type not in {t for t, *_ in ARCHS.values()}:
+    if model_type not in {t for t, _, _ in ARCHS.values()}:
         raise ValueError(f"{file}: model_type {model_type!r} is not supported (chimera.hf supports "
                          f"{SUPPORTED})")
     from transformers import AutoConfig
@@ -257,7 +268,7 @@ def _architecture(config) -> str:
             raise ValueError(f"architecture {named[0]} is not supported (chimera.hf supports {SUPPORTED}; "
                              "pass architecture= to train the weights as one of those)")
         return arch
-    by_type = {t: a for a, (t, *_) in ARCHS.items()}
+    by_type = {t: a for a, (t, _, _) in ARCHS.items()}
     if config.model_type not in by_type:
         raise ValueError(f"model_type {config.model_type!r} is not supported (chimera.hf supports {SUPPORTED})")
     return by_type[config.model_type]
