@@ -25,7 +25,8 @@ from chimera.runtime.boundary import call_layer  # noqa: E402
 TOL = dict(rtol=1e-10, atol=1e-12)
 ARCHS = ("gpt2", "llama", "bert")
 N, B = 4, 2  # micro-batches, micro-batch size
-MAIN2 = [(a, s, 2, 1) for a in ARCHS for s in ("chimera", "1f1b")]  # (arch, schedule, D, W)
+MAIN2 = ([(a, s, 2, 1) for a in ARCHS for s in ("chimera", "1f1b")]  # (arch, schedule, D, W)
+         + [("gpt2", "zb-h1", 2, 1), ("llama", "zb-h1", 2, 1)])
 MAIN4 = [(a, s, 4, 1) for a in ARCHS for s in ("chimera", "1f1b")] + [("llama", "chimera", 2, 2)]
 RECOMPUTE = {("llama", "1f1b", 4, 1), ("bert", "chimera", 4, 1)}  # activation checkpointing
 

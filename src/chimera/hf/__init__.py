@@ -1,8 +1,8 @@
 """Hugging Face models as pipeline layers: ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
 ``BertForMaskedLM`` (optional extra ``hf``: ``pip install 'chimera-pipeline[hf]'``).
 
-Example (every rank runs ``main``; the folder was written by ``save_pretrained``, or holds
-only a ``config.json``)::
+Sketch (every rank runs ``main``; ``ids``, ``mask``: a padded batch, the same on every rank;
+the folder was written by ``save_pretrained``, or holds only a ``config.json``)::
 
     import torch
     import chimera.api as chimera

@@ -79,13 +79,15 @@ class HFModel:
         raise KeyError(f"{hf} belongs to no pipeline layer of {self.arch}")
 
     def _split_ties(self) -> tuple[list[tuple[str, str]], dict[int, list[tuple[str, str]]]]:
+        """HF's ties as (source, target) pipeline names across layers, and per layer as
+        (target, source) names inside it."""
         across, within = [], {}
         for target, source in self.hf_ties.items():
-            t, s = self.pipeline_name(target), self.pipeline_name(source)
-            if t.split(".", 1)[0] == s.split(".", 1)[0]:
-                within.setdefault(int(t.split(".", 1)[0]), []).append((t.split(".", 1)[1], s.split(".", 1)[1]))
+            (ti, t), (si, s) = (self.pipeline_name(n).split(".", 1) for n in (target, source))
+            if ti == si:
+                within.setdefault(int(ti), []).append((t, s))
             else:
-                across.append((s, t))
+                across.append((f"{si}.{s}", f"{ti}.{t}"))
         return across, within
 
     def _candidates(self, index: int, layer: nn.Module) -> dict[str, list[str]]:
