@@ -90,7 +90,8 @@ def reference(model, arch: str, rows: int) -> dict:
         loss = loss_of(arch, model(**inputs).logits, labels)
         loss.backward()
         out["losses"].append(float(loss.detach()))
-        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
+        named = model.named_parameters(remove_duplicate=False)  # a tied one under both names
+        out["grads"].append({n: p.grad.clone() for n, p in named})
         opt.step()
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     return out

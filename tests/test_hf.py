@@ -148,7 +148,8 @@ def test_each_rank_reads_only_the_tensors_of_its_stages(world2, world4, saved):
         for runs, case in ((world2, _name(arch, "1f1b", 2, 1)), (world4, _name(arch, "chimera", 4, 1)),
                            (world4, _name(arch, "1f1b", 4, 1))):
             for rank, res in enumerate(r[case] for r in runs):
-                assert set(res["read"]) == _expected_reads(saved[arch][0], model, res["held"]), (case, rank)
+                want = _expected_reads(saved[arch][0], model, res["held"])
+                assert set(res["read"]) == want, (case, rank)
                 assert len(res["held"]) < model.num_layers, (case, rank)
 
 
@@ -209,7 +210,8 @@ def test_layers_compute_hf_forward(arch, attn, tmp_path):
         with torch.no_grad():
             want = model(**inputs).logits
             for source in (model, str(tmp_path)):
-                layers = [m.eval() for m in hf.load(source, dtype=torch.float64, attn_implementation=attn).layers()]
+                loaded = hf.load(source, dtype=torch.float64, attn_implementation=attn)
+                layers = [m.eval() for m in loaded.layers()]
                 assert torch.allclose(_forward(layers, inputs), want, rtol=0, atol=1e-13), (source, left)
 
 
@@ -233,7 +235,8 @@ def test_packed_sequences_and_prefixless_keys(tmp_path):
     from safetensors.torch import save_file
 
     gpt2 = hm.build("gpt2", "eager").eval()
-    state = {k.removeprefix("transformer."): v for k, v in gpt2.state_dict().items() if k != "lm_head.weight"}
+    state = {k.removeprefix("transformer."): v for k, v in gpt2.state_dict().items()
+             if k != "lm_head.weight"}
     save_file(state, str(tmp_path / "model.safetensors"))
     gpt2.config.save_pretrained(tmp_path)
     inputs, _ = hm.batch("gpt2", 2, 3)
@@ -321,11 +324,13 @@ def test_refused_with_one_line(tmp_path):
 
     for cfg, words in ((MistralConfig(), "model_type 'mistral'"), (MixtralConfig(), "model_type 'mixtral'")):
         for arch in (None, "LlamaForCausalLM"):
-            with pytest.raises(ValueError, match=words + ".*supports GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM"):
+            supported = ".*supports GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM"
+            with pytest.raises(ValueError, match=words + supported):
                 hf.load(cfg, architecture=arch)
     llama = hm.config("llama", "eager")
     bad = [(dict(sliding_window=8), "sliding-window"), (dict(num_local_experts=4), "mixture-of-experts"),
-           (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope_type 'dynamic'")]
+           (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+            "rope_type 'dynamic'")]
     for change, words in bad:
         cfg = hm.config("llama", "eager")
         for k, v in change.items():
@@ -358,10 +363,19 @@ def test_refused_with_one_line(tmp_path):
     wide.save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="has shape .* the config makes"):
         hf.load(tmp_path / "gpt2").layers()
+    from safetensors.torch import save_file
+
+    state = {k: v for k, v in small.state_dict().items()
+             if k not in ("lm_head.weight", "transformer.ln_f.bias")}
+    save_file(state, str(tmp_path / "gpt2" / "model.safetensors"))
+    small.config.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="no tensor transformer.ln_f.bias .*do not match the config"):
+        hf.load(tmp_path / "gpt2").layers()
     with pytest.raises(ValueError, match="labels must be \\(batch, length\\)"):
         hf.causal_lm_loss(torch.zeros(2, 5, hm.V), torch.zeros(2, 4, dtype=torch.long))
     layer0 = hf.load(hm.build("llama")).make_layer(0)
     with pytest.raises(ValueError, match="4-D masks are not supported"):
         layer0(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 1, 3, 3))
     with pytest.raises(ValueError, match="unexpected key\\(s\\) \\['token_type_ids'\\]"):
-        layer0({"input_ids": torch.zeros(1, 3, dtype=torch.long), "token_type_ids": torch.zeros(1, 3, dtype=torch.long)})
+        zeros = torch.zeros(1, 3, dtype=torch.long)
+        layer0({"input_ids": zeros, "token_type_ids": zeros})

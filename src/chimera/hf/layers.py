@@ -116,7 +116,8 @@ class GPT2Head(HFLayer):
 
 
 def gpt2_plan(config) -> list[tuple[type, dict[str, str]]]:
-    return [(GPT2Embed, {"wte": "transformer.wte", "wpe": "transformer.wpe", "drop": "transformer.drop"}),
+    embed = {"wte": "transformer.wte", "wpe": "transformer.wpe", "drop": "transformer.drop"}
+    return [(GPT2Embed, embed),
             *[(GPT2Block, {"block": f"transformer.h.{k}"}) for k in range(config.n_layer)],
             (GPT2Head, {"ln_f": "transformer.ln_f", "lm_head": "lm_head"})]
 
@@ -177,7 +178,8 @@ class BertHead(HFLayer):
 
 def bert_plan(config) -> list[tuple[type, dict[str, str]]]:
     return [(BertEmbed, {"embeddings": "bert.embeddings"}),
-            *[(BertBlock, {"layer": f"bert.encoder.layer.{k}"}) for k in range(config.num_hidden_layers)],
+            *[(BertBlock, {"layer": f"bert.encoder.layer.{k}"})
+              for k in range(config.num_hidden_layers)],
             (BertHead, {"cls": "cls"})]
 
 

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from chimera.hf import layers as L
-from chimera.hf.weights import Checkpoint, cast_parameters, clear_init_flags, load_layer, save_folder, tie_within
+from chimera.hf.weights import (Checkpoint, cast_parameters, clear_init_flags, load_layer, save_folder,
+                                tie_within)
 
 # architecture -> (model_type, plan, causal: labels are the input ids, shifted in the loss)
 ARCHS = {
@@ -54,7 +55,8 @@ class HFModel:
         self._shadow = None if model is not None else self.source  # on meta: for sizing
         attn = self.config._attn_implementation
         if attn not in ATTENTION:
-            raise ValueError(f"attention implementation {attn!r} is not supported (use one of {ATTENTION})")
+            raise ValueError(f"attention implementation {attn!r} is not supported "
+                             f"(use one of {ATTENTION})")
         self.plan = plan(self.config)
         self.num_layers = len(self.plan)
         self.hf_ties = dict(self.source.all_tied_weights_keys)  # HF target -> HF source
@@ -254,7 +256,8 @@ def _read_folder(path: Path):
     config = AutoConfig.for_model(**raw)
     folder = path if path.is_dir() else None
     if folder is None or not Checkpoint.present(folder):
-        others = [] if folder is None else sorted(p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth"))
+        others = [] if folder is None else sorted(
+            p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth"))
         if others:
             raise ValueError(f"{folder}: only safetensors weights are read, found {others[0]} (save the "
                              "model with save_pretrained(..., safe_serialization=True))")
@@ -267,12 +270,13 @@ def _architecture(config) -> str:
     if named:
         arch = next((a for a in named if a in ARCHS), None)
         if arch is None:
-            raise ValueError(f"architecture {named[0]} is not supported (chimera.hf supports {SUPPORTED}; "
-                             "pass architecture= to train the weights as one of those)")
+            raise ValueError(f"architecture {named[0]} is not supported (chimera.hf supports "
+                             f"{SUPPORTED}; pass architecture= to train the weights as one of those)")
         return arch
     by_type = {t: a for a, (t, _, _) in ARCHS.items()}
     if config.model_type not in by_type:
-        raise ValueError(f"model_type {config.model_type!r} is not supported (chimera.hf supports {SUPPORTED})")
+        raise ValueError(f"model_type {config.model_type!r} is not supported (chimera.hf supports "
+                         f"{SUPPORTED})")
     return by_type[config.model_type]
 
 
@@ -286,7 +290,8 @@ def check_config(arch: str, config) -> None:
                          f"(chimera.hf supports {SUPPORTED})")
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(config, key, None):
-            raise ValueError(f"mixture-of-experts configs ({key}={getattr(config, key)}) are not supported")
+            raise ValueError(f"mixture-of-experts configs ({key}={getattr(config, key)}) are not "
+                             "supported")
     if getattr(config, "sliding_window", None) or getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported (full causal attention only)")
     if getattr(config, "add_cross_attention", False):

@@ -102,9 +102,10 @@ def _poison(tensors: dict[str, torch.Tensor]) -> None:
 def _unwritten(tensors: dict[str, torch.Tensor]) -> list[str]:
     out = []
     for name, t in tensors.items():
-        if t.is_floating_point() and bool(t.isnan().any()):
-            out.append(name)
-        elif not t.is_floating_point() and t.dtype != torch.bool and bool((t == torch.iinfo(t.dtype).min).any()):
+        if t.is_floating_point():
+            if bool(t.isnan().any()):
+                out.append(name)
+        elif t.dtype != torch.bool and bool((t == torch.iinfo(t.dtype).min).any()):
             out.append(name)
     return out
 
