@@ -146,6 +146,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from chimera.train.launch import FAILURES, TrainingFailed, launch
     from chimera.train.report import measured_timeline, summary
 
+    if args.checkpoint_dir:  # another live run on it: say so before reading its checkpoints
+        from chimera.train.lease import check_free
+
+        check_free(args.checkpoint_dir)
     cfg = config_from_args(args)  # every check happens here, before any process starts
     for path, flag in ((cfg.trace, "--trace"), (cfg.png, "--png"), (cfg.log_json, "--log-json")):
         check_output(path, flag)

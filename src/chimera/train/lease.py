@@ -65,6 +65,18 @@ def acquire(directory: str | os.PathLike) -> int:
     return fd
 
 
+def check_free(directory: str | os.PathLike) -> None:
+    """Before any rank starts: CheckpointError (one line) while a live run holds
+    ``directory`` (rank 0 claims it again under the run-long lease: this only answers early)."""
+    if not Path(directory).is_dir():
+        return
+    try:
+        fd = acquire(directory)
+    except DirectoryBusy as exc:
+        raise CheckpointError(str(exc)) from None
+    os.close(fd)
+
+
 def claim(directory: str | os.PathLike, resume: bool) -> Lease:
     """Rank 0's lease on ``directory`` for a run: refused while another run holds it, and
     (unless ``resume``) when it holds checkpoints already; resuming continues their run id."""
