@@ -19,7 +19,8 @@ def add_parsers(sub) -> None:
     p = sub.add_parser(
         "train", help="train GPT-2 / BERT / a Hugging Face model with a pipeline schedule "
                       "(default: a short Chimera run)",
-        description="Train a model with any schedule on torch.distributed. With no arguments: "
+        description="Train a model (a chimera preset or a Hugging Face GPT-2, Llama or BERT, "
+                    "--model) with any schedule on torch.distributed. With no arguments: "
                     "gpt2-tiny with Chimera on D=2 local processes for a short run, then a summary "
                     "and a PNG timeline plus a Perfetto trace of a measured step. Under torchrun "
                     "(RANK/WORLD_SIZE set) each process is one rank; otherwise the W*D ranks are "
