@@ -257,9 +257,9 @@ class TrainConfig:
     def model_source(self):
         """What ``--model`` builds (``chimera.train.sources``), its vocabulary the data's: a
         chimera preset (plus BERT's mask id on ids) or a Hugging Face model."""
-        from chimera.train.sources import is_hf, open_source
-
         import torch
+
+        from chimera.train.sources import is_hf, open_source
 
         dtype = torch.float64 if self.dtype == "float64" else torch.float32  # bf16: autocast
         try:
@@ -274,11 +274,13 @@ class TrainConfig:
 
     @property
     def model_config(self):
-        """A chimera preset's ``ModelConfig`` with the data's vocabulary."""
-        config = getattr(self.model_source, "config", None)
-        if not hasattr(config, "n_layers_total"):
-            raise ConfigError(f"{self.model} is not a chimera preset: use model_source")
-        return config
+        """A chimera preset's ``ModelConfig`` with the data's vocabulary (``chimera bench``
+        reads it; the trainer reads ``model_source``, which any model has)."""
+        from chimera.train.sources import PresetSource
+
+        if not isinstance(self.model_source, PresetSource):
+            raise ConfigError(f"{self.model} is not a chimera preset: it has no ModelConfig")
+        return self.model_source.config
 
     @property
     def world(self) -> int:
