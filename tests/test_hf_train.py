@@ -120,6 +120,25 @@ def test_the_reference_computes_hfs_own_model(root, model):
         torch.testing.assert_close(seen[name], p.grad, rtol=1e-10, atol=1e-13)
 
 
+def test_a_save_pretrained_folder_gives_the_starting_weights(root, tmp_path):
+    """hf:FOLDER with safetensors: every rank's every copy (the tied lm_head in the last
+    stage too) and the single-process reference start from the saved tensors, bit for bit."""
+    from chimera.runtime.virtual import run_virtual
+
+    torch.manual_seed(3)
+    saved = transformers.GPT2LMHeadModel(GPT2Config.from_pretrained(root / "gpt2")).double()
+    saved.save_pretrained(tmp_path / "w")
+    want = dict(saved.named_parameters())
+    cfg = cfg_of(root, f"hf:{tmp_path / 'w'}", schedule="1f1b", stages=2, micro_batches=2)
+    ranks = run_virtual(2, lambda rank: [(n, p.detach().clone())
+                                         for n, _, p in Trainer(cfg, rank).replica_parameters()])
+    ref = Trainer(cfg_of(root, f"hf:{tmp_path / 'w'}", schedule="none", stages=1, micro_batches=1))
+    got = [item for rank in ranks for item in rank] + [(n, p) for n, _, p in ref.replica_parameters()]
+    assert {n for n, _ in got} == set(want)
+    for name, p in got:
+        assert torch.equal(p, want[name]), name
+
+
 def test_presets_are_the_configs_they_name():
     """hf-gpt2-small is GPT-2's 124M config (at GPT-2's vocabulary; a preset takes the
     data's), tied; hf-llama-tiny a Llama with RoPE and grouped-query attention, untied."""
