@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo demo-hf test test-fast clean
 
 $(BIN)/chimera: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,6 +16,15 @@ setup: $(BIN)/chimera
 demo: setup
 	$(BIN)/chimera train
 	$(BIN)/chimera show --stages 4 --micro-batches 4 --png out/chimera-D4-N4.png
+
+# a Llama with a BPE tokenizer trained on local text, held-out loss, export, generate
+demo-hf: setup
+	rm -rf out/hf-demo
+	$(BIN)/chimera tokenize --vocab-size 1024 --out out/hf-demo/tok
+	$(BIN)/chimera train --model hf-llama-tiny --data out/hf-demo/tok --steps 200 --eval-every 50 \
+		--checkpoint-dir out/hf-demo/ckpt
+	$(BIN)/chimera export --checkpoint out/hf-demo/ckpt --out out/hf-demo/llama-hf
+	$(BIN)/chimera generate --checkpoint out/hf-demo/ckpt --prompt "def " --temperature 0 --max-new-tokens 30
 
 test: setup
 	$(BIN)/python -m pytest -q -x --durations=10

@@ -194,7 +194,7 @@ def train_batches(argv, monkeypatch, tmp_path, steps=2):
 
     def batch(self, step):
         inputs, targets = real(self, step)
-        seen.append((inputs, targets, self.model_cfg.vocab_size))
+        seen.append((inputs, targets, self.source.vocab_size))
         return inputs, targets
     monkeypatch.setattr(Trainer, "batch", batch)
     monkeypatch.chdir(tmp_path)

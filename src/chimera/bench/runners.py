@@ -44,7 +44,7 @@ class SingleRunner:
         tr = self.trainer
         inputs, targets = tr.batch(i)
         tr.optimizer.zero_grad(set_to_none=False)
-        lossf, total = loss_fn(tr.model_cfg, "mean"), 0.0
+        lossf, total = loss_fn(tr.cfg.model_config, "mean"), 0.0
         for x, y in zip(inputs.split(self.micro), targets.split(self.micro)):
             loss = lossf(tr.model(x), y) * (len(x) / len(inputs))
             loss.backward()

@@ -41,7 +41,7 @@ class TorchRunner:
                               micro_batch_size=cfg.global_batch, steps=cfg.rounds + 2,
                               seed=cfg.seed, progress=False)
         n = cfg.stages * per_rank
-        ranges = stage_ranges(self.tc, n)
+        ranges = stage_ranges(self.tc, self.tc.model_source, n)
         self.indices = stages_of(style, rank, cfg.stages, per_rank)
         self.modules = [torch.nn.Sequential(*build_layers(self.model, cfg.seed, ranges[i]))
                         for i in self.indices]

@@ -13,7 +13,8 @@ from chimera.cli.common import UsageError, fail
 from chimera.ir import ScheduleError
 
 COMMANDS = ("chimera.cli.schedule_cmds",)
-OPTIONAL_COMMANDS = ("chimera.cli.train_cmd", "chimera.cli.generate_cmd", "chimera.cli.bench_cmd",
+OPTIONAL_COMMANDS = ("chimera.cli.train_cmd", "chimera.cli.generate_cmd", "chimera.cli.export_cmd",
+                     "chimera.cli.bench_cmd",
                      "chimera.cli.plan_cmd", "chimera.cli.profile_cmd", "chimera.cli.tokenize_cmd")
 
 

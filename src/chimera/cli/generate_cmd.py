@@ -12,13 +12,15 @@ from chimera.cli.common import positive_int
 
 def add_parsers(sub) -> None:
     p = sub.add_parser(
-        "generate", help="sample text from a trained checkpoint (GPT-2 presets)",
+        "generate", help="sample text from a trained checkpoint (GPT-2 presets, HF GPT-2 and Llama)",
         description="Continue a prompt with the model of a checkpoint written by `chimera train "
                     "--checkpoint-dir DIR`, in this one process, whatever D, W and schedule trained "
-                    "it (checkpoints are keyed by parameter name). Tokens are UTF-8 bytes unless "
+                    "it (checkpoints are keyed by parameter name), with the layers the run trained (chimera's "
+                    "GPT-2, or a Hugging Face GPT-2 / Llama rebuilt from the config the run "
+                    "recorded). Tokens are UTF-8 bytes unless "
                     "the run recorded a tokenizer (or --tokenizer names one). A prompt longer "
                     "than the model's context keeps its last tokens (the command says so). BERT "
-                    "checkpoints are refused: a masked LM does not continue text left to right. "
+                    "checkpoints (chimera's or HF's) are refused: a masked LM does not continue text left to right. "
                     "Prints the prompt followed by the continuation.",
         epilog="example: chimera train --steps 200 --checkpoint-dir ckpt && "
                "chimera generate --checkpoint ckpt --prompt 'def main(' --temperature 0")

@@ -12,19 +12,29 @@ from chimera.schedules import schemes
 from chimera.schedules.bidirectional import STRATEGIES
 
 MODELS = ("gpt2-tiny", "gpt2-bench", "gpt2-small", "gpt2-medium", "gpt2-paper", "bert-tiny", "bert-48")
+HF_MODELS = ("hf-llama-tiny", "hf-gpt2-small")  # chimera.train.sources.HF_PRESETS (no torch here)
 
 
 def add_parsers(sub) -> None:
     p = sub.add_parser(
-        "train", help="train GPT-2 / BERT with a pipeline schedule (default: a short Chimera run)",
-        description="Train a model with any schedule on torch.distributed. With no arguments: "
+        "train", help="train GPT-2 / BERT / a Hugging Face model with a pipeline schedule "
+                      "(default: a short Chimera run)",
+        description="Train a model (a chimera preset or a Hugging Face GPT-2, Llama or BERT, "
+                    "--model) with any schedule on torch.distributed. With no arguments: "
                     "gpt2-tiny with Chimera on D=2 local processes for a short run, then a summary "
                     "and a PNG timeline plus a Perfetto trace of a measured step. Under torchrun "
                     "(RANK/WORLD_SIZE set) each process is one rank; otherwise the W*D ranks are "
                     "spawned locally and rendezvous on 127.0.0.1.")
     names = ", ".join(["none"] + [s.name for s in schemes(runnable=True)])
     m = p.add_argument_group("model and data")
-    m.add_argument("--model", default="gpt2-tiny", help=f"preset: {', '.join(MODELS)} (default: gpt2-tiny)")
+    m.add_argument("--model", default="gpt2-tiny", metavar="NAME|hf:PATH",
+                   help=f"a preset: {', '.join(MODELS)}; a Hugging Face model built from a config "
+                        f"(needs the hf extra): {', '.join(HF_MODELS)}, or hf:PATH, a config.json or "
+                        "a folder holding one (GPT-2, Llama, BERT), whose save_pretrained "
+                        "safetensors, if there, are the starting weights. A preset's vocabulary is "
+                        "the data's; an hf:PATH config must hold the data's ids (default: gpt2-tiny)")
+    m.add_argument("--seq-len", type=positive_int, metavar="T", help="tokens per sequence "
+                   "(default: the preset's, or an hf:PATH config's max_position_embeddings)")
     m.add_argument("--data", metavar="FILE|DIR", help="what to train on: a text file or folder "
                    "(bytes, or --tokenizer ids), a .bin token file (--token-dtype), a folder with "
                    "train.bin [val.bin] (from chimera tokenize or nanoGPT), a 1-D integer .npy, a "
@@ -128,7 +138,7 @@ def config_from_args(args: argparse.Namespace):
         weight_decay=args.weight_decay, clip=args.clip, seed=args.seed, recompute=args.recompute,
         shard_optimizer=args.shard_optimizer,
         strategy=args.strategy, pipes=args.pipes, chunks=args.chunks, sync=args.sync,
-        partition=args.partition, data=args.data, token_dtype=args.token_dtype,
+        partition=args.partition, seq_len=args.seq_len, data=args.data, token_dtype=args.token_dtype,
         vocab_size=args.vocab_size, text_field=args.text_field, tokenizer=args.tokenizer,
         dtype=args.dtype, wire_dtype=args.wire_dtype, threads=args.threads,
         comm_timeout=args.comm_timeout, device=args.device, log_json=args.log_json,
@@ -192,7 +202,7 @@ def _check_data(cfg) -> None:
     from chimera.data_formats import open_data
     from chimera.train.loop import check_heldout
 
-    model = cfg.model_config
+    model = cfg.model_source
     corpus = open_data(cfg.data_spec, seq_len=model.seq_len, progress=cfg.progress)
     if cfg.eval_every:
         check_heldout(corpus, model.kind, model.seq_len)

@@ -3,7 +3,7 @@
 What one holds, keyed so that it depends on neither D, W nor the schedule:
 
 - ``model.<name>``: every parameter once, under its model-wide name
-  (``blocks.3.attn.qkv.weight``), written by the rank holding the stage's pipe-0 replica
+  (``blocks.3.attn.qkv.weight``; HF's for an HF model, a tie under its first name), written by the rank holding the stage's pipe-0 replica
   in data replica 0 (``Trainer.checkpoint_parameters``) and read back by every replica.
 - ``optim.<name>.exp_avg | exp_avg_sq | step``: AdamW's state of that parameter.
 - ``rng.cpu.rank<r>``: each rank's torch RNG state (restored when the world size matches).
@@ -349,7 +349,7 @@ def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, second
              for p in sorted(tmp.iterdir()) if p.is_file()}
     meta = {
         "format": FORMAT, "step": int(final.name[len("step-"):]), "run_id": run_id,
-        "model": cfg.model, "model_config": model_fingerprint(cfg.model_config),
+        "model": cfg.model, "model_config": cfg.model_source.fingerprint(),
         "data": {"next_step": int(final.name[len("step-"):]), "seed": cfg.seed,
                  "global_batch": cfg.global_batch, "source": cfg.data,
                  "tokenizer": tokenizer_record(cfg)},
@@ -438,6 +438,7 @@ def restore(trainer, directory: str | os.PathLike) -> int:
         torch.set_rng_state(state[rng_key])
     trainer.load_whole_optimizer_state(whole)
     _copy_to_other_replicas(trainer, replicas)
+    trainer.equalize_ties()  # a tie is one key, read into each copy: equal, and kept so
     return int(meta["step"])
 
 

@@ -44,6 +44,7 @@ class TrainConfig:
     chunks: int | None = None
     sync: str = "eager"
     partition: str | None = None  # e.g. "0-2,3-5": layer ranges per stage
+    seq_len: int | None = None  # tokens per sequence (default: the model's: its preset or config)
     data: str | None = None  # text, token files, .jsonl, a datasets folder (chimera.data_formats)
     token_dtype: str | None = None  # uint16 | uint32: the ids of a .bin token file
     vocab_size: int | None = None  # ids are below it; the model's vocabulary (default: the data's)
@@ -100,8 +101,10 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
             if value > LIMITS.get(name, value):
                 raise ConfigError(f"--{name.replace('_', '-')} {value} exceeds the limit of {LIMITS[name]}")
-        if self.micro_batches is not None and (not isinstance(self.micro_batches, int) or self.micro_batches < 1):
-            raise ConfigError(f"--micro-batches must be a positive integer, got {self.micro_batches!r}")
+        for name in ("micro_batches", "seq_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         for name, low in (("lr", 0.0), ("weight_decay", 0.0), ("clip", 0.0), ("comm_timeout", 0.0),
                           ("min_lr_ratio", 0.0)):
             value = getattr(self, name)
@@ -126,20 +129,20 @@ class TrainConfig:
                               "directory of them")
 
     def _check_model(self) -> None:
-        from chimera.models import get_config
-
-        try:
-            cfg = get_config(self.model)
-        except ValueError as exc:  # lists the presets
-            raise ConfigError(f"--model: {exc}") from None
-        if self.stages_total > cfg.n_layers_total:
-            raise ConfigError(f"cannot cut {self.model} ({cfg.n_layers_total} layers: embedding, "
-                              f"{cfg.n_layer} blocks, head) into {self.stages_total} stages")
+        source = self.model_source
+        if self.stages_total > source.num_layers:
+            raise ConfigError(f"cannot cut {self.model} ({source.num_layers} layers: embedding, "
+                              f"{source.num_layers - 2} blocks, head) into {self.stages_total} stages")
         if self.partition is not None and not self.reference:
-            self._check_partition(cfg.n_layers_total)
+            self._check_partition(source.num_layers)
         if self.strategy == "halving" and self.micro_batch_size % 2:
             raise ConfigError("backward halving splits each micro-batch in two: "
                               "--micro-batch-size must be even")
+        if self.shard_optimizer and source.ties and self.stages_total > 1:
+            raise ConfigError(f"--shard-optimizer with weights tied across stages "
+                              f"({', '.join(source.key(t[0]) for t in source.ties)} in {self.model}) "
+                              "is not supported: a tie's gradient sum needs whole gradients, a "
+                              "sharded replica holds a slice; train without --shard-optimizer")
 
     def _check_partition(self, n_layers: int) -> None:
         from chimera.models.partition import parse_partition
@@ -211,7 +214,7 @@ class TrainConfig:
         if path is None:
             return  # nothing yet: --resume starts from scratch (the same command restarts)
         try:
-            checkpoint.verify(path, self.model, checkpoint.model_fingerprint(self.model_config))
+            checkpoint.verify(path, self.model, self.model_source.fingerprint())
         except checkpoint.CheckpointError as exc:
             raise ConfigError(f"--resume: {exc}") from None
 
@@ -251,12 +254,33 @@ class TrainConfig:
             raise ConfigError(str(exc).splitlines()[0]) from None
 
     @cached_property
-    def model_config(self):
-        """The model preset, its vocabulary that of the data (plus BERT's mask id on ids)."""
-        from chimera.data import model_vocab
-        from chimera.models import get_config
+    def model_source(self):
+        """What ``--model`` builds (``chimera.train.sources``), its vocabulary the data's: a
+        chimera preset (plus BERT's mask id on ids) or a Hugging Face model."""
+        import torch
 
-        return get_config(self.model, vocab_size=model_vocab(self.data_info, get_config(self.model).kind))
+        from chimera.train.sources import is_hf, open_source
+
+        dtype = torch.float64 if self.dtype == "float64" else torch.float32  # bf16: autocast
+        try:
+            return open_source(self.model, self.data_info, self.seq_len, dtype)
+        except ImportError as exc:  # the hf extra is missing
+            raise ConfigError(f"--model {self.model}: {exc}") from None
+        except ValueError as exc:
+            line = str(exc).splitlines()[0]
+            if not line.startswith("--"):
+                line = f"--model {self.model}: {line}" if is_hf(self.model) else f"--model: {line}"
+            raise ConfigError(line) from None
+
+    @property
+    def model_config(self):
+        """A chimera preset's ``ModelConfig`` with the data's vocabulary (``chimera bench``
+        reads it; the trainer reads ``model_source``, which any model has)."""
+        from chimera.train.sources import PresetSource
+
+        if not isinstance(self.model_source, PresetSource):
+            raise ConfigError(f"{self.model} is not a chimera preset: it has no ModelConfig")
+        return self.model_source.config
 
     @property
     def world(self) -> int:

@@ -72,12 +72,14 @@ def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float],
     ref_params = {n: p.detach().cpu() for n, _, p in ref.replica_parameters()}
     param_err = max(float((ps[0] - ref_params[n]).norm() / max(ref_params[n].norm(), 1e-30))
                     for n, ps in params.items())
+    param_abs = max(float((ps[0] - ref_params[n]).abs().max()) for n, ps in params.items())
     replicas = {n: len(ps) for n, ps in params.items()}
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     return {"config": cfg.to_dict(), "max_grad_rel_err": worst, "missing": sorted(set(ref_grad) - seen),
             "replicas_identical": identical, "min_replicas": min(replicas.values()),
             "max_replicas": max(replicas.values()), "losses": losses, "ref_losses": ref_losses,
-            "max_loss_rel_err": loss_err, "max_param_rel_err": param_err}
+            "max_loss_rel_err": loss_err, "max_param_rel_err": param_err,
+            "max_param_abs_err": param_abs}
 
 
 def _worker(rank: int, world: int, configs: list[TrainConfig], port: int, out: str) -> None:

@@ -4,8 +4,9 @@ A checkpoint is keyed by parameter name (``chimera.train.checkpoint``), so whate
 schedule trained it, one process rebuilds the single-device model from ``meta.json`` and
 loads it. Three pieces can be swapped independently:
 
-- the model source, :func:`build_model_from_meta`: a preset GPT-2 from the recorded config
-  (other sources, such as Hugging Face models, add a branch there);
+- the model source, :func:`build_model_from_meta`: the run's ``chimera.train.sources``
+  source, rebuilt from the config ``meta.json`` records (a chimera preset, or a Hugging Face
+  model: its config; ``chimera.hf`` layers, the ones the run trained);
 - the codec that turns text into token ids and back, :func:`codec_for`: bytes by default, a
   HF ``tokenizers`` file when the run recorded one in ``meta.json`` (``data.tokenizer``:
   ``{"path", "sha256"}``) or when ``--tokenizer`` names one;
@@ -121,22 +122,44 @@ def resolve(path: str | os.PathLike) -> Path:
     return newest
 
 
-def build_model_from_meta(meta: dict, where: Path) -> tuple[nn.Module, int, int]:
-    """(model with untrained weights, context, vocabulary) for the run ``meta`` describes.
-    The one place that knows model sources: presets carry their whole config in ``meta``."""
-    from chimera.models import ModelConfig, build_model
+def source_from_meta(meta: dict, where: Path):
+    """The ``chimera.train.sources`` source of the run ``meta`` describes (CheckpointError)."""
+    from chimera.train.sources import source_from_fingerprint
 
-    fields = meta.get("model_config")
     try:
-        cfg = ModelConfig(**fields)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {where}: its model_config ({fields!r}) does not "
-                              f"describe a model this version builds: {exc}") from None
-    if cfg.kind == "bert":
+        return source_from_fingerprint(meta.get("model"), meta.get("model_config"))
+    except ImportError as exc:  # an HF model without the hf extra
+        raise CheckpointError(f"checkpoint {where} is {meta.get('model')}: {exc}") from None
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {where}: {str(exc).splitlines()[0]}") from None
+
+
+def build_model_from_meta(meta: dict, where: Path) -> tuple[nn.Module, int, int, object]:
+    """(model with untrained weights, context, vocabulary, source) for the run ``meta``
+    describes. The one place that knows model sources: each rebuilds from ``meta``'s config."""
+    source = source_from_meta(meta, where)
+    if source.kind == "bert":
         raise CheckpointError(f"checkpoint {where} is {meta.get('model')}, a BERT masked-LM: it "
                               "predicts masked tokens from both sides and cannot continue a "
-                              "prompt left to right; chimera generate needs a GPT-2 checkpoint")
-    return build_model(cfg, seed=0), cfg.seq_len, cfg.vocab_size
+                              "prompt left to right; chimera generate needs a causal model "
+                              "(GPT-2, Llama)")
+    return source.whole(seed=0), source.seq_len, source.vocab_size, source
+
+
+def load_named(model: nn.Module, source, state: dict[str, torch.Tensor], where: Path) -> None:
+    """Copy a checkpoint's parameters (by key, ``source.key``) into ``model``, every one."""
+    own = {source.key(n): p for n, p in model.named_parameters()}
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {where} does not fit its model {source.name}: missing "
+                              f"{missing[:4]}, unexpected {unexpected[:4]}")
+    with torch.no_grad():
+        for key, p in own.items():
+            if p.shape != state[key].shape:
+                raise CheckpointError(f"checkpoint {where} does not fit its model {source.name}: "
+                                      f"{key} has shape {tuple(state[key].shape)}, the model's "
+                                      f"is {tuple(p.shape)}")
+            p.copy_(state[key])
 
 
 def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> Loaded:
@@ -144,7 +167,7 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> Loaded:
     and load the weights, in the dtype they were trained in. Raises CheckpointError."""
     where = resolve(path)
     meta = checkpoint.verify(where)
-    model, context, vocab = build_model_from_meta(meta, where)
+    model, context, vocab, source = build_model_from_meta(meta, where)
     try:
         state = checkpoint.load_model_state(where)
     except checkpoint.CheckpointIOError as exc:
@@ -153,11 +176,7 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> Loaded:
     if len(dtypes) != 1:
         raise CheckpointError(f"checkpoint {where}: parameters in several dtypes {sorted(map(str, dtypes))}")
     model = model.to(dtypes.pop())
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint {where} does not fit its model {meta.get('model')}: "
-                              f"{str(exc).splitlines()[0]}") from None
+    load_named(model, source, state, where)
     return Loaded(model.to(device).eval(), context, vocab, meta, where)
 
 

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from chimera.data import IGNORE_INDEX, VAL_FRACTION, get_batch, split_corpus
+from chimera.data import VAL_FRACTION, get_batch, split_corpus
 from chimera.data_formats import open_data
-from chimera.models import (build_layers, get_config, layer_costs, layer_names, loss_fn,
-                            parse_partition, partition)
+from chimera.models import parse_partition, partition
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.pipeline import PipelineRuntime
+from chimera.runtime.shared import TieSync
 from chimera.train import faults
 from chimera.train.config import WIRE_DTYPES, TrainConfig
 
@@ -77,31 +77,30 @@ def make_optimizer(params, cfg: TrainConfig, matrix: list[bool] | None = None) -
                              fused=True)
 
 
-def stage_ranges(cfg: TrainConfig, n_stages: int) -> list[range]:
-    model = cfg.model_config
+def stage_ranges(cfg: TrainConfig, source, n_stages: int) -> list[range]:
     if cfg.partition:
-        ranges = parse_partition(cfg.partition, model.n_layers_total)
+        ranges = parse_partition(cfg.partition, source.num_layers)
         if len(ranges) != n_stages:
             raise ValueError(f"--partition gives {len(ranges)} stages, the schedule needs {n_stages}")
         return ranges
-    return partition(layer_costs(model), n_stages)
+    return partition(source.layer_costs(), n_stages)
 
 
-def loss_weights(cfg: TrainConfig, targets: torch.Tensor, rows: int, n: int) -> tuple[dict, str]:
-    """Per schedule micro-batch: the factor that makes the sum of losses the mini-batch mean."""
-    model = cfg.model_config
-    if model.kind == "bert":  # masked tokens differ per micro-batch: sum / global count
-        count = int((targets != IGNORE_INDEX).sum())
-        return {m: 1.0 / count for m in range(n)}, "sum"
-    return {m: rows / targets.shape[0] for m in range(n)}, "mean"
+def loss_weights(source, targets: torch.Tensor, rows: int, n: int) -> dict[int, float]:
+    """Per schedule micro-batch: the factor that makes the sum of losses the mini-batch mean
+    (a summed loss: over the target tokens of the whole mini-batch, which differ per
+    micro-batch for BERT's masks; a mean loss: by the micro-batch's share of the rows)."""
+    if source.sums:
+        return {m: 1.0 / source.token_count(targets) for m in range(n)}
+    return {m: rows / targets.shape[0] for m in range(n)}
 
 
-def eval_weight(cfg: TrainConfig, kind: str, targets: list[torch.Tensor], rows: int) -> float:
+def eval_weight(cfg: TrainConfig, source, targets: list[torch.Tensor], rows: int) -> float:
     """The factor of each micro-batch loss (of ``rows`` rows) in the held-out loss: the mean
-    over every target token of the evaluation's mini-batches (GPT-2: the per-micro-batch
-    mean loss weighted by its share of the rows; BERT: the summed loss over all masked tokens)."""
-    if kind == "bert":
-        return 1.0 / sum(int((t != IGNORE_INDEX).sum()) for t in targets)
+    over every target token of the evaluation's mini-batches (a mean loss weighted by its
+    share of the rows; a summed loss divided by the count of every target token)."""
+    if source.sums:
+        return 1.0 / sum(source.token_count(t) for t in targets)
     return rows / (cfg.global_batch * len(targets))
 
 
@@ -125,10 +124,10 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rank: int = 0, device: torch.device | None = None):
         self.cfg, self.rank = cfg, rank
         self.device = device or torch.device("cpu")
-        self.model_cfg = cfg.model_config  # the preset with the data's vocabulary
-        self.corpus = open_data(cfg.data_spec, seq_len=self.model_cfg.seq_len)
+        self.source = cfg.model_source  # the model, its vocabulary the data's (train/sources.py)
+        self.corpus = open_data(cfg.data_spec, seq_len=self.source.seq_len)
         if cfg.eval_every:
-            check_heldout(self.corpus, self.model_cfg.kind, self.model_cfg.seq_len)
+            check_heldout(self.corpus, self.source.kind, self.source.seq_len)
         self.dtype = DTYPE[cfg.dtype]
         self.autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
         if cfg.reference:
@@ -138,8 +137,7 @@ class Trainer:
 
     # -- construction -----------------------------------------------------------------
     def _build_reference(self) -> None:
-        layers = build_layers(self.model_cfg, self.cfg.seed)
-        self.model = torch.nn.Sequential(*layers).to(self.device, self.dtype)
+        self.model = self.source.whole(self.cfg.seed).to(self.device, self.dtype)  # ties: one Parameter
         self.optimizer = make_optimizer(self.model.parameters(), self.cfg)
         self.params = list(self.model.parameters())
 
@@ -148,30 +146,32 @@ class Trainer:
         schedule = cfg.build_schedule()
         self.schedule = schedule
         self.grid = ProcessGrid(schedule.placement, cfg.data_parallel, self.rank)
-        self.ranges = stage_ranges(cfg, schedule.stages)
+        self.ranges = stage_ranges(cfg, self.source, schedule.stages)
+        self.ties = self.source.tie_stages(self.ranges)
         self.rows = int(cfg.micro_batch_size * schedule.micro_scale)
-        kind = "sum" if self.model_cfg.kind == "bert" else "mean"
         self.runtime = PipelineRuntime(
-            schedule, self.grid, self._stage_factory, loss_fn(self.model_cfg, kind),
-            input_shape=(self.model_cfg.seq_len,), input_dtype=torch.long, rows=self.rows,
+            schedule, self.grid, self._stage_factory, self.source.loss_fn,
+            input_shape=(self.source.seq_len,), input_dtype=torch.long, rows=self.rows,
             recompute=cfg.recompute, autocast=self.autocast, device=self.device,
             comm_timeout=cfg.comm_timeout, shard_optimizer=cfg.shard_optimizer,
             wire_dtype=getattr(torch, WIRE_DTYPES[cfg.wire_dtype]) if cfg.wire_dtype else None)
         # unchanged unless a drill
         self.runtime.program = faults.program_for(self.runtime.program, schedule, self.rank)
+        # a weight tied across stages: a copy per stage, equal at start, gradients summed
+        self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
+        self.tie_sync.equalize()
         tensors = self.runtime.optimizer_parameters()
         self.params = [t for t, _ in tensors]  # what the optimizer updates and clipping scales
         self.optimizer = make_optimizer(self.params, cfg, [m for _, m in tensors])
 
     def _stage_factory(self, stage: int) -> torch.nn.Module:
-        layers = build_layers(self.model_cfg, self.cfg.seed, self.ranges[stage])
-        return torch.nn.Sequential(*layers).to(self.dtype)
+        return self.source.stage(self.ranges[stage], self.cfg.seed, self.ties).to(self.dtype)
 
     # -- one step -------------------------------------------------------------------------
     def batch(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-        return get_batch(self.corpus, step, self.cfg.global_batch, self.model_cfg.seq_len,
-                         self.cfg.seed, self.model_cfg.kind, split=split,
-                         vocab_size=self.model_cfg.vocab_size)
+        return get_batch(self.corpus, step, self.cfg.global_batch, self.source.seq_len,
+                         self.cfg.seed, self.source.kind, split=split,
+                         vocab_size=self.source.vocab_size)
 
     def step(self, step: int, record: list[ActionRecord] | None = None, on_grads=None) -> StepLog:
         """Forward, backward, gradient sync, clipping and the optimizer step of ``step``.
@@ -208,22 +208,22 @@ class Trainer:
     def _reference_backward(self, inputs, targets) -> float:
         self.optimizer.zero_grad(set_to_none=False)
         loss = self._reference_loss(inputs, targets)
-        if self.model_cfg.kind == "bert":
-            loss = loss / int((targets != IGNORE_INDEX).sum())
+        if self.source.sums:
+            loss = loss / self.source.token_count(targets)
         loss.backward()
         return float(loss.detach())
 
     def _reference_loss(self, inputs, targets) -> torch.Tensor:
-        """The single-process model's loss: the mean (GPT-2), the sum over masked tokens (BERT)."""
-        kind = "sum" if self.model_cfg.kind == "bert" else "mean"
+        """The single-process model's loss: a mean, or a sum over target tokens (``sums``)."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast is not None):
             out = self.model(inputs.to(self.device))
-            return loss_fn(self.model_cfg, kind)(out, targets.to(self.device))
+            return self.source.loss_fn(out, targets.to(self.device))
 
     def _pipeline_backward(self, inputs, targets, record) -> float:
         data = self._micro_data(inputs, targets)
         self.runtime.zero_grad()
         local = self.runtime.run(data, record)  # on the device: read once per step, here
+        self.tie_sync.reduce_grads()
         total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
         faults.collective("all-reduce of the loss", dist.all_reduce, total)
         return float(total.item())
@@ -235,7 +235,7 @@ class Trainer:
         per_replica = s.micro_batches * rows
         lo = grid.w * per_replica
         if weight is None:
-            weights, _ = loss_weights(self.cfg, targets, rows, s.micro_batches)
+            weights = loss_weights(self.source, targets, rows, s.micro_batches)
         else:
             weights = {m: weight for m in range(s.micro_batches)}
         inputs = to_device(inputs[lo:lo + per_replica], self.device)  # one copy per step
@@ -262,7 +262,7 @@ class Trainer:
         """
         batches = [self.batch(i, "val") for i in range(self.cfg.eval_batches)]
         rows = self.cfg.global_batch if self.cfg.reference else self.rows
-        weight = eval_weight(self.cfg, self.model_cfg.kind, [t for _, t in batches], rows)
+        weight = eval_weight(self.cfg, self.source, [t for _, t in batches], rows)
         with self._eval_mode():
             try:
                 local = sum(self._forward_loss(x, t, weight) for x, t in batches)
@@ -299,13 +299,33 @@ class Trainer:
             norms = torch._foreach_norm([p.grad for p in self.params if p.grad is not None])
             sq = torch.stack(norms).double().pow(2).sum()
         else:
-            sq = self.runtime.owned_sq_norm().to(collective_device())
+            sq = (self.runtime.owned_sq_norm() - self._tie_excess()).to(collective_device())
             faults.collective("all-reduce of the gradient norm", dist.all_reduce, sq)
         norm = float(sq.sqrt())
         if self.cfg.clip > 0 and math.isfinite(norm) and norm > self.cfg.clip:
             coef = self.cfg.clip / (norm + 1e-6)
             torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
         return norm
+
+    def _tie_excess(self) -> torch.Tensor:
+        """``owned_sq_norm`` counts each stage once, so a tie in k stages k times: the squares
+        of its copies outside its first stage, each stage's once (by its first replica rank),
+        to take away. (Ties with a sharded optimizer are refused.)"""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        elsewhere, seen = self.tie_sync.counted_elsewhere(), set()
+        for (_, stage), module in sorted(self.runtime.modules.items()):
+            if stage in seen or self.grid.rank != self.grid.stage_ranks[stage][0]:
+                continue
+            seen.add(stage)
+            for p in module.parameters():
+                if id(p) in elsewhere and p.grad is not None:
+                    total += p.grad.detach().double().pow(2).sum()
+        return total
+
+    def equalize_ties(self) -> None:
+        """Every copy of a tied weight takes its first stage's value (after a load)."""
+        if not self.cfg.reference:
+            self.tie_sync.equalize()
 
     def whole_optimizer_state(self, empty: bool = False) -> dict:
         """Where the optimizer is sharded: each parameter's whole AdamW state, gathered over
@@ -338,28 +358,24 @@ class Trainer:
         if not self.cfg.reference:
             self.runtime.finish_gather()  # sharded: the last step's all-gathers are complete
         if self.cfg.reference:
-            return [(self._global_name(n, range(self.model_cfg.n_layers_total)), 0, p)
-                    for n, p in self.model.named_parameters()]
-        return [(self._global_name(n, self.ranges[stage]), pipe, p)
+            return [(self.source.key(n), 0, p) for n, p in self.model.named_parameters()]
+        return [(self.source.key(n), pipe, p)
                 for (pipe, stage), module in sorted(self.runtime.modules.items())
                 for n, p in module.named_parameters()]
 
     def checkpoint_parameters(self) -> dict[str, torch.Tensor]:
         """Model-wide name -> parameter of the replicas this rank writes to a checkpoint:
-        pipe 0's in data replica 0, so each stage once, spread over the D ranks."""
+        pipe 0's in data replica 0, so each stage once, spread over the D ranks; a tie once,
+        from its first stage."""
         if self.cfg.reference:
             return {n: p for n, _, p in self.replica_parameters()}
         self.runtime.finish_gather()
         if self.grid.w != 0:
             return {}
-        return {self._global_name(n, self.ranges[stage]): p
+        elsewhere = self.tie_sync.counted_elsewhere()
+        return {self.source.key(n): p
                 for (pipe, stage), module in sorted(self.runtime.modules.items())
-                if pipe == 0 for n, p in module.named_parameters()}
-
-    def _global_name(self, local: str, rng: range) -> str:
-        """``"3.attn.qkv.weight"`` of a stage holding layers ``rng`` -> ``"blocks.k.attn..."``."""
-        index, rest = local.split(".", 1)
-        return f"{layer_names(self.model_cfg)[rng[int(index)]]}.{rest}"
+                if pipe == 0 for n, p in module.named_parameters() if id(p) not in elsewhere}
 
 
 def log_line(log: StepLog) -> str:
