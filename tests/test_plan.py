@@ -15,7 +15,7 @@ from chimera.cli import main
 from chimera.ir import ScheduleError
 from chimera.modelcfg import get_config, layer_param_counts
 from chimera.passes import lower
-from chimera.plan import Planner, PlanError, Workload, get_hardware, parse_profile
+from chimera.plan import Planner, PlanError, ProfileError, Workload, get_hardware, parse_profile
 from chimera.plan.memory import (HeldActivations, block_activation_bytes, layer_activation_bytes,
                                  state_bytes)
 from chimera.schedules import build, get_scheme, schemes
@@ -269,15 +269,16 @@ def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
-def test_profile_errors_are_plan_errors():
-    with pytest.raises(PlanError, match="schema"):
+def test_profile_and_plan_errors_are_value_errors_not_schedule_errors():
+    with pytest.raises(ProfileError, match="schema"):
         parse_profile({"micro_batch": 1})
     with pytest.raises(PlanError, match="layers"):
         Workload(get_config("gpt2-tiny"), 2, 2, get_hardware("cpu"), profile=parse_profile(
             {"schema": "chimera.profile/1", "micro_batch": 1,
              "layers": [{"forward_s": 1, "backward_s": 1, "activation_bytes": 0, "output_bytes": 0}],
              "p2p": {"alpha_s": 0, "beta_bytes_per_s": 1}, "allreduce": {"alpha_s": 0, "beta_bytes_per_s": 1}}))
-    assert issubclass(PlanError, ValueError) and not issubclass(PlanError, ScheduleError)
+    for error in (PlanError, ProfileError):
+        assert issubclass(error, ValueError) and not issubclass(error, ScheduleError)
 
 
 def _plan_vs_bench():

@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chimera.modelcfg import ModelConfig, flops_per_token, partition
-from chimera.plan.hardware import Hardware, PlanError, Profile, with_profile
+from chimera.plan.hardware import Hardware, PlanError, with_profile
 from chimera.plan.memory import (STATE_BYTES, layer_activation_bytes, layer_input_bytes,
                                  stage_params)
 from chimera.sim.cost import CostModel
+from chimera.sim.profile import Profile
 
 
 @dataclass(frozen=True)
