@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-from chimera.bench.calibrate import replay
+from chimera.sim.replay import replay
 from chimera.sim import simulate
 from chimera.sim.profile import Profile, cost_from_profile, load_profile
 from chimera.train import TrainConfig

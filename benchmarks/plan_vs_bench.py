@@ -83,7 +83,7 @@ def measure_w1(steps: int, bench_json: str | None) -> tuple[list[tuple[str, dict
 
 
 def measure_w2(rows: list[tuple[str, dict]], steps: int, profile_path: str) -> dict[str, dict]:
-    from chimera.bench.calibrate import replay
+    from chimera.sim.replay import replay
     from chimera.train import TrainConfig
     from chimera.train.launch import launch
     from chimera.train.report import measured_timeline

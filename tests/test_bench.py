@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from chimera.bench.calibrate import replay
+from chimera.sim.replay import replay
 from chimera.bench.rows import BenchConfig, all_rows, select_rows
 from chimera.cli import main
 from chimera.ir import ScheduleError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from chimera.bench.calibrate import CLOCKS, replay
+from chimera.sim.replay import CLOCKS, replay
 from chimera.sim import CostModel
 from chimera.sim.profile import cost_from_profile, load_profile
 

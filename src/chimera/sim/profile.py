@@ -102,13 +102,14 @@ def parse_profile(data, source: str = "") -> Profile:
         raise ProfileError(f"{where}: either every layer has input_backward_s and "
                            "weight_backward_s, or none has")
     memory = data.get("memory_gib")
-    if memory is not None and not (_number(memory) and memory > 0):
+    if memory is not None and not (nonnegative_number(memory) and memory > 0):
         raise ProfileError(f"{where}: memory_gib must be a positive number, got {memory!r}")
     return Profile(micro, parsed, _link(data, "p2p", where), _link(data, "allreduce", where),
                    None if memory is None else float(memory), str(data.get("model", "")), source)
 
 
-def _number(x) -> bool:
+def nonnegative_number(x) -> bool:
+    """A finite JSON number >= 0 (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
@@ -118,7 +119,7 @@ def _layer(layer, where: str) -> LayerProfile:
                            "activation_bytes and output_bytes")
     required = ("forward_s", "backward_s", "activation_bytes", "output_bytes")
     for key in required + _SPLIT + ("param_bytes",):
-        if (key in required or key in layer) and not _number(layer.get(key)):
+        if (key in required or key in layer) and not nonnegative_number(layer.get(key)):
             raise ProfileError(f"{where}.{key} must be a finite number >= 0, got {layer.get(key)!r}")
     if (_SPLIT[0] in layer) != (_SPLIT[1] in layer):
         raise ProfileError(f"{where} needs both input_backward_s and weight_backward_s, or neither")
@@ -129,8 +130,8 @@ def _layer(layer, where: str) -> LayerProfile:
 
 def _link(data: dict, key: str, where: str) -> Link:
     part = data.get(key)
-    if not isinstance(part, dict) or not _number(part.get("alpha_s")) \
-            or not _number(part.get("beta_bytes_per_s")) or part["beta_bytes_per_s"] <= 0:
+    if not isinstance(part, dict) or not nonnegative_number(part.get("alpha_s")) \
+            or not nonnegative_number(part.get("beta_bytes_per_s")) or part["beta_bytes_per_s"] <= 0:
         got = {k: part.get(k) for k in ("alpha_s", "beta_bytes_per_s")} if isinstance(part, dict) else part
         raise ProfileError(f"{where}: profile needs {key}.alpha_s >= 0 and {key}.beta_bytes_per_s > 0 "
                            f"(finite numbers), got {got!r}")

@@ -1,10 +1,11 @@
-"""Cost models from the trace of a real run (no torch); profiles are ``chimera.sim.profile``.
+"""Trace replay (no torch): the step a real run recorded, simulated with the costs measured in it.
 
-- :func:`replay`: a trace of a real step (``chimera train --trace``) replayed through the
-  simulator with the costs measured in it: per (op, stage) median compute times, the p2p
-  latency of the receives that waited, the allreduce time the STEP waited for. With
-  ``clock="cpu"`` compute is priced by thread CPU time instead of wall time: what the step
-  would take with one dedicated core (device) per rank when the run shared fewer cores.
+:func:`replay` reads a trace of a real step (``chimera train --trace``; ``chimera simulate
+--from-trace``) and prices its schedule with per (op, stage) median compute times, the p2p
+latency of the receives that waited and the allreduce time the STEP waited for (or, given a
+profile, the profile's links). With ``clock="cpu"`` compute is priced by thread CPU time
+instead of wall time: what the step would take with one dedicated core (device) per rank when
+the run shared fewer cores.
 
 Every cost a replay uses is named in :attr:`Replay.sources`, so a prediction can be checked.
 """
@@ -16,15 +17,16 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from chimera.ir import COMPUTE_OPS, Op, Schedule, ScheduleError
-from chimera.sim import CostModel, Timeline, simulate
-from chimera.sim.profile import Profile, cost_from_profile
-from chimera.sim.timeline import Event
+from chimera.sim.cost import CostModel
+from chimera.sim.engine import simulate
+from chimera.sim.profile import Profile, cost_from_profile, nonnegative_number
+from chimera.sim.timeline import Event, Timeline
+from chimera.viz.trace import load_trace
 
 CLOCKS = ("wall", "cpu")
 _WAITED_S = 50e-6  # a receive whose wall time exceeds its CPU time by this much waited
 
 
-# -- trace replay ---------------------------------------------------------------------------
 @dataclass
 class Replay:
     schedule: Schedule
@@ -61,8 +63,6 @@ class Replay:
 
 def replay(path: str, clock: str = "wall", profile: Profile | None = None) -> Replay:
     """Replay the step recorded in trace ``path`` with the costs measured in it."""
-    from chimera.viz.trace import load_trace
-
     if clock not in CLOCKS:
         raise ScheduleError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     try:
@@ -73,7 +73,7 @@ def replay(path: str, clock: str = "wall", profile: Profile | None = None) -> Re
         raise ScheduleError(f"{path}: the trace does not carry its schedule; record it again "
                             "(chimera train --trace FILE)")
     step_s = other.get("step_s")
-    if step_s is not None and not _finite(step_s):
+    if step_s is not None and not nonnegative_number(step_s):
         raise ScheduleError(f"{path}: otherData.step_s must be a finite number >= 0, got {step_s!r}")
     if not events or not all(math.isfinite(e.start) and math.isfinite(e.end) for e in events):
         raise ScheduleError(f"{path}: the trace's events must have finite times")
@@ -155,10 +155,6 @@ def _folded(prog: list[Event], clock: str):
         else:  # SEND, SYNC: issued right after the action that produced their data
             last[1] += gap + _own(e, clock)
     return [tuple(x) for x in out]
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 def _sent(per_rank: list[list[Event]]) -> dict:
