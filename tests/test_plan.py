@@ -103,7 +103,7 @@ def test_recompute_keeps_inputs_and_one_stage():
     hidden = 2 * pl.work.model.seq_len * pl.work.model.d_model * 2  # B*s*h 16-bit
     assert rc.act_kept[1:] == (hidden,) * 3 and rc.act_kept[0] == 2 * pl.work.model.seq_len * 8
     assert rc.act_full == full.act_full  # what the backward rebuilds, one micro-batch at a time
-    assert rc.b == tuple(b + f for b, f in zip(full.b, full.f))  # backward redoes the forward
+    assert rc.times.b == tuple(b + f for b, f in zip(full.times.b, full.times.f))  # backward redoes the forward
 
 
 def test_pipedream_stashes_weight_versions():
@@ -214,7 +214,7 @@ def test_profile_drives_the_costs():
     work = Workload(cfg, 2, 8, get_hardware("cpu"), profile=profile)
     pl = Planner(work, ["1f1b"])
     sc = pl.pricing.stage_costs(1, 4, False)  # B=4: twice the measured B=2
-    assert sc.f[0] == pytest.approx(2 * sum(x["forward_s"] for x in layers))
+    assert sc.times.f[0] == pytest.approx(2 * sum(x["forward_s"] for x in layers))
     assert pl.run(top_k=1).top
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chimera.ir import Op, Placement, Schedule
+from chimera.ir import OpTimes, Placement, Schedule
 from chimera.sim.cost import CostModel
 
 
@@ -41,9 +41,9 @@ def placement_bound(placement: Placement, micro_pipe, cost: CostModel | None = N
     """Bound for ``micro_pipe[m]`` = pipe of micro-batch m on ``placement`` under ``cost``."""
     cost = cost or CostModel.unit()
     d, stages = placement.ranks, placement.stages
-    t = _Times(cost, stages, d, scale)
+    t = cost.op_times(stages, d, scale)
     used = sorted(set(micro_pipe))
-    back = t.iw if split else t.b
+    back = [i + w for i, w in zip(t.i, t.w)] if split else t.b
     work = [0.0] * d
     for p in micro_pipe:
         for s in range(stages):
@@ -69,18 +69,7 @@ def schedule_bound(schedule: Schedule, cost: CostModel | None = None) -> Bound:
                            schedule.split_backward, schedule.micro_scale)
 
 
-class _Times:
-    """Per-stage F, backward (B or I+W), B and hop times under one cost model."""
-
-    def __init__(self, cost: CostModel, stages: int, ranks: int, scale: float):
-        def per(op: Op) -> list[float]:
-            return [cost.compute(op, s, stages, ranks, scale) for s in range(stages)]
-        self.f, self.b, self.i, self.w = per(Op.F), per(Op.B), per(Op.I), per(Op.W)
-        self.iw = [a + b for a, b in zip(self.i, self.w)]
-        self.hop = [cost.hop(s, stages, scale) for s in range(stages)]
-
-
-def _chain(placement: Placement, pipe: int, stage: int, times: list[float], hop: list[float]) -> float:
+def _chain(placement: Placement, pipe: int, stage: int, times, hop) -> float:
     """Time of ``times`` over stages 0 .. stage-1 of ``pipe``, plus a hop per rank change."""
     total = 0.0
     for s in range(stage):
@@ -90,7 +79,7 @@ def _chain(placement: Placement, pipe: int, stage: int, times: list[float], hop:
     return total
 
 
-def _critical_path(placement: Placement, pipe: int, t: _Times, split: bool) -> float:
+def _critical_path(placement: Placement, pipe: int, t: OpTimes, split: bool) -> float:
     """One micro-batch alone: forwards down, backwards (I) up, then the W of stage 0."""
     last = placement.stages - 1
     back = t.i if split else t.b

@@ -32,10 +32,11 @@ def time_floor(shape: Shape, sc: StageCosts, hops: list[float], micro_batches: i
     """max(per-rank fill + busy + drain, one micro-batch's round trip) + cheapest allreduce."""
     s = shape.schedule
     split, ranks = s.split_backward, s.ranks
-    chain_b = sc.i if split else sc.b
+    t = sc.times
+    chain_b = t.i if split else t.b
     n = round(micro_batches / s.micro_scale)
     fill, drain, busy = [math.inf] * ranks, [math.inf] * ranks, [math.inf] * ranks
-    work = [f + b for f, b in zip(sc.f, sc.b)]
+    work = [f + b for f, b in zip(t.f, t.b)]
     trip = math.inf
     for row in s.placement.table:
         f_sum = b_sum = 0.0
@@ -48,7 +49,7 @@ def time_floor(shape: Shape, sc: StageCosts, hops: list[float], micro_batches: i
                 drain[rank] = b_sum
             per_rank[rank] += work[stage]
             hop = hops[stage] if stage < last and row[stage + 1] != rank else 0.0
-            f_sum += sc.f[stage] + hop
+            f_sum += t.f[stage] + hop
             b_sum += chain_b[stage] + hop
         busy = [min(x, y) for x, y in zip(busy, per_rank)]
         trip = min(trip, f_sum + b_sum)
@@ -88,7 +89,7 @@ def async_parts(sc: StageCosts, hops: list[float], micro_batches: int, syncs: in
     micro-batches entirely (the asynchronous update lets them): the iteration is the longer
     of the two. An approximation: the two streams do not slow each other down.
     """
-    stage_time = [f + b for f, b in zip(sc.f, sc.b)]
+    stage_time = [f + b for f, b in zip(sc.times.f, sc.times.b)]
     compute = micro_batches * steady_period(stage_time, hops[:-1])
     comm = syncs * max(allreduce.allreduce(x, width) for x in sc.grad_bytes)
     return max(compute, comm), compute, [micro_batches * t for t in stage_time]

@@ -16,7 +16,7 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 
-from chimera.ir import COMPUTE_OPS, Op, Schedule, ScheduleError
+from chimera.ir import COMPUTE_OPS, Op, OpTimes, Schedule, ScheduleError
 from chimera.sim.cost import CostModel
 from chimera.sim.engine import simulate
 from chimera.sim.profile import Profile, cost_from_profile, nonnegative_number
@@ -86,7 +86,8 @@ def cost_from_trace(schedule: Schedule, events: list[Event], other: dict, clock:
                     profile: Profile | None = None) -> tuple[CostModel, dict]:
     """The cost model measured in a trace, and where each of its numbers came from."""
     per_rank = _programs(schedule, events)
-    times = _compute_costs(schedule, per_rank, clock)
+    t = _compute_costs(schedule, per_rank, clock)
+    times = {"f": t.f, "b": t.b, "i": t.i, "w": t.w}
     sources = {"compute": f"median per (op, stage) of {clock} time, with the receives', sends', "
                           f"syncs' {'CPU' if clock == 'cpu' else 'wall'} time folded in"}
     aligned = other.get("aligned", True)
@@ -111,7 +112,7 @@ def _programs(schedule: Schedule, events: list[Event]) -> list[list[Event]]:
     return out
 
 
-def _compute_costs(schedule: Schedule, per_rank: list[list[Event]], clock: str) -> dict:
+def _compute_costs(schedule: Schedule, per_rank: list[list[Event]], clock: str) -> OpTimes:
     """f/b/i/w per stage: medians of each compute action's time plus what is folded into it."""
     samples: dict[tuple[Op, int], list[float]] = {}
     for prog in per_rank:
@@ -124,7 +125,7 @@ def _compute_costs(schedule: Schedule, per_rank: list[list[Event]], clock: str) 
         table[Op.B] = tuple(x + y for x, y in zip(table[Op.I], table[Op.W]))
     if not {Op.I, Op.W} <= present:
         table[Op.I] = table[Op.W] = tuple(x / 2 for x in table[Op.B])
-    return {"f": table[Op.F], "b": table[Op.B], "i": table[Op.I], "w": table[Op.W]}
+    return OpTimes(table[Op.F], table[Op.B], table[Op.I], table[Op.W])
 
 
 def _own(e: Event, clock: str) -> float:
