@@ -1,5 +1,6 @@
 """Measuring the runtime: benchmarks against torch.distributed.pipelining and cost profiles of
 a model on this machine (the simulator reads them: ``chimera.sim.profile``, ``chimera.sim.replay``).
 
-``rows`` imports no torch; ``harness``, ``runners``, ``torchpp`` and ``profiler`` run torch.
+``rows`` imports no torch; ``harness`` (which picks a row's runner), ``runners``, ``torchpp``,
+``report`` and ``profiler`` do.
 """

@@ -32,8 +32,7 @@ from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.split_backward import backward_input, backward_weight
 from chimera.sim.profile import PROFILE_SCHEMA
-from chimera.runtime.workers import gloo_group
-from chimera.train.launch import free_port
+from chimera.runtime.workers import free_port, gloo_group
 
 LINK_SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
 

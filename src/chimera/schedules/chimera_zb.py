@@ -32,6 +32,7 @@ from __future__ import annotations
 from functools import partial
 
 from chimera.ir import Action, Op, OpTimes, Placement, Schedule, ScheduleError
+from chimera.schedules.exact import refine
 from chimera.schedules.list_play import EPS, Dag, Play, Rule, build_dag, first_hop, priorities
 from chimera.schedules.registry import register
 
@@ -178,8 +179,6 @@ def chimera_zb(stages: int, micro_batches: int, pipes: int = 2, cost: str | None
     game, chosen = min(plays, key=lambda x: x[0].makespan)
     programs, span = _programs(dag, game.order), game.makespan
     if exact > 0:
-        from chimera.schedules.exact import refine
-
         refined, refined_span, _ = refine(placement, micro_pipe, times, limit, programs, exact)
         if refined_span < span:
             programs, chosen = refined, f"{chosen}+cpsat"

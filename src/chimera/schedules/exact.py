@@ -18,7 +18,7 @@ _SCALE = 1000  # time resolution of the integer model: 1/1000 of a unit
 
 
 def available() -> bool:
-    try:
+    try:  # OR-Tools is an optional extra (chimera-pipeline[exact]): imported where it is used
         import ortools.sat.python.cp_model  # noqa: F401
     except ImportError:
         return False
@@ -28,7 +28,7 @@ def available() -> bool:
 def refine(placement: Placement, micro_pipe, times: OpTimes, cap: float, hint: list[list[Action]],
            seconds: float = 10.0, workers: int = 8) -> tuple[list[list[Action]], float, bool]:
     """Per-rank programs, their makespan (in the cost's units), and whether it is proven optimal."""
-    try:
+    try:  # the optional extra, as in available()
         from ortools.sat.python import cp_model
     except ImportError:
         raise ScheduleError("exact refinement needs OR-Tools: "
