@@ -1,7 +1,6 @@
 """Checkpoints: keyed by parameter name, complete or absent, safe to read, resumable on
 another layout (one spawned gloo group runs the multi-rank cases), never holding NaN."""
 
-import argparse
 import dataclasses
 import datetime
 import functools
@@ -20,13 +19,6 @@ from chimera.train import checkpoint as ckpt
 from chimera.train.launch import launch
 from chimera.train.lease import Lease, claim
 from chimera.train.loop import NonFiniteLoss, Trainer
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_bytes(open(argparse.__file__, "rb").read()[:60_000])
-    return str(path)
 
 
 def ref_cfg(data, **kw):

@@ -1,7 +1,6 @@
 """`--eval-every`: the held-out loss is the single-process value on every layout, and
 evaluating changes nothing about training (one spawned gloo group of two runs the layouts)."""
 
-import argparse
 import json
 import math
 import os
@@ -29,13 +28,6 @@ LAYOUTS = {  # world 2; every one has the mini-batch of 8 sequences
     "bert-off": dict(model="bert-tiny", schedule="chimera", stages=2, micro_batches=4,
                      strategy="halving", eval_every=0),
 }
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_bytes(open(argparse.__file__, "rb").read()[:60_000])
-    return str(path)
 
 
 def _cfg(data, **kw):

@@ -6,7 +6,6 @@ inside a function), so a cycle that a function-level import would hide is found 
 """
 
 import ast
-import os
 import pathlib
 import subprocess
 import sys
@@ -123,7 +122,7 @@ def test_no_import_cycles():
     assert not new, "import cycles:\n" + "\n".join(lines)
 
 
-def test_every_module_imports_first_and_alone():
+def test_every_module_imports_first_and_alone(cli_env):
     """Each module imported in a fresh interpreter with no other chimera module loaded
     before it: a cycle of top-level imports breaks there, depending on which module comes
     first. (Third-party modules such as torch stay loaded between them: they are not ours.)"""
@@ -142,7 +141,7 @@ def test_every_module_imports_first_and_alone():
         "print('\\n'.join(failed))\n"
         "print('imported', len(names) - len(failed))\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=300)
+                          env=cli_env, timeout=300)
     assert proc.returncode == 0 and f"imported {len(names)}" in proc.stdout, proc.stdout + proc.stderr
 
 

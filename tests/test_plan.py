@@ -32,10 +32,11 @@ def small_planner(gpus=8, batch=32, memory=None, names=SMALL, model="gpt2-small"
     return Planner(work, names)
 
 
-def test_plan_imports_no_torch():
+def test_plan_imports_no_torch(cli_env):
     code = ("import sys, chimera.plan, chimera.plan.report, chimera.cli.plan_cmd; "
             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=cli_env)
     assert out.stdout.strip() == "False"
 
 
