@@ -15,7 +15,7 @@ from chimera.ir import OpTimes
 from chimera.modelcfg import ModelConfig, flops_per_token, partition
 from chimera.plan.hardware import Hardware, PlanError, with_profile
 from chimera.plan.memory import (STATE_BYTES, layer_activation_bytes, layer_input_bytes,
-                                 stage_params)
+                                 stage_params, state_bytes)
 from chimera.sim.cost import CostModel
 from chimera.sim.profile import Profile
 
@@ -169,6 +169,20 @@ class Pricing:
             i=tuple(x / scale for x in t.i), w=tuple(x / scale for x in t.w),
             p2p=hw.p2p_link(depth), allreduce=hw.allreduce_link(self.work.gpus),
             act_bytes=tuple(x / scale for x in sc.send_bytes), weight_bytes=sc.grad_bytes, data_parallel=width)
+
+
+def memory_floor(replicas: list[list[tuple[int, int]]], sc: StageCosts, precision: str,
+                 recompute: bool, shards: int = 1) -> float:
+    """Bytes the fullest rank holds at least: its replicas' state (``replicas[r]``: the
+    (pipe, stage) replicas rank r holds) and one micro-batch of activations."""
+    worst = 0.0
+    for held in replicas:
+        params = sum(sc.params[stage] for _, stage in held)
+        act = min(sc.act_kept[stage] for _, stage in held)
+        if recompute:  # and one of its stages rebuilt during its backward
+            act += max(sc.act_full[stage] for _, stage in held)
+        worst = max(worst, state_bytes(params, precision, shards=shards) + act)
+    return worst
 
 
 def divisors(n: int) -> list[int]:
