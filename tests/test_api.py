@@ -79,6 +79,7 @@ def test_byo_one_directional_gradients_equal_single_device(byo_grads, schedule):
     assert _check(byo_grads[schedule]) == 8
 
 
+@pytest.mark.slow
 def test_example_runs(cli_env):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "byo_model.py")],
                        capture_output=True, text=True, timeout=300, env=cli_env)

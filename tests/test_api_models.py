@@ -17,6 +17,8 @@ import byo_models as bm
 import chimera.api as chimera
 from chimera.ir import ScheduleError
 
+pytestmark = pytest.mark.slow  # most tests here share a multi-process run (module fixture)
+
 TOL = dict(rtol=1e-10, atol=1e-12)
 MAIN2 = [("chimera", 2, 1), ("1f1b", 2, 1), ("zb-h1", 2, 1)]  # (schedule, D, W) at world 2
 MAIN4 = [("chimera", 4, 1), ("chimera", 2, 2), ("1f1b", 2, 2), ("1f1b", 4, 1), ("zb-h1", 4, 1),

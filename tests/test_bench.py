@@ -49,6 +49,7 @@ def test_rows_cover_the_issue():
         select_rows(BenchConfig(rows=("nope",)))
 
 
+@pytest.mark.slow
 def test_bench_runs_every_kind_of_row(tiny_bench, tmp_path):
     from chimera.bench.report import markdown, save
 
@@ -69,12 +70,14 @@ def test_bench_runs_every_kind_of_row(tiny_bench, tmp_path):
     assert open(paths[2], "rb").read()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_a_pipeline_rank_holds_fewer_activations_than_one_process(tiny_bench):
     res = {(r["impl"], r["schedule"]): r for r in tiny_bench[2]["results"]}
     single = res[("single", "none")]["peak_activation_mb"]
     assert res[("chimera", "1f1b")]["peak_activation_mb"] < single
 
 
+@pytest.mark.slow
 def test_profile_prices_a_schedule(tmp_path, capsys):
     from chimera.bench.profiler import build_profile
 
@@ -119,6 +122,7 @@ def test_simulate_from_trace_cli(tmp_path, capsys):
         main(["simulate", "--from-trace", str(tmp_path / "old.json")])
 
 
+@pytest.mark.slow
 def test_replay_of_a_recorded_run(tmp_path):
     from chimera.train import TrainConfig
     from chimera.train.launch import launch

@@ -274,6 +274,7 @@ def _params(path):
     return ckpt.load_model_state(path)
 
 
+@pytest.mark.slow
 def test_resume_on_another_schedule_and_width(layouts):
     root, outs = layouts
     losses = [loss for _, loss, _ in outs[0]["a"][0]]
@@ -291,6 +292,7 @@ def test_resume_on_another_schedule_and_width(layouts):
             torch.testing.assert_close(other[key], value, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_same_seed_and_layout_are_bit_identical(layouts):
     root, outs = layouts
     for out in outs:
@@ -300,6 +302,7 @@ def test_same_seed_and_layout_are_bit_identical(layouts):
     assert all(torch.equal(a[k], again[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_every_rank_agrees_on_a_nonfinite_step(layouts):
     root, outs = layouts
     for out in outs:

@@ -72,6 +72,7 @@ def test_empty_data_file_is_refused(tmp_path, run_cli):
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_train_default_job_end_to_end(tmp_path, run_cli):
     log = tmp_path / "log.jsonl"
     r = run_cli("train", "--steps", "3", "--no-progress", "--log-json", str(log),

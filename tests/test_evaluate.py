@@ -68,6 +68,7 @@ def _reference(data, **kw):
     return [(s["step"], s["loss"], s["val_loss"]) for s in launch(cfg)["steps"]]
 
 
+@pytest.mark.slow
 def test_held_out_loss_is_the_same_on_every_layout(layouts, data):
     _, outs = layouts
     ref = _reference(data)
@@ -82,6 +83,7 @@ def test_held_out_loss_is_the_same_on_every_layout(layouts, data):
                     assert g == pytest.approx(r, rel=1e-10, abs=0), name
 
 
+@pytest.mark.slow
 def test_bert_held_out_loss_counts_every_masked_token_once(layouts, data):
     _, outs = layouts
     ref = _reference(data, model="bert-tiny")
@@ -92,6 +94,7 @@ def test_bert_held_out_loss_counts_every_masked_token_once(layouts, data):
             assert g == pytest.approx(r, rel=1e-10, abs=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on, off", [("chimera", "chimera-off"), ("bert-halving", "bert-off")])
 def test_evaluating_does_not_change_training(layouts, on, off):
     _, outs = layouts
@@ -103,6 +106,7 @@ def test_evaluating_does_not_change_training(layouts, on, off):
         assert all(torch.equal(p_on[k], p_off[k]) for k in p_on)
 
 
+@pytest.mark.slow
 def test_log_json_carries_the_held_out_loss(layouts):
     root, outs = layouts
     lines = [json.loads(l) for l in (root / "log.0.jsonl").read_text().splitlines()]

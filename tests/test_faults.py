@@ -42,6 +42,7 @@ def stop(procs):
             p.wait()
 
 
+@pytest.mark.slow
 def test_kill_9_of_one_rank_ends_the_others_promptly(data, tmp_path, cli_env):
     log = tmp_path / "log.jsonl"
     args = [*COMMON, "--data", data, "--steps", "300", "--comm-timeout", "60",
@@ -68,6 +69,7 @@ def test_kill_9_of_one_rank_ends_the_others_promptly(data, tmp_path, cli_env):
     assert "marked:" in err and "P0 |" in err
 
 
+@pytest.mark.slow
 def test_mismatched_schedule_times_out_with_the_grid(data, tmp_path, cli_env):
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "chimera", "train", *COMMON, "--data", data,
@@ -83,6 +85,7 @@ def test_mismatched_schedule_times_out_with_the_grid(data, tmp_path, cli_env):
     print(f"deadlock reported after {time.monotonic() - start:.1f}s (start-up included)")
 
 
+@pytest.mark.slow
 def test_torchrun_restart_resumes_to_the_same_parameters(data, tmp_path, cli_env):
     steps = ["--steps", "6", "--checkpoint-every", "2"]
     ref = TrainConfig(dtype="float64", micro_batch_size=2, data=data, steps=6, checkpoint_every=2,

@@ -14,6 +14,8 @@ from chimera.train import TrainConfig
 from chimera.train import checkpoint as ckpt
 from chimera.train.generate import generate
 
+pytestmark = pytest.mark.slow  # most tests here share a multi-process run (module fixture)
+
 TEXT = "the quick brown fox jumps over the lazy dog. " * 400
 
 

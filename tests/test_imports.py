@@ -122,6 +122,7 @@ def test_no_import_cycles():
     assert not new, "import cycles:\n" + "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_every_module_imports_first_and_alone(cli_env):
     """Each module imported in a fresh interpreter with no other chimera module loaded
     before it: a cycle of top-level imports breaks there, depending on which module comes

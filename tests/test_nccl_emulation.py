@@ -230,6 +230,7 @@ def world2(spawn_world):
     return spawn_world(_worker, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_training_under_emulation_equals_gloo(world, world2, spawn_world):
     reports = world2 if world == 2 else spawn_world(_worker, world)
@@ -249,6 +250,7 @@ def test_training_under_emulation_equals_gloo(world, world2, spawn_world):
             assert c["losses"][1] != c["losses"][0], c["config"]  # the step changed the weights
 
 
+@pytest.mark.slow
 def test_crossing_sends_time_out_under_emulation(world2):
     for rank, report in enumerate(world2):
         for mode in MODES:
@@ -261,12 +263,14 @@ def test_crossing_sends_time_out_under_emulation(world2):
             assert f"rank {rank}" in err["message"] and "timed out" in err["message"]
 
 
+@pytest.mark.slow
 def test_messages_matched_by_order_not_tag(world2):
     for report in world2:
         for mode in MODES:
             assert "NCCL would match it with tag" in report["disagree"][mode], mode
 
 
+@pytest.mark.slow
 def test_allreduces_in_crossed_orders_hang(world2):
     for rank, report in enumerate(world2):
         got = report["allreduce"]
@@ -275,6 +279,7 @@ def test_allreduces_in_crossed_orders_hang(world2):
         assert f"rank {rank}: allreduce" in got["crossed"] and "timed out" in got["crossed"]
 
 
+@pytest.mark.slow
 def test_env_var_selects_the_transport(world2):
     seen = world2[0]["from_env"]
     assert seen[:3] == ["Transport", "rank", "pair"]
@@ -293,5 +298,6 @@ def _train_cli(cli_env, tmp_path, env_value):
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_cli_train_under_emulation(tmp_path, cli_env):
     assert _train_cli(cli_env, tmp_path, "pair") == pytest.approx(_train_cli(cli_env, tmp_path, None), rel=1e-6)

@@ -11,6 +11,7 @@ CASES = [("chimera", {}), ("chimera", {"strategy": "doubling"}), ("chimera", {"p
          ("1f1b", {}), ("chimera-zb", {})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,options", CASES, ids=[f"{s}-{o}" for s, o in CASES])
 @pytest.mark.parametrize("data_parallel", [1, 2])
 def test_sharded_optimizer_equals_one_process(schedule, options, data_parallel):
@@ -35,6 +36,7 @@ def _train(run_cli, tmp_path, name, *args):
     return json.loads(r.stdout.strip().splitlines()[-1]), losses
 
 
+@pytest.mark.slow
 def test_optimizer_state_halves_and_checkpoints_cross_sharding(tmp_path, run_cli):
     """--json reports optimizer_state_bytes per rank: half with sharding (D=2, W=1); a sharded
     run resumes unsharded and the other way round, on the losses of a straight run."""

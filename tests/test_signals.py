@@ -52,6 +52,7 @@ def start_training(cli_env, data, tmp_path, ignore_sigint=False):
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, ignore_sigint, code", [
     (signal.SIGINT, False, 130), (signal.SIGTERM, False, 143), (signal.SIGKILL, True, -9)],
     ids=["SIGINT", "SIGTERM", "SIGKILL-of-a-background-launcher"])
