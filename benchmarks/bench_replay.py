@@ -17,8 +17,9 @@ import json
 import os
 import time
 
-from chimera.bench.calibrate import cost_from_profile, load_profile, replay
+from chimera.sim.replay import replay
 from chimera.sim import simulate
+from chimera.sim.profile import Profile, cost_from_profile, load_profile
 from chimera.train import TrainConfig
 from chimera.train.launch import launch
 from chimera.train.report import measured_timeline
@@ -27,7 +28,7 @@ from chimera.viz import save_trace
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def profile(path: str) -> dict:
+def profile(path: str) -> Profile:
     if not os.path.exists(path):
         from chimera.bench.profiler import build_profile
 
@@ -36,7 +37,7 @@ def profile(path: str) -> dict:
     return load_profile(path)
 
 
-def one(schedule: str, stages: int, prof: dict, steps: int) -> dict:
+def one(schedule: str, stages: int, prof: Profile, steps: int) -> dict:
     cfg = TrainConfig(model="gpt2-bench", schedule=schedule, stages=stages, micro_batches=8,
                       micro_batch_size=2, steps=steps, progress=False)
     result = launch(cfg)

@@ -192,12 +192,12 @@ def check_api(device: str, tmp: str) -> list[dict]:
 
 
 def check_profile(device: str, out: str, model: str) -> list[dict]:
-    from chimera.bench.calibrate import PROFILE_SCHEMA
     from chimera.bench.profiler import profile_layers
+    from chimera.sim.profile import PROFILE_SCHEMA
 
     start = time.perf_counter()
     layers = profile_layers(model, 2, repeat=5, device=device)
-    profile = {"schema": PROFILE_SCHEMA, "model": model, "micro_batch_size": 2,
+    profile = {"schema": PROFILE_SCHEMA, "model": model, "micro_batch": 2,
                "device": device, "layers": layers,
                # one GPU has no link to measure: nominal NVLink-class figures, say so
                "p2p": {"alpha_s": 10e-6, "beta_bytes_per_s": 100e9, "assumed": True},

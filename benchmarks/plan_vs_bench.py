@@ -31,10 +31,11 @@ import time
 from chimera.bench.rows import BenchConfig, select_rows
 from chimera.modelcfg import get_config
 from chimera.plan import Planner
-from chimera.plan.hardware import get_hardware, load_profile
+from chimera.plan.hardware import get_hardware
 from chimera.plan.search import Candidate, variants
-from chimera.schedules import build
 from chimera.plan.workload import Workload
+from chimera.schedules import build
+from chimera.sim.profile import load_profile
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODEL, D, B, G = "gpt2-bench", 2, 2, 16
@@ -82,13 +83,13 @@ def measure_w1(steps: int, bench_json: str | None) -> tuple[list[tuple[str, dict
 
 
 def measure_w2(rows: list[tuple[str, dict]], steps: int, profile_path: str) -> dict[str, dict]:
-    from chimera.bench.calibrate import load_profile as load_links, replay
+    from chimera.sim.replay import replay
     from chimera.train import TrainConfig
     from chimera.train.launch import launch
     from chimera.train.report import measured_timeline
     from chimera.viz import save_trace
 
-    out, links = {}, load_links(profile_path)
+    out, links = {}, load_profile(profile_path)
     with tempfile.TemporaryDirectory() as tmp:
         for schedule, opts in rows:
             label = _label(schedule, opts)

@@ -79,10 +79,10 @@ def test_byo_one_directional_gradients_equal_single_device(byo_grads, schedule):
     assert _check(byo_grads[schedule]) == 8
 
 
-def test_example_runs():
+@pytest.mark.slow
+def test_example_runs(cli_env):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "byo_model.py")],
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
+                       capture_output=True, text=True, timeout=300, env=cli_env)
     assert r.returncode == 0, r.stderr
     losses = [float(l.split()[-1]) for l in r.stdout.splitlines() if l.startswith("step")]
     assert len(losses) == 5 and losses[-1] < losses[0]

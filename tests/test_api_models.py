@@ -17,6 +17,8 @@ import byo_models as bm
 import chimera.api as chimera
 from chimera.ir import ScheduleError
 
+pytestmark = pytest.mark.slow  # most tests here share a multi-process run (module fixture)
+
 TOL = dict(rtol=1e-10, atol=1e-12)
 MAIN2 = [("chimera", 2, 1), ("1f1b", 2, 1), ("zb-h1", 2, 1)]  # (schedule, D, W) at world 2
 MAIN4 = [("chimera", 4, 1), ("chimera", 2, 2), ("1f1b", 2, 2), ("1f1b", 4, 1), ("zb-h1", 4, 1),
@@ -205,20 +207,14 @@ def _worker4(rank: int, world: int, out: str) -> None:
     torch.save(res, f"{out}.{rank}")
 
 
-def _run(tmp_path_factory, worker, world: int) -> list[dict]:
-    out = str(tmp_path_factory.mktemp("api") / "res")
-    chimera.spawn(functools.partial(worker, out=out), world=world)
-    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+@pytest.fixture(scope="module")
+def world2(spawn_world):
+    return spawn_world(_worker2, 2)
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _run(tmp_path_factory, _worker2, 2)
-
-
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return _run(tmp_path_factory, _worker4, 4)
+def world4(spawn_world):
+    return spawn_world(_worker4, 4)
 
 
 @pytest.fixture(scope="module")
@@ -366,13 +362,12 @@ def test_spawn_reports_the_root_cause_first():
     assert [e["rank"] for e in info.value.errors] == [1, 0]
 
 
-def test_byo_example_gpt_runs():
+def test_byo_example_gpt_runs(cli_env):
     import subprocess
     import sys
     root = os.path.join(os.path.dirname(__file__), "..")
     r = subprocess.run([sys.executable, os.path.join(root, "examples", "gpt_tied.py")],
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": os.path.join(root, "src")})
+                       capture_output=True, text=True, timeout=300, env=cli_env)
     assert r.returncode == 0, r.stderr
     assert "exported" in r.stdout and "matches the pipeline" in r.stdout, r.stdout
 

@@ -101,6 +101,7 @@ def _measured_files(root):
     variant("beta0.json", lambda d: d["p2p"].update(beta_bytes_per_s=0))
     variant("null.json", lambda d: d["layers"][1].update(param_bytes=None))
     variant("inf.json", lambda d: d["layers"][1].update(forward_s=math.inf))
+    variant("split-half.json", lambda d: [d["layers"][1].pop(k) for k in ("input_backward_s", "weight_backward_s")])
     assert main(["show", "-D", "2", "-N", "2", "--trace", str(root / "trace.json")]) == 0
     trace = json.loads((root / "trace.json").read_text())
     variant("step-str.json", lambda d: d["otherData"].update(step_s="fast"), trace)
@@ -162,6 +163,10 @@ CASES = [
     (["simulate", "--profile", "{root}/beta0.json"], "beta_bytes_per_s > 0"),
     (["simulate", "--profile", "{root}/null.json"], "param_bytes"),
     (["simulate", "--profile", "{root}/inf.json"], "Infinity"),
+    (["simulate", "--profile", "{root}/split-half.json"], "every layer has input_backward_s"),
+    # one parser: plan refuses a profile with the line simulate gives
+    ([*PLAN, "--profile", "{root}/beta0.json"], "beta_bytes_per_s > 0"),
+    ([*PLAN, "--profile", "{root}/inf.json"], "Infinity"),
     (["simulate", "--from-trace", "{root}/step-str.json"], "step_s"),
     (["simulate", "--from-trace", "{root}/trace-inf.json"], "Infinity"),
     # case 5: output paths checked before the work; no rows, no overwrite

@@ -2,7 +2,7 @@
 
 - the bench harness runs a few rows of every kind for one step on a tiny model, and every row
   trains the same model on the same data (same first loss);
-- a measured profile is valid for `chimera simulate --profile` (and `chimera plan`'s parser);
+- a measured profile is valid for the one parser `chimera simulate --profile` and `chimera plan` use;
 - replaying a trace reproduces the recorded makespan exactly when the recording is a
   simulation (so every cost is recovered), and loads and compares for a real run.
 """
@@ -13,13 +13,14 @@ import os
 
 import pytest
 
-from chimera.bench.calibrate import cost_from_profile, replay
+from chimera.sim.replay import replay
 from chimera.bench.rows import BenchConfig, all_rows, select_rows
 from chimera.cli import main
 from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.schedules import build
 from chimera.sim import CostModel, simulate
+from chimera.sim.profile import cost_from_profile, load_profile, parse_profile
 from chimera.viz import save_trace
 
 ROWS = ("single:none:threads=1", "single:none:threads=1:micro_batches=4", "chimera:chimera",
@@ -48,6 +49,7 @@ def test_rows_cover_the_issue():
         select_rows(BenchConfig(rows=("nope",)))
 
 
+@pytest.mark.slow
 def test_bench_runs_every_kind_of_row(tiny_bench, tmp_path):
     from chimera.bench.report import markdown, save
 
@@ -68,12 +70,14 @@ def test_bench_runs_every_kind_of_row(tiny_bench, tmp_path):
     assert open(paths[2], "rb").read()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_a_pipeline_rank_holds_fewer_activations_than_one_process(tiny_bench):
     res = {(r["impl"], r["schedule"]): r for r in tiny_bench[2]["results"]}
     single = res[("single", "none")]["peak_activation_mb"]
     assert res[("chimera", "1f1b")]["peak_activation_mb"] < single
 
 
+@pytest.mark.slow
 def test_profile_prices_a_schedule(tmp_path, capsys):
     from chimera.bench.profiler import build_profile
 
@@ -83,13 +87,10 @@ def test_profile_prices_a_schedule(tmp_path, capsys):
     assert len(data["layers"]) == 8 and all(x["forward_s"] > 0 for x in data["layers"])
     assert main(["simulate", "-s", "chimera", "-D", "2", "-N", "4", "--profile", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    cost = cost_from_profile(data, lower(build("chimera", 2, 4)))
+    profile = parse_profile(data)  # what the writer writes, the one parser reads
+    cost = cost_from_profile(profile, lower(build("chimera", 2, 4)))
     assert out["makespan"] >= 4 * (sum(cost.f) + sum(cost.b)) / 2 > 0
-    try:
-        from chimera.plan.hardware import parse_profile
-    except ImportError:
-        return
-    assert len(parse_profile(data).layers) == 8
+    assert len(profile.layers) == 8 and profile.split
 
 
 @pytest.mark.parametrize("name,kw,costs", [
@@ -121,6 +122,7 @@ def test_simulate_from_trace_cli(tmp_path, capsys):
         main(["simulate", "--from-trace", str(tmp_path / "old.json")])
 
 
+@pytest.mark.slow
 def test_replay_of_a_recorded_run(tmp_path):
     from chimera.train import TrainConfig
     from chimera.train.launch import launch
@@ -154,8 +156,6 @@ def test_replay_of_a_recorded_run(tmp_path):
 
 
 def test_replay_with_profile_links_prices_the_allreduce_over_the_trace_width(tmp_path):
-    from chimera.bench.calibrate import load_profile
-
     profile = load_profile(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
                                         "profile-gpt2-bench.json"))
     timeline = simulate(lower(build("chimera", 2, 4)), CostModel.unit(1, 2))

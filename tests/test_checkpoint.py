@@ -1,7 +1,6 @@
 """Checkpoints: keyed by parameter name, complete or absent, safe to read, resumable on
 another layout (one spawned gloo group runs the multi-rank cases), never holding NaN."""
 
-import argparse
 import dataclasses
 import datetime
 import functools
@@ -22,13 +21,6 @@ from chimera.train import checkpoint as ckpt
 from chimera.train.launch import launch
 from chimera.train.lease import Lease, claim
 from chimera.train.loop import NonFiniteLoss, Trainer
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_bytes(open(argparse.__file__, "rb").read()[:60_000])
-    return str(path)
 
 
 def ref_cfg(data, **kw):
@@ -284,6 +276,7 @@ def _params(path):
     return ckpt.load_model_state(path)
 
 
+@pytest.mark.slow
 def test_resume_on_another_schedule_and_width(layouts):
     root, outs = layouts
     losses = [loss for _, loss, _ in outs[0]["a"][0]]
@@ -301,6 +294,7 @@ def test_resume_on_another_schedule_and_width(layouts):
             torch.testing.assert_close(other[key], value, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_same_seed_and_layout_are_bit_identical(layouts):
     root, outs = layouts
     for out in outs:
@@ -310,6 +304,7 @@ def test_same_seed_and_layout_are_bit_identical(layouts):
     assert all(torch.equal(a[k], again[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_every_rank_agrees_on_a_nonfinite_step(layouts):
     root, outs = layouts
     for out in outs:

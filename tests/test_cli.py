@@ -1,28 +1,18 @@
 """CLI smoke tests: the commands run end to end; bad input exits 2 with one line."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
 
-
-def run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "chimera", *args], capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
-
-
-def test_schedules_lists_every_scheme():
-    out = run("schedules").stdout
+def test_schedules_lists_every_scheme(run_cli):
+    out = run_cli("schedules").stdout
     for name in ("chimera", "1f1b", "gpipe", "interleaved", "zb-h1", "gems"):
         assert name in out
 
 
-def test_show_draws_the_paper_figure():
-    r = run("show", "--schedule", "chimera", "--stages", "4", "--micro-batches", "4")
+def test_show_draws_the_paper_figure(run_cli):
+    r = run_cli("show", "--schedule", "chimera", "--stages", "4", "--micro-batches", "4")
     assert r.returncode == 0
     lines = r.stdout.splitlines()
     assert "bubble ratio 20.0%" in lines[0]
@@ -31,17 +21,17 @@ def test_show_draws_the_paper_figure():
     assert rows[3].split("|")[1].split() == "f2 f3 . F0 B0 F1 B1 b2 . b3".split()
 
 
-def test_simulate_json_is_one_object():
-    r = run("simulate", "-s", "1f1b", "-D", "4", "-N", "8", "--json")
+def test_simulate_json_is_one_object(run_cli):
+    r = run_cli("simulate", "-s", "1f1b", "-D", "4", "-N", "8", "--json")
     data = json.loads(r.stdout)
     assert data["schedule"] == "1f1b" and data["stages"] == 4 and data["micro_batches"] == 8
     assert data["bubble_ratio"] == pytest.approx(3 / 11)
     assert [x["peak_activations"] for x in data["ranks"]] == [4, 3, 2, 1]
 
 
-def test_show_writes_png_and_trace(tmp_path):
+def test_show_writes_png_and_trace(tmp_path, run_cli):
     png, trace = tmp_path / "s.png", tmp_path / "s.json"
-    r = run("show", "-D", "4", "-N", "8", "--png", str(png), "--trace", str(trace))
+    r = run_cli("show", "-D", "4", "-N", "8", "--png", str(png), "--trace", str(trace))
     assert r.returncode == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(trace.read_text())["traceEvents"]
@@ -67,24 +57,25 @@ def test_show_writes_png_and_trace(tmp_path):
     ["train", "--schedule", "none", "--stages", "2"],
     ["train", "--micro-batches", "-1"],
 ])
-def test_bad_input_exits_2_with_one_line(args):
-    r = run(*args)
+def test_bad_input_exits_2_with_one_line(args, run_cli):
+    r = run_cli(*args)
     assert r.returncode == 2, (args, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) >= 1
     assert r.stderr.strip().splitlines()[0].startswith("chimera")
 
 
-def test_empty_data_file_is_refused(tmp_path):
+def test_empty_data_file_is_refused(tmp_path, run_cli):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    r = run("train", "--data", str(empty))
+    r = run_cli("train", "--data", str(empty))
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
-def test_train_default_job_end_to_end(tmp_path):
+@pytest.mark.slow
+def test_train_default_job_end_to_end(tmp_path, run_cli):
     log = tmp_path / "log.jsonl"
-    r = run("train", "--steps", "3", "--no-progress", "--log-json", str(log),
+    r = run_cli("train", "--steps", "3", "--no-progress", "--log-json", str(log),
             "--png", str(tmp_path / "t.png"), "--trace", str(tmp_path / "t.json"))
     assert r.returncode == 0, r.stderr
     assert "measured bubble ratio" in r.stdout

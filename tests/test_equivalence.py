@@ -10,6 +10,8 @@ import pytest
 from chimera.train import TrainConfig
 from chimera.train.equivalence import check_equivalence
 
+pytestmark = pytest.mark.slow  # most tests here share a multi-process run (module fixture)
+
 F64 = dict(dtype="float64", steps=3, progress=False)
 
 D2 = [

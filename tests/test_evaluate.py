@@ -1,7 +1,6 @@
 """`--eval-every`: the held-out loss is the single-process value on every layout, and
 evaluating changes nothing about training (one spawned gloo group of two runs the layouts)."""
 
-import argparse
 import json
 import math
 import os
@@ -29,13 +28,6 @@ LAYOUTS = {  # world 2; every one has the mini-batch of 8 sequences
     "bert-off": dict(model="bert-tiny", schedule="chimera", stages=2, micro_batches=4,
                      strategy="halving", eval_every=0),
 }
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_bytes(open(argparse.__file__, "rb").read()[:60_000])
-    return str(path)
 
 
 def _cfg(data, **kw):
@@ -76,6 +68,7 @@ def _reference(data, **kw):
     return [(s["step"], s["loss"], s["val_loss"]) for s in launch(cfg)["steps"]]
 
 
+@pytest.mark.slow
 def test_held_out_loss_is_the_same_on_every_layout(layouts, data):
     _, outs = layouts
     ref = _reference(data)
@@ -90,6 +83,7 @@ def test_held_out_loss_is_the_same_on_every_layout(layouts, data):
                     assert g == pytest.approx(r, rel=1e-10, abs=0), name
 
 
+@pytest.mark.slow
 def test_bert_held_out_loss_counts_every_masked_token_once(layouts, data):
     _, outs = layouts
     ref = _reference(data, model="bert-tiny")
@@ -100,6 +94,7 @@ def test_bert_held_out_loss_counts_every_masked_token_once(layouts, data):
             assert g == pytest.approx(r, rel=1e-10, abs=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on, off", [("chimera", "chimera-off"), ("bert-halving", "bert-off")])
 def test_evaluating_does_not_change_training(layouts, on, off):
     _, outs = layouts
@@ -111,6 +106,7 @@ def test_evaluating_does_not_change_training(layouts, on, off):
         assert all(torch.equal(p_on[k], p_off[k]) for k in p_on)
 
 
+@pytest.mark.slow
 def test_log_json_carries_the_held_out_loss(layouts):
     root, outs = layouts
     lines = [json.loads(l) for l in (root / "log.0.jsonl").read_text().splitlines()]

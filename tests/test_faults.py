@@ -1,12 +1,10 @@
 """When a rank dies or a schedule hangs, every rank ends promptly with a picture of where it
 was, and torchrun's restart resumes from the last checkpoint to the same parameters."""
 
-import argparse
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,33 +14,19 @@ import torch
 
 from chimera.train import TrainConfig
 from chimera.train.checkpoint import latest, load_model_state
+from chimera.runtime.workers import free_port
 from chimera.train.launch import launch
 
-ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
-ENV.pop("CHIMERA_FAULT", None)
 COMMON = ["--dtype", "float64", "--micro-batch-size", "2", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_bytes(open(argparse.__file__, "rb").read()[:60_000])
-    return str(path)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pictures(tmp_path):
     return ["--png", str(tmp_path / "t.png"), "--trace", str(tmp_path / "t.json")]
 
 
-def start_rank(rank, port, args, tmp_path, fault=None):
+def start_rank(cli_env, rank, port, args, tmp_path, fault=None):
     """One rank as torchrun would start it (RANK, WORLD_SIZE, MASTER_* set)."""
-    env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+    env = {**cli_env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     if fault:
         env["CHIMERA_FAULT"] = fault
@@ -58,12 +42,13 @@ def stop(procs):
             p.wait()
 
 
-def test_kill_9_of_one_rank_ends_the_others_promptly(data, tmp_path):
+@pytest.mark.slow
+def test_kill_9_of_one_rank_ends_the_others_promptly(data, tmp_path, cli_env):
     log = tmp_path / "log.jsonl"
     args = [*COMMON, "--data", data, "--steps", "300", "--comm-timeout", "60",
             "--log-json", str(log), *pictures(tmp_path)]
     port = free_port()
-    procs = [start_rank(r, port, args, tmp_path) for r in (0, 1)]
+    procs = [start_rank(cli_env, r, port, args, tmp_path) for r in (0, 1)]
     try:
         deadline = time.monotonic() + 150
         while not (log.exists() and len(log.read_text().splitlines()) >= 3):
@@ -84,11 +69,12 @@ def test_kill_9_of_one_rank_ends_the_others_promptly(data, tmp_path):
     assert "marked:" in err and "P0 |" in err
 
 
-def test_mismatched_schedule_times_out_with_the_grid(data, tmp_path):
+@pytest.mark.slow
+def test_mismatched_schedule_times_out_with_the_grid(data, tmp_path, cli_env):
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "chimera", "train", *COMMON, "--data", data,
                         "--steps", "3", "--comm-timeout", "3", *pictures(tmp_path)],
-                       env={**ENV, "CHIMERA_FAULT": "deadlock:1"}, capture_output=True, text=True,
+                       env={**cli_env, "CHIMERA_FAULT": "deadlock:1"}, capture_output=True, text=True,
                        timeout=180)
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
@@ -99,7 +85,8 @@ def test_mismatched_schedule_times_out_with_the_grid(data, tmp_path):
     print(f"deadlock reported after {time.monotonic() - start:.1f}s (start-up included)")
 
 
-def test_torchrun_restart_resumes_to_the_same_parameters(data, tmp_path):
+@pytest.mark.slow
+def test_torchrun_restart_resumes_to_the_same_parameters(data, tmp_path, cli_env):
     steps = ["--steps", "6", "--checkpoint-every", "2"]
     ref = TrainConfig(dtype="float64", micro_batch_size=2, data=data, steps=6, checkpoint_every=2,
                       checkpoint_dir=str(tmp_path / "ref"), log_json=str(tmp_path / "ref.jsonl"),
@@ -111,7 +98,7 @@ def test_torchrun_restart_resumes_to_the_same_parameters(data, tmp_path):
            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "chimera", "train", *COMMON,
            "--data", data, *steps, "--checkpoint-dir", str(tmp_path / "run"), "--resume",
            "--log-json", str(tmp_path / "run.jsonl"), *pictures(tmp_path)]
-    r = subprocess.run(cmd, env={**ENV, "CHIMERA_FAULT": "kill:1:3"}, capture_output=True,
+    r = subprocess.run(cmd, env={**cli_env, "CHIMERA_FAULT": "kill:1:3"}, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exitcode: -9" in r.stderr  # the first attempt did die

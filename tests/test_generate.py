@@ -4,8 +4,6 @@ greedy is the argmax of the model's own logits; bad input is refused in one line
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,8 @@ from chimera.train import TrainConfig
 from chimera.train import checkpoint as ckpt
 from chimera.train.generate import generate
 
-ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
+pytestmark = pytest.mark.slow  # most tests here share a multi-process run (module fixture)
+
 TEXT = "the quick brown fox jumps over the lazy dog. " * 400
 
 
@@ -29,17 +28,12 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def chimera(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "chimera", *args], capture_output=True,
-                          text=True, timeout=timeout, env=ENV)
-
-
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, run_cli):
     """`chimera train` on D=2 processes, a checkpoint every 10 steps, held-out loss too."""
     root = tmp_path_factory.mktemp("run")
     (root / "rep.txt").write_text(TEXT)
-    r = chimera("train", "-D", "2", "--data", str(root / "rep.txt"), "--steps", "30",
+    r = run_cli("train", "-D", "2", "--data", str(root / "rep.txt"), "--steps", "30",
                 "--eval-every", "10", "--eval-batches", "2", "--checkpoint-dir", str(root / "ck"),
                 "--checkpoint-every", "10", "--log-json", str(root / "log.jsonl"),
                 "--no-progress", "--png", str(root / "t.png"), "--trace", str(root / "t.json"))
@@ -90,15 +84,15 @@ def test_greedy_is_the_argmax_of_the_models_logits(run):
     assert top1.new_ids == out.new_ids  # the one most likely token, whatever the draw
 
 
-def test_the_command_prints_the_same_continuation(run):
+def test_the_command_prints_the_same_continuation(run, run_cli):
     root, _ = run
-    r = chimera("generate", "--checkpoint", str(root / "ck" / "step-00000010"), "--prompt",
+    r = run_cli("generate", "--checkpoint", str(root / "ck" / "step-00000010"), "--prompt",
                 "the lazy", "--temperature", "0", "--max-new-tokens", "16", "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["step"] == 10 and got["tokens"] == "bytes" and got["cropped"] == 0
     assert got["new_ids"] == direct_greedy(root / "ck" / "step-00000010", list(b"the lazy"), 16)
-    plain = chimera("generate", "--checkpoint", str(root / "ck" / "step-00000010"), "--prompt",
+    plain = run_cli("generate", "--checkpoint", str(root / "ck" / "step-00000010"), "--prompt",
                     "the lazy", "--temperature", "0", "--max-new-tokens", "16")
     assert plain.stdout == got["text"] + "\n"
 

@@ -11,7 +11,6 @@ train`` under CHIMERA_EMULATE_NCCL=pair gives the losses of the plain run.
 """
 
 import datetime
-import functools
 import json
 import os
 import subprocess
@@ -27,7 +26,6 @@ from chimera.ir import Action, Op
 from chimera.passes import lower
 from chimera.runtime.executor import MicroData
 from chimera.runtime.grid import ProcessGrid
-from chimera.runtime.launch_local import spawn
 from chimera.runtime.nccl_emulation import ENV, MODES, NcclEmulation, transport_from_env
 from chimera.runtime.p2p import CommTimeout, Transport, wait_work
 from chimera.runtime.pipeline import PipelineRuntime
@@ -224,24 +222,18 @@ def _worker(rank, world, out):
         report["disagree"] = {mode: _disagreeing_order(mode) for mode in MODES}
         report["from_env"] = _from_env()
         report["allreduce"] = _allreduce_orders("pair")
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(report, f)
-
-
-def _spawn(tmp_path_factory, world):
-    out = str(tmp_path_factory.mktemp(f"emu{world}") / "report")
-    spawn(functools.partial(_worker, out=out), world=world)
-    return [json.load(open(f"{out}.{r}")) for r in range(world)]
+    torch.save(report, f"{out}.{rank}")
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _spawn(tmp_path_factory, 2)
+def world2(spawn_world):
+    return spawn_world(_worker, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_training_under_emulation_equals_gloo(world, world2, tmp_path_factory):
-    reports = world2 if world == 2 else _spawn(tmp_path_factory, world)
+def test_training_under_emulation_equals_gloo(world, world2, spawn_world):
+    reports = world2 if world == 2 else spawn_world(_worker, world)
     expected = sum(len(rows) for _, _, rows in WORLDS[world])
     for report in reports:
         assert len(report["compare"]) == expected
@@ -258,6 +250,7 @@ def test_training_under_emulation_equals_gloo(world, world2, tmp_path_factory):
             assert c["losses"][1] != c["losses"][0], c["config"]  # the step changed the weights
 
 
+@pytest.mark.slow
 def test_crossing_sends_time_out_under_emulation(world2):
     for rank, report in enumerate(world2):
         for mode in MODES:
@@ -270,12 +263,14 @@ def test_crossing_sends_time_out_under_emulation(world2):
             assert f"rank {rank}" in err["message"] and "timed out" in err["message"]
 
 
+@pytest.mark.slow
 def test_messages_matched_by_order_not_tag(world2):
     for report in world2:
         for mode in MODES:
             assert "NCCL would match it with tag" in report["disagree"][mode], mode
 
 
+@pytest.mark.slow
 def test_allreduces_in_crossed_orders_hang(world2):
     for rank, report in enumerate(world2):
         got = report["allreduce"]
@@ -284,15 +279,16 @@ def test_allreduces_in_crossed_orders_hang(world2):
         assert f"rank {rank}: allreduce" in got["crossed"] and "timed out" in got["crossed"]
 
 
+@pytest.mark.slow
 def test_env_var_selects_the_transport(world2):
     seen = world2[0]["from_env"]
     assert seen[:3] == ["Transport", "rank", "pair"]
     assert seen[3].startswith(f"{ENV}='bogus'")
 
 
-def _train_cli(tmp_path, env_value):
+def _train_cli(cli_env, tmp_path, env_value):
     log = tmp_path / f"log-{env_value or 'plain'}.jsonl"
-    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
+    env = dict(cli_env)
     env.pop(ENV, None)
     if env_value:
         env[ENV] = env_value
@@ -302,5 +298,6 @@ def _train_cli(tmp_path, env_value):
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
 
-def test_cli_train_under_emulation(tmp_path):
-    assert _train_cli(tmp_path, "pair") == pytest.approx(_train_cli(tmp_path, None), rel=1e-6)
+@pytest.mark.slow
+def test_cli_train_under_emulation(tmp_path, cli_env):
+    assert _train_cli(cli_env, tmp_path, "pair") == pytest.approx(_train_cli(cli_env, tmp_path, None), rel=1e-6)

@@ -15,7 +15,7 @@ from chimera.cli import main
 from chimera.ir import ScheduleError
 from chimera.modelcfg import get_config, layer_param_counts
 from chimera.passes import lower
-from chimera.plan import Planner, PlanError, Workload, get_hardware, parse_profile
+from chimera.plan import Planner, PlanError, ProfileError, Workload, get_hardware, parse_profile
 from chimera.plan.memory import (HeldActivations, block_activation_bytes, layer_activation_bytes,
                                  state_bytes)
 from chimera.schedules import build, get_scheme, schemes
@@ -32,10 +32,11 @@ def small_planner(gpus=8, batch=32, memory=None, names=SMALL, model="gpt2-small"
     return Planner(work, names)
 
 
-def test_plan_imports_no_torch():
+def test_plan_imports_no_torch(cli_env):
     code = ("import sys, chimera.plan, chimera.plan.report, chimera.cli.plan_cmd; "
             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=cli_env)
     assert out.stdout.strip() == "False"
 
 
@@ -103,7 +104,7 @@ def test_recompute_keeps_inputs_and_one_stage():
     hidden = 2 * pl.work.model.seq_len * pl.work.model.d_model * 2  # B*s*h 16-bit
     assert rc.act_kept[1:] == (hidden,) * 3 and rc.act_kept[0] == 2 * pl.work.model.seq_len * 8
     assert rc.act_full == full.act_full  # what the backward rebuilds, one micro-batch at a time
-    assert rc.b == tuple(b + f for b, f in zip(full.b, full.f))  # backward redoes the forward
+    assert rc.times.b == tuple(b + f for b, f in zip(full.times.b, full.times.f))  # backward redoes the forward
 
 
 def test_pipedream_stashes_weight_versions():
@@ -214,7 +215,7 @@ def test_profile_drives_the_costs():
     work = Workload(cfg, 2, 8, get_hardware("cpu"), profile=profile)
     pl = Planner(work, ["1f1b"])
     sc = pl.pricing.stage_costs(1, 4, False)  # B=4: twice the measured B=2
-    assert sc.f[0] == pytest.approx(2 * sum(x["forward_s"] for x in layers))
+    assert sc.times.f[0] == pytest.approx(2 * sum(x["forward_s"] for x in layers))
     assert pl.run(top_k=1).top
 
 
@@ -269,15 +270,16 @@ def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
-def test_profile_errors_are_plan_errors():
-    with pytest.raises(PlanError, match="schema"):
+def test_profile_and_plan_errors_are_value_errors_not_schedule_errors():
+    with pytest.raises(ProfileError, match="schema"):
         parse_profile({"micro_batch": 1})
     with pytest.raises(PlanError, match="layers"):
         Workload(get_config("gpt2-tiny"), 2, 2, get_hardware("cpu"), profile=parse_profile(
             {"schema": "chimera.profile/1", "micro_batch": 1,
              "layers": [{"forward_s": 1, "backward_s": 1, "activation_bytes": 0, "output_bytes": 0}],
              "p2p": {"alpha_s": 0, "beta_bytes_per_s": 1}, "allreduce": {"alpha_s": 0, "beta_bytes_per_s": 1}}))
-    assert issubclass(PlanError, ValueError) and not issubclass(PlanError, ScheduleError)
+    for error in (PlanError, ProfileError):
+        assert issubclass(error, ValueError) and not issubclass(error, ScheduleError)
 
 
 def _plan_vs_bench():

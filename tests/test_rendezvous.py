@@ -286,10 +286,10 @@ def test_runtime_calls_equal_the_replayed_calls(monkeypatch, name, options, d):
                     assert any(c[0] == "isend" for c in got)
 
 
-def test_plan_and_check_import_no_torch():
+def test_plan_and_check_import_no_torch(cli_env):
     import subprocess
     import sys
 
     code = ("import sys, chimera.comm_plan, chimera.rendezvous, chimera.validate, chimera.passes; "
             "assert 'torch' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, env=cli_env)

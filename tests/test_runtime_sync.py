@@ -4,6 +4,7 @@ of one allreduce at SYNC, in the same order on every replica (two gloo processes
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -47,6 +48,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_buckets_reduce_during_backward_and_match_one_allreduce(tmp_path):
     out = str(tmp_path / "sync.json")
     mp.start_processes(_worker, args=(free_port(), out), nprocs=2, start_method="spawn")

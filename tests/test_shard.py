@@ -1,20 +1,17 @@
 """--shard-optimizer (ZeRO-1 over each stage's replica group) trains the same model."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from chimera.train.config import TrainConfig
 from chimera.train.equivalence import check_virtual
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
 CASES = [("chimera", {}), ("chimera", {"strategy": "doubling"}), ("chimera", {"pipes": 4}),
          ("1f1b", {}), ("chimera-zb", {})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,options", CASES, ids=[f"{s}-{o}" for s, o in CASES])
 @pytest.mark.parametrize("data_parallel", [1, 2])
 def test_sharded_optimizer_equals_one_process(schedule, options, data_parallel):
@@ -30,29 +27,28 @@ def test_sharded_optimizer_equals_one_process(schedule, options, data_parallel):
     assert r["max_param_rel_err"] < 1e-10, r
 
 
-def _train(tmp_path, name, *args):
+def _train(run_cli, tmp_path, name, *args):
     log = tmp_path / f"{name}.jsonl"
-    r = subprocess.run([sys.executable, "-m", "chimera", "train", "--steps", "4", "--dtype", "float64",
-                        "--no-progress", "--json", "--log-json", str(log), *args],
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
+    r = run_cli("train", "--steps", "4", "--dtype", "float64", "--no-progress", "--json",
+                "--log-json", str(log), *args)
     assert r.returncode == 0, r.stderr
     losses = {json.loads(line)["step"]: json.loads(line)["loss"] for line in log.read_text().splitlines()}
     return json.loads(r.stdout.strip().splitlines()[-1]), losses
 
 
-def test_optimizer_state_halves_and_checkpoints_cross_sharding(tmp_path):
+@pytest.mark.slow
+def test_optimizer_state_halves_and_checkpoints_cross_sharding(tmp_path, run_cli):
     """--json reports optimizer_state_bytes per rank: half with sharding (D=2, W=1); a sharded
     run resumes unsharded and the other way round, on the losses of a straight run."""
-    plain, straight = _train(tmp_path, "plain")
-    sharded, same = _train(tmp_path, "sharded", "--shard-optimizer")
+    plain, straight = _train(run_cli, tmp_path, "plain")
+    sharded, same = _train(run_cli, tmp_path, "sharded", "--shard-optimizer")
     assert same == straight
     for a, b in zip(plain["ranks"], sharded["ranks"]):
         assert b["optimizer_state_bytes"] * 2 == pytest.approx(a["optimizer_state_bytes"], rel=0.01)
     for first, then in (([], ["--shard-optimizer"]), (["--shard-optimizer"], [])):
         ck = str(tmp_path / f"ck{len(first)}")
-        _train(tmp_path, "first", "--checkpoint-dir", ck, "--steps", "2", *first)
-        _, resumed = _train(tmp_path, "then", "--checkpoint-dir", ck, "--resume", *then)
+        _train(run_cli, tmp_path, "first", "--checkpoint-dir", ck, "--steps", "2", *first)
+        _, resumed = _train(run_cli, tmp_path, "then", "--checkpoint-dir", ck, "--resume", *then)
         assert {s: resumed[s] for s in (2, 3)} == {s: straight[s] for s in (2, 3)}
 
 

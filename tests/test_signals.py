@@ -1,7 +1,6 @@
 """The launcher contract: a signal to `chimera train`, or its death, ends every rank within
 seconds and leaves the newest checkpoint intact (issue 13, case 1)."""
 
-import argparse
 import os
 import signal
 import subprocess
@@ -13,17 +12,6 @@ import pytest
 from chimera.models import get_config
 
 from chimera.train import checkpoint as ckpt
-
-ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
-ENV.pop("CHIMERA_FAULT", None)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_bytes(open(argparse.__file__, "rb").read()[:60_000])
-    return str(path)
-
 
 def children(pid):
     """Every process whose parent is ``pid`` (from /proc: no psutil)."""
@@ -49,7 +37,7 @@ def alive(pid):
         return False
 
 
-def start_training(data, tmp_path, ignore_sigint=False):
+def start_training(cli_env, data, tmp_path, ignore_sigint=False):
     log = tmp_path / "log.jsonl"
     argv = [sys.executable, "-m", "chimera", "train", "--steps", "100000", "--micro-batch-size", "2",
             "--no-progress", "--data", data, "--checkpoint-dir", str(tmp_path / "ck"),
@@ -57,7 +45,7 @@ def start_training(data, tmp_path, ignore_sigint=False):
             "--png", str(tmp_path / "t.png"), "--trace", str(tmp_path / "t.json")]
     # a script's `chimera train &` starts with SIGINT ignored
     pre = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
-    proc = subprocess.Popen(argv, env=ENV, preexec_fn=pre, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(argv, env=cli_env, preexec_fn=pre, stdout=subprocess.DEVNULL,
                             stderr=open(tmp_path / "err.txt", "w"))
     deadline = time.monotonic() + 120
     while not (log.exists() and len(log.read_text().splitlines()) >= 3):
@@ -66,11 +54,12 @@ def start_training(data, tmp_path, ignore_sigint=False):
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, ignore_sigint, code", [
     (signal.SIGINT, False, 130), (signal.SIGTERM, False, 143), (signal.SIGKILL, True, -9)],
     ids=["SIGINT", "SIGTERM", "SIGKILL-of-a-background-launcher"])
-def test_a_signal_to_the_launcher_ends_every_rank(data, tmp_path, sig, ignore_sigint, code):
-    proc = start_training(data, tmp_path, ignore_sigint)
+def test_a_signal_to_the_launcher_ends_every_rank(data, tmp_path, sig, ignore_sigint, code, cli_env):
+    proc = start_training(cli_env, data, tmp_path, ignore_sigint)
     ranks = children(proc.pid)
     try:
         assert len(ranks) >= 2
@@ -95,7 +84,7 @@ def test_a_signal_to_the_launcher_ends_every_rank(data, tmp_path, sig, ignore_si
         assert str(newest) in err[-1]
 
 
-def test_the_watchdog_alone_ends_an_orphan(tmp_path):
+def test_the_watchdog_alone_ends_an_orphan(tmp_path, cli_env):
     """Where PR_SET_PDEATHSIG is missing, the parent-id watchdog ends the worker."""
     code = ("import os, sys, time, threading\n"
             "from chimera.runtime import workers\n"
@@ -108,7 +97,7 @@ def test_the_watchdog_alone_ends_an_orphan(tmp_path):
     middle = subprocess.Popen([sys.executable, "-c",
                                "import subprocess, sys, time\n"
                                f"p = subprocess.Popen([sys.executable, '-c', {code!r}])\n"
-                               "time.sleep(3600)\n"], env=ENV, stdout=subprocess.PIPE)
+                               "time.sleep(3600)\n"], env=cli_env, stdout=subprocess.PIPE)
     worker = None
     try:
         worker = int(middle.stdout.readline())  # printed once bound to its parent

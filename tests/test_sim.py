@@ -80,3 +80,26 @@ def test_cost_parse_rejects(text):
 def test_cost_parse_split():
     c = CostModel.parse("1:1:1")
     assert (c.f, c.b, c.i, c.w) == ((1.0,), (2.0,), (1.0,), (1.0,))
+
+
+def test_op_times_is_the_cost_model_priced_per_stage():
+    from chimera.ir import COMPUTE_OPS
+    from chimera.sim import Link
+
+    cost = CostModel(f=(1.0, 1.5, 0.7, 1.2), b=(2.0, 2.5, 1.5, 2.2), act_bytes=(4.0, 3.0, 2.0, 1.0),
+                     p2p=Link(0.1, 10.0))
+    t = cost.op_times(4, 4, scale=0.5)
+    for op in COMPUTE_OPS:
+        assert [t.of(op, s) for s in range(4)] == [cost.compute(op, s, 4, 4, 0.5) for s in range(4)]
+    assert t.hop == tuple(cost.hop(s, 4, 0.5) for s in range(4)) and t.hop[0] == pytest.approx(0.3)
+    # interleaved: one unit value is a D-th of the model, so each of 2D stages takes half
+    assert CostModel.unit(1, 2).op_times(8, 4).b == (1.0,) * 8
+
+
+def test_a_cost_string_and_its_cost_model_shape_chimera_zb_alike():
+    from chimera.schedules.chimera_zb import op_times
+
+    model = CostModel.unit(1, i=2, w=1)
+    text, priced = op_times("1:2:1", 4, 4), model.op_times(4, 4)
+    assert (text.f, text.b, text.i, text.w) == (priced.f, priced.b, priced.i, priced.w)
+    assert build("chimera-zb", 4, 8, cost="1:2:1").programs == build("chimera-zb", 4, 8, cost=model).programs

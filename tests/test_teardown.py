@@ -4,6 +4,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -23,6 +24,7 @@ def _busy_worker(rank, world, port):
         work.wait()
 
 
+@pytest.mark.slow
 def test_teardown_beside_a_cpu_hog():
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

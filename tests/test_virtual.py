@@ -17,6 +17,7 @@ VARIANTS = {"chimera": [{}, {"strategy": "doubling"}, {"strategy": "halving"}, {
 CASES = [(s.name, kw) for s in schemes(runnable=True) for kw in VARIANTS.get(s.name, [{}])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,options", CASES, ids=[f"{s}-{o}" for s, o in CASES])
 @pytest.mark.parametrize("stages,data_parallel", [(2, 1), (4, 1), (2, 2)])
 def test_every_schedule_on_virtual_ranks_equals_one_process(schedule, options, stages, data_parallel):
@@ -44,6 +45,7 @@ def test_a_failing_virtual_rank_fails_the_run_instead_of_hanging():
         run_virtual(2, body)
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"),
                         "--device", "cpu", "--out", str(tmp_path), "--profile-model", "gpt2-tiny"], capture_output=True,
@@ -56,6 +58,7 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert (tmp_path / "gpu_profile.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["dualpipe", "gems", "chimera-zb"])
 def test_a_pipe_without_micro_batches_still_syncs(schedule):
     """N=1 on two pipes: the idle pipe's replicas join the allreduce (they hung before) and

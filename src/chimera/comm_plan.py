@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from chimera.ir import Action, Op, Schedule, ScheduleError
+from chimera.sim.cost import CostModel
+from chimera.sim.engine import compile_schedule
 
 
 @dataclass(frozen=True, order=True)
@@ -143,9 +145,6 @@ def plan_comm(schedule: Schedule) -> CommPlan:
 
 def _global_order(schedule: Schedule) -> tuple[dict[Message, int], dict[int, list[float]]]:
     """Each message's position (by simulated send time), and each stage's SYNC times."""
-    from chimera.sim.cost import CostModel
-    from chimera.sim.engine import compile_schedule
-
     compiled = compile_schedule(schedule)
     split = schedule.split_backward
     cost = CostModel.unit(1.0, 2.0, 1.0, 1.0) if split else CostModel.unit(1.0, 2.0)

@@ -98,6 +98,35 @@ class Action:
 
 
 @dataclass(frozen=True)
+class OpTimes:
+    """Per-stage durations of F, B, I and W, and the p2p hop after each stage.
+
+    The one table of per-op times: a cost model prices it for a placement
+    (``chimera.sim.CostModel.op_times``), the list schedulers shape programs with it, the
+    makespan bound and the planner's stage costs read it. ``f[s]`` is the forward of one
+    micro-batch on stage s; ``hop[s]`` the message from stage s to s + 1 (or back), empty
+    when messages are free.
+    """
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    hop: tuple[float, ...] = ()
+
+    @classmethod
+    def uniform(cls, stages: int, f: float, b: float, i: float | None = None,
+                w: float | None = None) -> "OpTimes":
+        """Every stage alike; I and W are half of B each unless given."""
+        i = b / 2 if i is None else i
+        w = b / 2 if w is None else w
+        return cls((f,) * stages, (b,) * stages, (i,) * stages, (w,) * stages)
+
+    def of(self, op: Op, stage: int) -> float:
+        return {Op.F: self.f, Op.B: self.b, Op.I: self.i, Op.W: self.w}[op][stage]
+
+
+@dataclass(frozen=True)
 class Placement:
     """Maps (pipe, stage) to a rank. ``table[pipe][stage] = rank``."""
 

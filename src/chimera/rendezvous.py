@@ -53,8 +53,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from chimera.comm_plan import CommPlan, Launch, Message, Post
+from chimera.errors import ValidationError
 from chimera.ir import Action, Op, Schedule
-from chimera.validate import ValidationError
 
 MODES = ("pair", "rank")
 ISEND, IRECV, WAIT, ALL_REDUCE = "isend", "irecv", "wait", "all_reduce"

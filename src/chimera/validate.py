@@ -10,24 +10,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from chimera.ir import Action, Op, Schedule, ScheduleError
+from chimera import comm_plan, rendezvous
+from chimera.errors import ValidationError
+from chimera.ir import Action, Op, Schedule
+from chimera.sim.engine import Deadlock, simulate
 
-
-class ValidationError(ScheduleError):
-    def __init__(self, problem: str, schedule: Schedule, rank: int | None = None,
-                 index: int | None = None):
-        self.problem, self.rank, self.index = problem, rank, index
-        picture = _picture(schedule, rank, index)
-        super().__init__(f"{problem}\n{picture}" if picture else problem)
-
-
-def _picture(schedule: Schedule, rank: int | None, index: int | None) -> str:
-    try:
-        from chimera.viz.grid import render_programs
-    except ImportError:  # pragma: no cover - viz is part of the package
-        return schedule.to_text()
-    mark = schedule.programs[rank][index] if rank is not None and index is not None else None
-    return render_programs(schedule, mark=mark)
+__all__ = ["ValidationError", "validate"]
 
 
 def validate(schedule: Schedule) -> Schedule:
@@ -126,8 +114,6 @@ def _check_received_before_use(s: Schedule) -> None:
 
 
 def _dry_run(s: Schedule) -> None:
-    from chimera.sim.engine import Deadlock, simulate
-
     try:
         simulate(s)
     except Deadlock as exc:
@@ -142,9 +128,6 @@ def _check_rendezvous(s: Schedule) -> None:
     pair of ranks or per rank, communicators created eagerly. Two data-parallel copies: then
     every stage group reduces (with one copy, single-replica stages issue nothing), and more
     copies run in lock-step with these two."""
-    from chimera.comm_plan import plan_comm
-    from chimera.rendezvous import MODES, check
-
-    plan = plan_comm(s)
-    for mode in MODES:
-        check(plan, mode, data_parallel=2)
+    plan = comm_plan.plan_comm(s)
+    for mode in rendezvous.MODES:
+        rendezvous.check(plan, mode, data_parallel=2)

@@ -1,6 +1,6 @@
-"""Measuring the runtime: benchmarks against torch.distributed.pipelining, cost profiles of a
-model on this machine, and replaying measured traces through the simulator.
+"""Measuring the runtime: benchmarks against torch.distributed.pipelining and cost profiles of
+a model on this machine (the simulator reads them: ``chimera.sim.profile``, ``chimera.sim.replay``).
 
-``rows`` and ``calibrate`` import no torch (``chimera simulate --profile / --from-trace`` use
-them); ``harness``, ``runners``, ``torchpp`` and ``profiler`` run torch.
+``rows`` imports no torch; ``harness`` (which picks a row's runner), ``runners``, ``torchpp``,
+``report`` and ``profiler`` do.
 """

@@ -22,14 +22,22 @@ import torch
 import torch.distributed as dist
 
 from chimera.bench.rows import BenchConfig, Row
-from chimera.bench.runners import make_runner, peak_activation_bytes
+from chimera.bench.runners import OursRunner, SingleRunner, peak_activation_bytes
+from chimera.bench.torchpp import TorchRunner
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
-from chimera.runtime.workers import gloo_group
-from chimera.train.launch import free_port
+from chimera.runtime.workers import free_port, gloo_group
 
 
 FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to say why
+
+
+def make_runner(cfg: BenchConfig, row: Row, rank: int):
+    if row.impl == "single":
+        return SingleRunner(cfg, row, rank)
+    if row.impl == "chimera":
+        return OursRunner(cfg, row, rank)
+    return TorchRunner(cfg, row, rank)
 
 
 def _group(rank: int, world: int, port: int, cfg: BenchConfig):

@@ -11,8 +11,8 @@ Links: two gloo processes on the loopback, p2p (half a ping-pong round trip) and
 allreduce at sizes from 4 KiB to 16 MiB, fitted as ``alpha + bytes / beta``; the allreduce as
 a ring, whose 2(g-1) = 2 steps each move bytes/g: ``T = 2 alpha + bytes / beta``.
 
-The result is a ``chimera.profile/1`` object (the schema ``chimera plan --profile`` reads,
-with the extra fields I, W and parameter bytes that ``chimera simulate --profile`` uses).
+The result is a ``chimera.profile/1`` object (:mod:`chimera.sim.profile`, the one schema
+``chimera simulate --profile`` and ``chimera plan --profile`` read).
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from chimera.bench.calibrate import PROFILE_SCHEMA
 from chimera.bench.runners import ActivationMeter
 from chimera.models import build_layers, get_config, layer_names, loss_fn
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.split_backward import backward_input, backward_weight
-from chimera.runtime.workers import gloo_group
-from chimera.train.launch import free_port
+from chimera.sim.profile import PROFILE_SCHEMA
+from chimera.runtime.workers import free_port, gloo_group
 
 LINK_SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
 

@@ -8,6 +8,8 @@ import platform
 import statistics
 import time
 
+import torch
+
 from chimera.bench.rows import BenchConfig, Row
 
 
@@ -79,8 +81,6 @@ def _ge(value, floor):
 
 
 def assemble(cfg: BenchConfig, rows: list[Row], raw: dict, started: float, load: tuple) -> dict:
-    import torch
-
     results = result_rows(cfg, rows, raw)
     config = {**cfg.to_dict(), "torch": torch.__version__, "python": platform.python_version(),
               "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
@@ -157,7 +157,7 @@ def save(data: dict, out_dir: str, stem: str = "bench") -> list[str]:
 
 def chart(data: dict, path: str) -> None:
     """Horizontal bars of the median step time, whiskers from min to max, one colour per impl."""
-    import matplotlib
+    import matplotlib  # the optional extra chimera-pipeline[plot], imported when a chart is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chimera.ir import ScheduleError
+from chimera.schedules import schemes
 
 # Ours, in the order the table shows them; any other runnable scheme is appended unless it is
 # in SKIPPED_SCHEMES (GEMS idles 75% of the time by design: it would only slow the run down).
@@ -96,8 +97,6 @@ class BenchConfig:
 
 def our_schemes() -> list[str]:
     """Runnable schemes of ours in table order (whatever the registry holds right now)."""
-    from chimera.schedules import schemes
-
     names = [s.name for s in schemes() if getattr(s, "runnable", True)]
     ordered = [n for n in OUR_ORDER if n in names]
     return ordered + [n for n in names if n not in ordered and n not in SKIPPED_SCHEMES]

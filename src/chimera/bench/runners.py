@@ -1,4 +1,5 @@
-"""One object per benchmark row and rank, each with ``step(i)``: a full optimizer step.
+"""Our rows' runners (torch's: ``bench.torchpp``), one per row and rank, each with ``step(i)``:
+a full optimizer step.
 
 Every row trains the same model on the same mini-batch ``get_batch(step i)``: forward,
 backward, gradient sync, global-norm clipping and an AdamW step (the same optimizer settings
@@ -74,16 +75,6 @@ class OursRunner:
 
     def step(self, i: int) -> float:
         return self.trainer.step(i).loss
-
-
-def make_runner(cfg: BenchConfig, row: Row, rank: int):
-    if row.impl == "single":
-        return SingleRunner(cfg, row, rank)
-    if row.impl == "chimera":
-        return OursRunner(cfg, row, rank)
-    from chimera.bench.torchpp import TorchRunner
-
-    return TorchRunner(cfg, row, rank)
 
 
 class ActivationMeter:

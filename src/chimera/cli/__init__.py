@@ -7,6 +7,7 @@ setting ``func``. Bad input exits with code 2 and one line on stderr, never a tr
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from chimera.cli.common import UsageError, fail
@@ -24,8 +25,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
     parser = _Parser(
         prog="chimera",
         description="Chimera bidirectional pipeline parallelism: build, check, simulate, draw and "

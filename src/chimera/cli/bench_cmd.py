@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from chimera.bench.rows import BenchConfig, select_rows
 from chimera.cli.common import UsageError, check_output, positive_int
 
 DEFAULT_OUT = os.path.join("benchmarks", "results")
@@ -39,9 +40,7 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
-def config_from_args(args: argparse.Namespace):
-    from chimera.bench.rows import BenchConfig
-
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
     kw = dict(model=args.model, stages=args.stages, micro_batches=args.micro_batches,
               micro_batch_size=args.micro_batch_size, memory=not args.no_memory,
               rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()) if args.rows else None,
@@ -72,9 +71,9 @@ def _check_out(out: str) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    # torch: imported when the command runs, so that every other command starts without it
     from chimera.bench import report
     from chimera.bench.harness import measure
-    from chimera.bench.rows import select_rows
     from chimera.models import get_config
 
     cfg = config_from_args(args)

@@ -11,6 +11,7 @@ from chimera.ir import Schedule
 from chimera.passes import SYNC_MODES, lower
 from chimera.schedules import build, get_scheme, schemes
 from chimera.schedules.bidirectional import STRATEGIES
+from chimera.validate import validate
 
 
 class UsageError(Exception):
@@ -93,8 +94,6 @@ def add_schedule_options(p: argparse.ArgumentParser, default: str = "chimera",
 
 def schedule_from_args(args: argparse.Namespace) -> Schedule:
     """Build, lower and validate the schedule the options describe."""
-    from chimera.validate import validate
-
     n = args.micro_batches or args.stages
     # time-aware schemes (chimera-zb) are built for the costs they will be simulated with
     timed = {"cost": getattr(args, "cost", None)} if "cost" in get_scheme(args.schedule).options else {}

@@ -57,6 +57,7 @@ def _temperature(text: str) -> float:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    # torch: imported when the command runs, so that every other command starts without it
     import torch
 
     from chimera.train.generate import generate

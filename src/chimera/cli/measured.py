@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from chimera.bench.calibrate import CLOCKS, cost_from_profile, load_profile, replay
+from chimera.sim.replay import CLOCKS, replay
 from chimera.sim import CostModel
+from chimera.sim.profile import cost_from_profile, load_profile
 
 
 def add_measured_options(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,11 @@ import json
 import math
 
 from chimera.cli.common import positive_int
+from chimera.modelcfg import PRESETS, get_config
+from chimera.plan import Planner, Workload, get_hardware, load_profile
+from chimera.plan.hardware import PRESETS as HARDWARE
+from chimera.plan.report import explain, table, to_json
+from chimera.plan.search import gc_paused
 
 
 def positive_float(text: str) -> float:
@@ -20,9 +25,6 @@ def positive_float(text: str) -> float:
 
 
 def add_parsers(sub) -> None:
-    from chimera.modelcfg import PRESETS
-    from chimera.plan.hardware import PRESETS as HARDWARE
-
     p = sub.add_parser(
         "plan", help="choose W, D, B, recomputation and scheme for a model on P devices",
         description="Enumerate every data-parallel width W and depth D with W*D = P, micro-batch "
@@ -57,9 +59,6 @@ def add_parsers(sub) -> None:
 
 
 def workload_from_args(args: argparse.Namespace):
-    from chimera.modelcfg import get_config
-    from chimera.plan import Workload, get_hardware, load_profile
-
     overrides = {k: v for k, v in (("vocab_size", args.vocab_size), ("dropout", args.dropout))
                  if v is not None}
     cfg = get_config(args.model, **overrides)
@@ -69,16 +68,11 @@ def workload_from_args(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from chimera.plan.search import gc_paused
-
     with gc_paused():  # the planner is gone when it resumes (see gc_paused)
         return _plan(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from chimera.plan import Planner
-    from chimera.plan.report import explain, table, to_json
-
     work = workload_from_args(args)
     names = [s.strip() for s in args.schemes.split(",") if s.strip()] if args.schemes else None
     recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]

@@ -29,6 +29,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    # torch: imported when the command runs, so that every other command starts without it
     from chimera.bench.profiler import build_profile
     from chimera.models import get_config
 

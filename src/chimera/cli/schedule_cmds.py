@@ -9,9 +9,12 @@ import os
 
 from chimera.cli.common import add_schedule_options, nonneg_float, positive_int, schedule_from_args
 from chimera.cli.measured import add_measured_options, cmd_replay, profile_cost
+from chimera.bounds import schedule_bound
 from chimera.formulas import closed_form
 from chimera.schedules import schemes
 from chimera.sim import CostModel, Timeline, simulate
+from chimera.tables import scheme_table
+from chimera.viz import render_grid, save_gantt_png, save_trace
 
 
 def add_parsers(sub) -> None:
@@ -79,8 +82,6 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from chimera.viz import render_grid
-
     schedule = schedule_from_args(args)
     timeline = simulate(schedule, cost_from_args(args))
     print(_headline(timeline))
@@ -119,8 +120,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _bound_summary(schedule, cost: CostModel) -> dict:
-    from chimera.bounds import schedule_bound
-
     return dataclasses.asdict(schedule_bound(schedule, cost))
 
 
@@ -155,8 +154,6 @@ def _headline(t: Timeline) -> str:
 
 def _write_pictures(timeline: Timeline, png: str | None, trace: str | None,
                     quiet: bool = False) -> None:
-    from chimera.viz import save_gantt_png, save_trace
-
     if png:
         os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
         save_gantt_png(timeline, png)
@@ -170,12 +167,15 @@ def _write_pictures(timeline: Timeline, png: str | None, trace: str | None,
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from chimera.cli import main
-
     png = os.path.join(args.out, "chimera-D4-N4.png")
-    main(["show", "--stages", "4", "--micro-batches", "4", "--png", png])
+    cmd_show(_parse(["show", "--stages", "4", "--micro-batches", "4", "--png", png]))
     print()
-    from chimera.tables import scheme_table
-
     print(scheme_table(8, 16))
     return 0
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed as this module's commands parse it (defaults filled in)."""
+    parser = argparse.ArgumentParser(prog="chimera")
+    add_parsers(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)

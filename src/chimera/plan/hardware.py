@@ -1,4 +1,4 @@
-"""Hardware presets (device + network) and measured profiles for the planner (no torch).
+"""Hardware presets (device + network) for the planner, and a profile's links on them (no torch).
 
 A layer's time is ``flops / (peak * efficiency(tokens)) + layer_overhead`` per pass, where
 ``efficiency(tokens) = efficiency * tokens / (tokens + half_tokens)``: matrix products with
@@ -14,13 +14,12 @@ spans nodes unless all P ranks fit in one node.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from chimera.sim.cost import Link
+from chimera.sim.profile import Profile
 
-PROFILE_SCHEMA = "chimera.profile/1"
 PRECISIONS = ("fp32", "mixed")
 
 
@@ -133,103 +132,6 @@ def get_hardware(name: str) -> Hardware:
         raise PlanError(f"unknown hardware {name!r}; known: {', '.join(PRESETS)} "
                         f"(aliases: {', '.join(ALIASES)})")
     return PRESETS[key]
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    forward_s: float
-    backward_s: float
-    activation_bytes: float  # kept for backward, per micro-batch, without recomputation
-    output_bytes: float  # the layer's output: what crosses a stage boundary
-    input_backward_s: float | None = None  # split backward: I, then W (optional)
-    weight_backward_s: float | None = None
-
-
-@dataclass(frozen=True)
-class Profile:
-    """Measured per-layer costs at micro-batch ``micro_batch`` (JSON schema ``chimera.profile/1``).
-
-    ::
-
-        {"schema": "chimera.profile/1",
-         "model": "gpt2-bench",                  # informative
-         "micro_batch": 4,                       # B the layers were measured at
-         "layers": [                             # one per layer: embedding, blocks, head
-           {"forward_s": 0.0011, "backward_s": 0.0023,
-            "input_backward_s": 0.0012, "weight_backward_s": 0.0011,   # optional
-            "activation_bytes": 4194304, "output_bytes": 524288}, ...],
-         "p2p": {"alpha_s": 5e-05, "beta_bytes_per_s": 2e9},
-         "allreduce": {"alpha_s": 1e-4, "beta_bytes_per_s": 1e9},   # per ring step
-         "memory_gib": 8}                        # optional: per rank
-
-    Times and bytes scale linearly with the micro-batch size (an approximation: small
-    micro-batches are less efficient than that). ``backward_s`` is the full backward; without
-    the split times, I and W are taken as half of it each. ``chimera profile`` writes this
-    (plus fields the planner ignores, such as ``param_bytes``).
-    """
-
-    micro_batch: int
-    layers: tuple[LayerProfile, ...]
-    p2p: Link
-    allreduce: Link
-    memory_gib: float | None = None
-    model: str = ""
-    source: str = field(default="", compare=False)
-
-
-def _positive(data: dict, key: str, where: str, allow_zero: bool = False) -> float:
-    value = data.get(key)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise PlanError(f"profile: {where}.{key} must be a {'non-negative' if allow_zero else 'positive'} "
-                        f"number, got {value!r}")
-    return float(value)
-
-
-def _profile_link(data: dict, key: str) -> Link:
-    part = data.get(key)
-    if not isinstance(part, dict):
-        raise PlanError(f"profile: missing object {key!r} with alpha_s and beta_bytes_per_s")
-    return Link(_positive(part, "alpha_s", key, allow_zero=True), _positive(part, "beta_bytes_per_s", key))
-
-
-def parse_profile(data: dict, source: str = "") -> Profile:
-    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
-        raise PlanError(f"profile: expected a JSON object with \"schema\": \"{PROFILE_SCHEMA}\"")
-    micro = data.get("micro_batch")
-    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
-        raise PlanError(f"profile: micro_batch must be a positive integer, got {micro!r}")
-    layers = data.get("layers")
-    if not isinstance(layers, list) or not layers:
-        raise PlanError("profile: layers must be a non-empty list (one entry per layer)")
-    parsed = []
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, dict):
-            raise PlanError(f"profile: layers[{i}] must be an object")
-        where = f"layers[{i}]"
-        split = [_positive(layer, key, where) if key in layer else None
-                 for key in ("input_backward_s", "weight_backward_s")]
-        if (split[0] is None) != (split[1] is None):
-            raise PlanError(f"profile: {where} needs both input_backward_s and weight_backward_s, or neither")
-        parsed.append(LayerProfile(_positive(layer, "forward_s", where), _positive(layer, "backward_s", where),
-                                   _positive(layer, "activation_bytes", where, allow_zero=True),
-                                   _positive(layer, "output_bytes", where, allow_zero=True), *split))
-    memory = data.get("memory_gib")
-    if memory is not None:
-        memory = _positive(data, "memory_gib", "profile")
-    return Profile(micro, tuple(parsed), _profile_link(data, "p2p"), _profile_link(data, "allreduce"),
-                   memory, str(data.get("model", "")), source)
-
-
-def load_profile(path: str) -> Profile:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise PlanError(f"cannot read profile {path!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"profile {path!r} is not JSON: {exc.msg} at line {exc.lineno}") from None
-    return parse_profile(data, source=path)
 
 
 def with_profile(hw: Hardware, profile: Profile) -> Hardware:

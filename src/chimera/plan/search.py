@@ -1,15 +1,15 @@
 """Enumerate (scheme, W, D, B, N, recompute), price each with the simulator, keep the best.
 
 The search is exact branch and bound, not sampling: every configuration is enumerated and
-gets lower bounds on its time and memory (``bounds``) that need no simulation; it is simulated
-only if those say it could still enter the top K or beat the best of its scheme. It goes
-best-first on the sharp bound, which is computed lazily in order of a cheap one, so good
+gets lower bounds on its time (``chimera.bounds``) and memory (``workload.memory_floor``)
+that need no simulation; it is simulated only if those say it could still enter the top K or
+beat the best of its scheme. It goes best-first on the sharp bound, which is computed lazily in order of a cheap one, so good
 configurations are found early and most of the rest are cut. Schedules are generated once per
 shape (``shapes``) and timed for each cost model in one pass (``sim.engine``).
 
 Where it approximates: nowhere in the search; the approximations are the cost model's
 (``workload``, ``hardware``, ``memory``) and the asynchronous schemes' steady state
-(``bounds.async_parts``).
+(``chimera.bounds.async_parts``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from chimera.ir import ScheduleError
-from chimera.plan import bounds
+from chimera import bounds
+from chimera.ir import OpTimes, ScheduleError
 from chimera.plan.hardware import PlanError
 from chimera.plan.memory import state_bytes
 from chimera.plan.shapes import Shape, ShapeCache
-from chimera.plan.workload import Pricing, StageCosts, Workload, divisors
+from chimera.plan.workload import Pricing, StageCosts, Workload, divisors, memory_floor
 from chimera.schedules import build, get_scheme, schemes
 from chimera.schedules.asynchronous import weight_versions
 from chimera.schedules.bidirectional import STRATEGIES
@@ -206,16 +206,17 @@ class Planner:
             return None
         return self.pricing.stage_costs(s.stages, sequences, c.recompute)
 
-    def _hops(self, c: Candidate, sc: StageCosts) -> list[float]:
+    def _times(self, c: Candidate, sc: StageCosts) -> OpTimes:
+        """The stage costs' times with the hops of this candidate's depth."""
         link = self.work.hardware.p2p_link(c.depth)
-        return [link.time(x) for x in sc.send_bytes]
+        return replace(sc.times, hop=tuple(link.time(x) for x in sc.send_bytes))
 
     def _allreduce(self):
         return self.work.hardware.allreduce_link(self.work.gpus)
 
     def _async(self, c: Candidate, sc: StageCosts) -> tuple[float, float, list[float]]:
         syncs = c.micro_batches if c.scheme == "pipedream" else 1  # per micro-batch vs per batch
-        return bounds.async_parts(sc, self._hops(c, sc), c.micro_batches, syncs,
+        return bounds.async_parts(self._times(c, sc), sc.grad_bytes, c.micro_batches, syncs,
                                   self._allreduce(), c.width)
 
     def lower_bounds(self, c: Candidate) -> tuple[float, float] | None:
@@ -224,11 +225,11 @@ class Planner:
         sc = probe and self.stage_costs(c, probe)
         if sc is None:
             return None
-        mem = bounds.memory_floor(probe, sc, self.work.precision, c.recompute,
-                                  self._shards(c, probe.schedule))
+        mem = memory_floor(probe.replicas, sc, self.work.precision, c.recompute,
+                           self._shards(c, probe.schedule))
         if probe.asynchronous:
             return self._async(c, sc)[0], mem
-        return bounds.time_floor(probe, sc, self._hops(c, sc), c.micro_batches,
+        return bounds.time_floor(probe.schedule, self._times(c, sc), sc.grad_bytes, c.micro_batches,
                                  self._allreduce(), c.width), mem
 
     def memory(self, c: Candidate, shape: Shape, sc: StageCosts) -> float:

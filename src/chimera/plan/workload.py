@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chimera.ir import OpTimes
 from chimera.modelcfg import ModelConfig, flops_per_token, partition
-from chimera.plan.hardware import Hardware, PlanError, Profile, with_profile
+from chimera.plan.hardware import Hardware, PlanError, with_profile
 from chimera.plan.memory import (STATE_BYTES, layer_activation_bytes, layer_input_bytes,
-                                 stage_params)
+                                 stage_params, state_bytes)
 from chimera.sim.cost import CostModel
+from chimera.sim.profile import Profile
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,9 @@ class StageCosts:
     """Everything the planner needs about one cut at one micro-batch size (seconds, bytes)."""
 
     ranges: tuple[range, ...]
-    f: tuple[float, ...]
-    b: tuple[float, ...]  # full backward, including the recomputed forward
-    i: tuple[float, ...]  # input-gradient half (+ recomputed forward)
-    w: tuple[float, ...]  # weight-gradient half
+    # per stage; b is the full backward and i its input-gradient half, both with the
+    # recomputed forward when recomputing; no hops (they depend on the pipeline's depth)
+    times: OpTimes
     act_full: tuple[float, ...]  # bytes kept per micro-batch without recomputation
     act_kept: tuple[float, ...]  # bytes kept per micro-batch as configured (recompute: input)
     send_bytes: tuple[float, ...]  # activation sent from stage s to s + 1
@@ -142,9 +143,9 @@ class Pricing:
         entry = tuple(inputs[r.start] for r in ranges)
         params = tuple(stage_params(self.cfg, list(ranges)))
         grad = STATE_BYTES[self.work.precision][1]
+        b, i = (tuple(x + y for x, y in zip(part, redo)) for part in (b0, i0))
         return StageCosts(
-            ranges=ranges, f=f, b=tuple(x + y for x, y in zip(b0, redo)),
-            i=tuple(x + y for x, y in zip(i0, redo)), w=w0,
+            ranges=ranges, times=OpTimes(f, b, i, w0),
             act_full=full, act_kept=entry if recompute else full,
             send_bytes=tuple(inputs[r.stop] if r.stop < len(inputs) else 0.0 for r in ranges),
             params=params, grad_bytes=tuple(p * grad for p in params), recompute=recompute)
@@ -152,7 +153,7 @@ class Pricing:
     def _split(self, ranges, tokens: float, b0: tuple[float, ...]) -> tuple[tuple, tuple]:
         """(I, W) per stage: measured if the profile has them, else half of B each."""
         prof = self.work.profile
-        if prof and prof.layers[0].input_backward_s is not None:
+        if prof and prof.split:
             ratio = tokens / (prof.micro_batch * self.cfg.seq_len)
             i = tuple(sum(prof.layers[k].input_backward_s for k in r) * ratio for r in ranges)
             w = tuple(sum(prof.layers[k].weight_backward_s for k in r) * ratio for r in ranges)
@@ -162,12 +163,26 @@ class Pricing:
     def cost_model(self, sc: StageCosts, depth: int, width: int, scale: float) -> CostModel:
         """The simulator's cost model. ``scale`` is the schedule's micro_scale: the simulator
         multiplies times and bytes by it, so times of the smaller micro-batch are divided back."""
-        hw = self.work.hardware
+        hw, t = self.work.hardware, sc.times
         return CostModel(
-            f=tuple(x / scale for x in sc.f), b=tuple(x / scale for x in sc.b),
-            i=tuple(x / scale for x in sc.i), w=tuple(x / scale for x in sc.w),
+            f=tuple(x / scale for x in t.f), b=tuple(x / scale for x in t.b),
+            i=tuple(x / scale for x in t.i), w=tuple(x / scale for x in t.w),
             p2p=hw.p2p_link(depth), allreduce=hw.allreduce_link(self.work.gpus),
             act_bytes=tuple(x / scale for x in sc.send_bytes), weight_bytes=sc.grad_bytes, data_parallel=width)
+
+
+def memory_floor(replicas: list[list[tuple[int, int]]], sc: StageCosts, precision: str,
+                 recompute: bool, shards: int = 1) -> float:
+    """Bytes the fullest rank holds at least: its replicas' state (``replicas[r]``: the
+    (pipe, stage) replicas rank r holds) and one micro-batch of activations."""
+    worst = 0.0
+    for held in replicas:
+        params = sum(sc.params[stage] for _, stage in held)
+        act = min(sc.act_kept[stage] for _, stage in held)
+        if recompute:  # and one of its stages rebuilt during its backward
+            act += max(sc.act_full[stage] for _, stage in held)
+        worst = max(worst, state_bytes(params, precision, shards=shards) + act)
+    return worst
 
 
 def divisors(n: int) -> list[int]:

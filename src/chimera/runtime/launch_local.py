@@ -68,10 +68,8 @@ def spawn(fn: Callable[[int, int], None], world: int, backend: str = "gloo") -> 
 
     Raises :class:`SpawnError` if any rank fails, with every rank's error, root cause first.
     """
-    from chimera.train.launch import free_port
-
     with tempfile.TemporaryDirectory(prefix="chimera-spawn-") as errdir:
-        codes = workers.run(_entry, (world, fn, free_port(), backend, errdir), world, grace=GRACE_S)
+        codes = workers.run(_entry, (world, fn, workers.free_port(), backend, errdir), world, grace=GRACE_S)
         if any(c != 0 for c in codes):
             raise _error(errdir, codes)
 

@@ -22,6 +22,7 @@ from chimera.runtime.nccl_emulation import collectives_from_env, transport_from_
 from chimera.runtime.p2p import Mailbox, peers_text, wait_work
 from chimera.runtime.shard import StageShard
 from chimera.runtime.sync import BUCKET_BYTES, GradSync, ReplicaGrads
+from chimera.sim.engine import Deadlock, simulate
 
 
 class ProbeError(RuntimeError):
@@ -103,8 +104,6 @@ def forward_only(schedule: Schedule) -> Schedule:
     """The forwards of a lowered schedule with their sends and receives, in the same order
     (evaluation). Dropping a rank's backward waits cannot create a cycle of waits: a forward
     depends only on the forwards before it, which keep their relative order."""
-    from chimera.sim.engine import Deadlock, simulate
-
     keep = {Op.F, Op.SEND_F, Op.RECV_F, Op.STEP}
     programs = tuple(tuple(a for a in prog if a.op in keep) for prog in schedule.programs)
     out = dataclasses.replace(schedule, programs=programs)

@@ -24,6 +24,7 @@ import ctypes
 import datetime
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -31,6 +32,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from chimera.runtime.grid import end_group
 
@@ -53,14 +55,19 @@ class Interrupted(KeyboardInterrupt):
 
 
 # -- in the launcher ----------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (for a new process group)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run(fn, args: tuple, nprocs: int, grace: float) -> list[int]:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return their exit codes.
 
     Once one fails the others get ``grace`` seconds to fail too (and say why), then are
     stopped. A signal to this process stops them all and raises :class:`Interrupted`.
     """
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     procs = []
     previous = _catch_signals()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from chimera.ir import Op, Placement, Schedule, ScheduleError
+from chimera.ir import Op, OpTimes, Placement, Schedule, ScheduleError
 from chimera.schedules.chimera_slots import slot_programs
-from chimera.schedules.engine import Costs, Tasks, build_tasks, list_schedule
+from chimera.schedules.engine import Tasks, build_tasks, list_schedule
 from chimera.schedules.registry import register
 
 STRATEGIES = ("direct", "doubling", "halving")
@@ -66,7 +66,7 @@ def _more_pipes(placement: Placement, micro_pipe: tuple[int, ...], group: int) -
     unit's micro-batches, the pipes merged per rank by a greedy play of equal-length slots."""
     stages, per_unit = placement.stages, group * placement.stages // placement.pipes
     groups = [tuple(range(m, m + group)) for m in range(0, len(micro_pipe), group)]
-    tasks = build_tasks(placement, micro_pipe, Costs(f=1, b=group), forward_groups=groups)
+    tasks = build_tasks(placement, micro_pipe, OpTimes.uniform(stages, 1, group), forward_groups=groups)
     return list_schedule(tasks, stages, _chimera_priority, lambda p, s: min(group * (stages - s), per_unit))
 
 
@@ -82,7 +82,7 @@ def _chimera_priority(tasks: Tasks) -> list[tuple]:
 def gems(stages: int, micro_batches: int) -> Schedule:
     placement = Placement.chimera(stages, 2)
     micro_pipe = tuple(m % 2 for m in range(micro_batches))
-    tasks = build_tasks(placement, micro_pipe, Costs(f=1, b=1))
+    tasks = build_tasks(placement, micro_pipe, OpTimes.uniform(stages, 1, 1))
     progs = list_schedule(tasks, stages, _chimera_priority, lambda p, s: 1)
     return Schedule("gems", placement, micro_pipe, tuple(map(tuple, progs)),
                     params={"stages": stages, "micro_batches": micro_batches})

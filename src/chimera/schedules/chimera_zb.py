@@ -29,41 +29,27 @@ The task graph and the play itself are in :mod:`chimera.schedules.list_play`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
-from chimera.ir import Action, Op, Placement, Schedule, ScheduleError
-from chimera.schedules.list_play import EPS, Dag, Play, Rule, build_dag, priorities
+from chimera.ir import Action, Op, OpTimes, Placement, Schedule, ScheduleError
+from chimera.schedules.exact import refine
+from chimera.schedules.list_play import EPS, Dag, Play, Rule, build_dag, first_hop, priorities
 from chimera.schedules.registry import register
 
 
 # -- costs ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class OpTimes:
-    """Per-stage durations of F, I, W and the time of one p2p hop, as the scheduler sees them."""
-
-    f: tuple[float, ...]
-    i: tuple[float, ...]
-    w: tuple[float, ...]
-    hop: float = 0.0
-
-    def of(self, op: Op, stage: int) -> float:
-        return {Op.F: self.f, Op.I: self.i, Op.W: self.w}[op][stage]
-
-
 def op_times(cost, stages: int, ranks: int) -> OpTimes:
     """``cost``: None (F=I=W=1), ``"F:B"`` (I = W = B/2), ``"F:I:W"``, or any object with the
-    :class:`chimera.sim.CostModel` methods ``compute(op, stage, stages, ranks)`` and ``hop(stage,
-    stages)`` (per-stage times and p2p, from Python). Times are per D-th of the model."""
+    :class:`chimera.sim.CostModel` method ``op_times(stages, ranks)`` (per-stage times and p2p,
+    from Python). Times are per D-th of the model."""
     if cost is None:
         cost = "1:1:1"
     if isinstance(cost, str):
         parts = _parse_cost(cost)
         f, i, w = (parts[0], parts[1] / 2, parts[1] / 2) if len(parts) == 2 else parts
         size = ranks / stages
-        return OpTimes((f * size,) * stages, (i * size,) * stages, (w * size,) * stages)
-    per = {op: tuple(cost.compute(op, s, stages, ranks) for s in range(stages)) for op in (Op.F, Op.I, Op.W)}
-    return OpTimes(per[Op.F], per[Op.I], per[Op.W], cost.hop(0, stages))
+        return OpTimes.uniform(stages, f * size, (i + w) * size, i * size, w * size)
+    return cost.op_times(stages, ranks)
 
 
 def _parse_cost(text: str) -> tuple[float, ...]:
@@ -132,7 +118,7 @@ def play(placement: Placement, micro_pipe, times: OpTimes, cap: float, variant: 
     """
     _check(placement, cap, (variant,))
     dag = build_dag(placement, micro_pipe, times)
-    game = _play_dag(dag, placement, times.hop, cap, variant)
+    game = _play_dag(dag, placement, first_hop(times), cap, variant)
     return _programs(dag, game.order), game.makespan
 
 
@@ -189,12 +175,10 @@ def chimera_zb(stages: int, micro_batches: int, pipes: int = 2, cost: str | None
     _check(placement, limit, variants)
     dag = build_dag(placement, micro_pipe, times)  # the same work for every variant
     ranked: dict = {}
-    plays = [(_play_dag(dag, placement, times.hop, limit, v, ranked), v) for v in variants]
+    plays = [(_play_dag(dag, placement, first_hop(times), limit, v, ranked), v) for v in variants]
     game, chosen = min(plays, key=lambda x: x[0].makespan)
     programs, span = _programs(dag, game.order), game.makespan
     if exact > 0:
-        from chimera.schedules.exact import refine
-
         refined, refined_span, _ = refine(placement, micro_pipe, times, limit, programs, exact)
         if refined_span < span:
             programs, chosen = refined, f"{chosen}+cpsat"

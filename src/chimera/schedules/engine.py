@@ -15,7 +15,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from chimera.ir import Action, Op, Placement, ScheduleError
+from chimera.ir import Action, Op, OpTimes, Placement, ScheduleError
 
 
 @dataclass
@@ -51,55 +51,43 @@ class Tasks:
         return [Action(op, pipe, stage, m) for m in self.micros[t]]
 
 
-@dataclass(frozen=True)
-class Costs:
-    """Shaping costs per op for one full-size micro-batch on one stage."""
-
-    f: float = 1.0
-    b: float = 1.0
-    i: float = 0.5
-    w: float = 0.5
-
-    def of(self, op: Op) -> float:
-        return {Op.F: self.f, Op.B: self.b, Op.I: self.i, Op.W: self.w}[op]
-
-
 Priority = Callable[[Tasks], list]  # every task's priority key (least first)
 
 
 def build_tasks(
     placement: Placement,
     micro_pipe: Sequence[int],
-    costs: Costs,
+    times: OpTimes,
     split: bool = False,
     forward_groups: Sequence[Sequence[int]] | None = None,
     scale: float = 1.0,
 ) -> Tasks:
-    """Tasks for every (pipe, stage, micro): F down the stages, then B (or I, W) back up.
+    """Tasks for every (pipe, stage, micro): F down the stages, then B (or I, W) back up,
+    each lasting its ``times`` (of one full-size micro-batch) times ``scale``.
 
     ``forward_groups`` lists micro-batches whose forwards share one slot (forward doubling);
     a group's micro-batches must belong to the same pipe.
     """
     groups = [tuple(g) for g in forward_groups] if forward_groups else [(m,) for m in range(len(micro_pipe))]
     tasks, table = Tasks(), placement.table
-    cost = {op: costs.of(op) * scale for op in (Op.F, Op.B, Op.I, Op.W)}
     stages = placement.stages
+    cost = {op: [times.of(op, s) * scale for s in range(stages)] for op in (Op.F, Op.B, Op.I, Op.W)}
     for group in groups:
         pipe = micro_pipe[group[0]]
         if any(micro_pipe[m] != pipe for m in group):
             raise ScheduleError(f"forward group {group} mixes pipes")
         row, prev, fwd = table[pipe], [], []
         for s in range(stages):
-            prev = [tasks.add(row[s], Op.F, pipe, s, group, cost[Op.F] * len(group), prev)]
+            prev = [tasks.add(row[s], Op.F, pipe, s, group, cost[Op.F][s] * len(group), prev)]
             fwd.append(prev[0])
         for m in group:
             prev = [fwd[-1]]
             for s in reversed(range(stages)):
                 if split:
-                    prev = [tasks.add(row[s], Op.I, pipe, s, (m,), cost[Op.I], prev + [fwd[s]])]
-                    tasks.add(row[s], Op.W, pipe, s, (m,), cost[Op.W], prev)
+                    prev = [tasks.add(row[s], Op.I, pipe, s, (m,), cost[Op.I][s], prev + [fwd[s]])]
+                    tasks.add(row[s], Op.W, pipe, s, (m,), cost[Op.W][s], prev)
                 else:
-                    prev = [tasks.add(row[s], Op.B, pipe, s, (m,), cost[Op.B], prev + [fwd[s]])]
+                    prev = [tasks.add(row[s], Op.B, pipe, s, (m,), cost[Op.B][s], prev + [fwd[s]])]
     return tasks
 
 

@@ -11,15 +11,14 @@ solver gets a time limit and returns the best order it found (never worse than t
 
 from __future__ import annotations
 
-from chimera.ir import Action, Op, Placement, ScheduleError
-from chimera.schedules.chimera_zb import OpTimes
-from chimera.schedules.list_play import Dag, build_dag
+from chimera.ir import Action, Op, OpTimes, Placement, ScheduleError
+from chimera.schedules.list_play import Dag, build_dag, first_hop
 
 _SCALE = 1000  # time resolution of the integer model: 1/1000 of a unit
 
 
 def available() -> bool:
-    try:
+    try:  # OR-Tools is an optional extra (chimera-pipeline[exact]): imported where it is used
         import ortools.sat.python.cp_model  # noqa: F401
     except ImportError:
         return False
@@ -29,7 +28,7 @@ def available() -> bool:
 def refine(placement: Placement, micro_pipe, times: OpTimes, cap: float, hint: list[list[Action]],
            seconds: float = 10.0, workers: int = 8) -> tuple[list[list[Action]], float, bool]:
     """Per-rank programs, their makespan (in the cost's units), and whether it is proven optimal."""
-    try:
+    try:  # the optional extra, as in available()
         from ortools.sat.python import cp_model
     except ImportError:
         raise ScheduleError("exact refinement needs OR-Tools: "
@@ -37,7 +36,7 @@ def refine(placement: Placement, micro_pipe, times: OpTimes, cap: float, hint: l
     dag = build_dag(placement, micro_pipe, times)
     model = cp_model.CpModel()
     dur = [max(1, round(d * _SCALE)) for d in dag.dur]
-    hop = round(times.hop * _SCALE)
+    hop = round(first_hop(times) * _SCALE)
     horizon = sum(dur) + hop * len(dag)
     start = [model.NewIntVar(0, horizon, f"s{t}") for t in range(len(dag))]
     end = [model.NewIntVar(0, horizon, f"e{t}") for t in range(len(dag))]

@@ -25,12 +25,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from chimera.ir import Op, Placement, ScheduleError
-
-if TYPE_CHECKING:
-    from chimera.schedules.chimera_zb import OpTimes
+from chimera.ir import Op, OpTimes, Placement, ScheduleError
 
 EPS = 1e-9
 Rule = Callable[["Dag", bool], list]  # (dag, blocked) -> each task's priority key
@@ -92,6 +89,11 @@ class Layout:
 def priorities(rule: Rule, dag: Dag) -> tuple[list, list]:
     """Each task's priority key under ``rule`` while no forward is blocked, and while one is."""
     return rule(dag, False), rule(dag, True)
+
+
+def first_hop(times: OpTimes) -> float:
+    """The one hop time the play charges for every message: stage 0's (a uniform link)."""
+    return times.hop[0] if times.hop else 0.0
 
 
 def build_dag(placement: Placement, micro_pipe, times: OpTimes) -> Dag:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from chimera.ir import Op, ScheduleError
+from chimera.ir import Op, OpTimes, ScheduleError
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,13 @@ class CostModel:
         # one entry = unit time for a D-th of the model; S > D stages are proportionally smaller
         size = ranks / stages if len(table) == 1 else 1.0
         return self._at(table, stage, stages) * size * scale
+
+    def op_times(self, stages: int, ranks: int, scale: float = 1.0) -> OpTimes:
+        """This model priced for a placement of ``stages`` stages on ``ranks`` ranks."""
+        def per(op: Op) -> tuple[float, ...]:
+            return tuple(self.compute(op, s, stages, ranks, scale) for s in range(stages))
+        return OpTimes(per(Op.F), per(Op.B), per(Op.I), per(Op.W),
+                       tuple(self.hop(s, stages, scale) for s in range(stages)))
 
     def hop(self, stage: int, stages: int, scale: float = 1.0) -> float:
         nbytes = self._at(self.act_bytes, stage, stages) * scale

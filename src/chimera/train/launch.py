@@ -6,11 +6,9 @@ figures, and hands them back to the launching process through a JSON file (no pi
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -22,6 +20,7 @@ from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.grid import end_group
 from chimera.runtime.p2p import CommTimeout
+from chimera.runtime.workers import free_port
 from chimera.train import checkpoint, faults
 from chimera.train import lease as leases
 from chimera.train.config import TrainConfig
@@ -39,12 +38,6 @@ FAILURES = (CommTimeout, NonFiniteLoss, checkpoint.NonFiniteCheckpoint, checkpoi
 
 # after one rank fails, how long the others get to say where they were before being stopped
 FAILURE_GRACE_S = 10.0
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pick_device(cfg: TrainConfig) -> tuple[torch.device, str]:

@@ -27,6 +27,7 @@ _DPI = 110
 def save_gantt_png(timeline: Timeline, path, title: str | None = None,
                    comm: bool = False) -> Path:
     """Draw the timeline and write it as a PNG at ``path``; returns the path."""
+    # matplotlib (the optional extra [plot]) is imported here and below, when a chart is drawn
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # no global backend switch
     from matplotlib.figure import Figure
 
@@ -72,7 +73,8 @@ def _plural(unit: str) -> str:
 
 
 def _lighten(color: str, amount: float) -> tuple[float, float, float]:
-    from matplotlib.colors import to_rgb
+    from matplotlib.colors import to_rgb  # optional extra: see save_gantt_png
+
     return tuple(c + (1.0 - c) * amount for c in to_rgb(color))
 
 
@@ -154,6 +156,7 @@ def _pipe_name(timeline: Timeline, pipe: int) -> str:
 
 
 def _legend(ax, timeline: Timeline, comm: bool, fig) -> None:
+    # optional extra: see save_gantt_png
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 

@@ -1,118 +1,32 @@
-"""Cost models from measurements (no torch): a cost profile, or the trace of a real run.
+"""Trace replay (no torch): the step a real run recorded, simulated with the costs measured in it.
 
-- :func:`cost_from_profile`: a ``chimera.profile/1`` file (``chimera profile``; the schema
-  ``chimera plan`` reads) priced for one schedule: the model cut as the runtime cuts it,
-  per-stage sums of the layers' F, B (and I/W) times, boundary and gradient bytes, and the
-  measured alpha-beta links.
-- :func:`replay`: a trace of a real step (``chimera train --trace``) replayed through the
-  simulator with the costs measured in it: per (op, stage) median compute times, the p2p
-  latency of the receives that waited, the allreduce time the STEP waited for. With
-  ``clock="cpu"`` compute is priced by thread CPU time instead of wall time: what the step
-  would take with one dedicated core (device) per rank when the run shared fewer cores.
+:func:`replay` reads a trace of a real step (``chimera train --trace``; ``chimera simulate
+--from-trace``) and prices its schedule with per (op, stage) median compute times, the p2p
+latency of the receives that waited and the allreduce time the STEP waited for (or, given a
+profile, the profile's links). With ``clock="cpu"`` compute is priced by thread CPU time
+instead of wall time: what the step would take with one dedicated core (device) per rank when
+the run shared fewer cores.
 
 Every cost a replay uses is named in :attr:`Replay.sources`, so a prediction can be checked.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field, replace
 
-from chimera.ir import COMPUTE_OPS, Op, Schedule, ScheduleError
-from chimera.sim import CostModel, Link, Timeline, simulate
-from chimera.sim.timeline import Event
-from chimera.viz.trace import strict_json
+from chimera.ir import COMPUTE_OPS, Op, OpTimes, Schedule, ScheduleError
+from chimera.sim.cost import CostModel
+from chimera.sim.engine import simulate
+from chimera.sim.profile import Profile, cost_from_profile, nonnegative_number
+from chimera.sim.timeline import Event, Timeline
+from chimera.viz.trace import load_trace
 
-PROFILE_SCHEMA = "chimera.profile/1"
 CLOCKS = ("wall", "cpu")
 _WAITED_S = 50e-6  # a receive whose wall time exceeds its CPU time by this much waited
 
 
-# -- profiles -------------------------------------------------------------------------------
-def load_profile(path: str) -> dict:
-    """Read and check a profile JSON file (exits the CLI with one line when it is not one)."""
-    try:
-        with open(path) as f:
-            data = strict_json(f.read())
-    except OSError as exc:
-        raise ScheduleError(f"cannot read profile {path!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ScheduleError(f"profile {path!r} is not JSON: {exc.msg} at line {exc.lineno}") from None
-    except ValueError as exc:
-        raise ScheduleError(f"profile {path!r}: {exc}") from None
-    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
-        raise ScheduleError(f"{path}: not a profile (expected \"schema\": \"{PROFILE_SCHEMA}\")")
-    layers = data.get("layers")
-    if not isinstance(layers, list) or not layers or not all(
-            isinstance(x, dict) and _num(x.get("forward_s")) and _num(x.get("backward_s")) for x in layers):
-        raise ScheduleError(f"{path}: profile layers must be objects with forward_s and backward_s "
-                            "(finite numbers >= 0)")
-    for i, layer in enumerate(layers):
-        bad = next((k for k in _LAYER_NUMBERS if k in layer and not _num(layer[k])), None)
-        if bad:
-            raise ScheduleError(f"{path}: layers[{i}].{bad} must be a finite number >= 0, got {layer[bad]!r}")
-    for key in ("p2p", "allreduce"):
-        part = data.get(key)
-        if not isinstance(part, dict) or not _num(part.get("alpha_s")) or not _num(part.get("beta_bytes_per_s")) \
-                or part["beta_bytes_per_s"] <= 0:
-            got = {k: part.get(k) for k in ("alpha_s", "beta_bytes_per_s")} if isinstance(part, dict) else part
-            raise ScheduleError(f"{path}: profile needs {key}.alpha_s >= 0 and {key}.beta_bytes_per_s > 0 "
-                                f"(finite numbers), got {got!r}")
-    return data
-
-
-# per-layer fields that, when present, are priced: a null or a string there cannot be
-_LAYER_NUMBERS = ("input_backward_s", "weight_backward_s", "activation_bytes", "output_bytes",
-                  "param_bytes")
-
-
-def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-
-
-def profile_link(profile: dict, key: str) -> Link:
-    part = profile[key]
-    return Link(float(part["alpha_s"]), float(part["beta_bytes_per_s"]))
-
-
-def stage_cut(profile: dict, stages: int, model: str | None = None) -> list[range]:
-    """The layers of each stage: the runtime's default cut of the profiled model (balanced by
-    FLOPs), or, for a model this package does not know, balanced by the measured times."""
-    from chimera.modelcfg import PRESETS, layer_costs, partition
-
-    layers = profile["layers"]
-    cfg = PRESETS.get(model or profile.get("model", ""))
-    if cfg is not None and cfg.n_layers_total == len(layers):
-        costs = layer_costs(cfg)
-    else:
-        costs = [x["forward_s"] + x["backward_s"] for x in layers]
-    if stages > len(layers):
-        raise ScheduleError(f"cannot cut the profile's {len(layers)} layers into {stages} stages")
-    return partition(costs, stages)
-
-
-def cost_from_profile(profile: dict, schedule: Schedule, data_parallel: int = 1,
-                      overlap: bool = True) -> CostModel:
-    """The profile priced for ``schedule`` (times per micro-batch of ``profile["micro_batch"]``)."""
-    layers, ranges = profile["layers"], stage_cut(profile, schedule.stages)
-
-    def per_stage(key: str) -> tuple[float, ...]:
-        return tuple(sum(float(layers[i].get(key, 0.0)) for i in r) for r in ranges)
-
-    split = all("input_backward_s" in x and "weight_backward_s" in x for x in layers)
-    return CostModel(
-        f=per_stage("forward_s"), b=per_stage("backward_s"),
-        i=per_stage("input_backward_s") if split else (),
-        w=per_stage("weight_backward_s") if split else (),
-        p2p=profile_link(profile, "p2p"), allreduce=profile_link(profile, "allreduce"),
-        act_bytes=tuple(float(layers[r.stop - 1].get("output_bytes", 0.0)) for r in ranges),
-        weight_bytes=per_stage("param_bytes"), overlap_allreduce=overlap,
-        data_parallel=data_parallel)
-
-
-# -- trace replay ---------------------------------------------------------------------------
 @dataclass
 class Replay:
     schedule: Schedule
@@ -147,10 +61,8 @@ class Replay:
                          "allreduce_s": c.allreduce_time}, "sources": self.sources}
 
 
-def replay(path: str, clock: str = "wall", profile: dict | None = None) -> Replay:
+def replay(path: str, clock: str = "wall", profile: Profile | None = None) -> Replay:
     """Replay the step recorded in trace ``path`` with the costs measured in it."""
-    from chimera.viz.trace import load_trace
-
     if clock not in CLOCKS:
         raise ScheduleError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     try:
@@ -161,7 +73,7 @@ def replay(path: str, clock: str = "wall", profile: dict | None = None) -> Repla
         raise ScheduleError(f"{path}: the trace does not carry its schedule; record it again "
                             "(chimera train --trace FILE)")
     step_s = other.get("step_s")
-    if step_s is not None and not _num(step_s):
+    if step_s is not None and not nonnegative_number(step_s):
         raise ScheduleError(f"{path}: otherData.step_s must be a finite number >= 0, got {step_s!r}")
     if not events or not all(math.isfinite(e.start) and math.isfinite(e.end) for e in events):
         raise ScheduleError(f"{path}: the trace's events must have finite times")
@@ -171,10 +83,11 @@ def replay(path: str, clock: str = "wall", profile: dict | None = None) -> Repla
 
 
 def cost_from_trace(schedule: Schedule, events: list[Event], other: dict, clock: str = "wall",
-                    profile: dict | None = None) -> tuple[CostModel, dict]:
+                    profile: Profile | None = None) -> tuple[CostModel, dict]:
     """The cost model measured in a trace, and where each of its numbers came from."""
     per_rank = _programs(schedule, events)
-    times = _compute_costs(schedule, per_rank, clock)
+    t = _compute_costs(schedule, per_rank, clock)
+    times = {"f": t.f, "b": t.b, "i": t.i, "w": t.w}
     sources = {"compute": f"median per (op, stage) of {clock} time, with the receives', sends', "
                           f"syncs' {'CPU' if clock == 'cpu' else 'wall'} time folded in"}
     aligned = other.get("aligned", True)
@@ -199,7 +112,7 @@ def _programs(schedule: Schedule, events: list[Event]) -> list[list[Event]]:
     return out
 
 
-def _compute_costs(schedule: Schedule, per_rank: list[list[Event]], clock: str) -> dict:
+def _compute_costs(schedule: Schedule, per_rank: list[list[Event]], clock: str) -> OpTimes:
     """f/b/i/w per stage: medians of each compute action's time plus what is folded into it."""
     samples: dict[tuple[Op, int], list[float]] = {}
     for prog in per_rank:
@@ -212,7 +125,7 @@ def _compute_costs(schedule: Schedule, per_rank: list[list[Event]], clock: str) 
         table[Op.B] = tuple(x + y for x, y in zip(table[Op.I], table[Op.W]))
     if not {Op.I, Op.W} <= present:
         table[Op.I] = table[Op.W] = tuple(x / 2 for x in table[Op.B])
-    return {"f": table[Op.F], "b": table[Op.B], "i": table[Op.I], "w": table[Op.W]}
+    return OpTimes(table[Op.F], table[Op.B], table[Op.I], table[Op.W])
 
 
 def _own(e: Event, clock: str) -> float:
