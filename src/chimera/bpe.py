@@ -25,7 +25,7 @@ import numpy as np
 
 from chimera import data_text
 from chimera.data import BYTE_VOCAB, VAL_FRACTION, split_corpus_bytes
-from chimera.data_formats import MAX_VOCAB, META, META_FORMAT, DataSpec, describe, detect
+from chimera.data_formats import MAX_VOCAB, META, META_FORMAT, DataSpec, data_size, describe, detect
 from chimera.data_tokens import id_dtype
 
 FILES = {"train": "train.bin", "val": "val.bin"}
@@ -35,7 +35,7 @@ COPY_CHUNK = 2**24              # ids copied at once when val.bin is cut off
 def train_bpe(pieces, vocab_size: int, progress: bool = False):
     """A byte-level BPE ``tokenizers.Tokenizer`` of at most ``vocab_size`` ids (fewer when
     the text runs out of pairs to merge). Deterministic for the same text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # optional extra (hf): tokenizers
 
     if not isinstance(vocab_size, int) or not BYTE_VOCAB < vocab_size <= MAX_VOCAB:
         raise ValueError(f"--vocab-size must be more than {BYTE_VOCAB} (the byte alphabet) and "
@@ -95,7 +95,7 @@ def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress:
     train, n = tmp / FILES["train"], 0
     with open(train, "wb") as f:  # every id goes to train.bin first; the tail moves to val.bin
         for ids in data_text.encode_chunks(tokenizer, data_text.text_pieces(spec, fmt), vocab,
-                                           progress, data_text.source_bytes(spec, fmt)):
+                                           progress, None if fmt == "stdlib" else data_size(spec)):
             ids.tofile(f)
             n += len(ids)
     if n < 2:

@@ -18,7 +18,7 @@ def is_datasets_folder(p: Path) -> bool:
 
 def _table(folder: Path):
     try:
-        import pyarrow as pa
+        import pyarrow as pa  # optional extra (hf): pyarrow, with datasets
     except ImportError:
         raise ValueError(f"--data {folder} is a datasets folder: reading it needs pyarrow "
                          "(pip install 'chimera-pipeline[hf]')") from None
@@ -54,7 +54,7 @@ def pick_column(spec) -> str:
 
 def token_ids(spec, column: str, vocab: int) -> np.ndarray:
     """The ids of an ``input_ids`` column (lists of integers), rows concatenated, checked."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional extra (hf)
     import pyarrow.compute as pc
 
     col = _table(Path(spec.path)).column(column)
@@ -75,7 +75,7 @@ def token_ids(spec, column: str, vocab: int) -> np.ndarray:
 
 def text_rows(spec, column: str):
     """The rows of a datasets folder's text column (for ``data_text``)."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional extra (hf)
 
     col = _table(Path(spec.path)).column(column)
     if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):

@@ -266,7 +266,7 @@ def _text(spec: DataSpec, info: DataInfo, progress: bool) -> Corpus:
         return Corpus.of_bytes(data, where)
     tokenizer = data_text.load_tokenizer(spec.tokenizer)
     ids = data_text.encode_all(tokenizer, pieces, info.vocab_size, progress,
-                               data_text.source_bytes(spec, info.format))
+                               None if info.format == "stdlib" else data_size(spec))
     if len(ids) == 0:
         raise ValueError(f"{where} holds no text")
     return Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=spec.tokenizer)

@@ -36,7 +36,7 @@ def folder_files(p: Path) -> list[Path]:
 def load_tokenizer(path: str):
     """A ``tokenizers.Tokenizer`` from a ``tokenizer.json``; one-line ``ValueError``s."""
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # optional extra (hf): tokenizers
     except ImportError:
         raise ValueError("--tokenizer needs the tokenizers package "
                          "(pip install 'chimera-pipeline[hf]')") from None
@@ -127,15 +127,6 @@ def _jsonl(p: Path, field: str) -> Iterator[str]:
             yield record[field]
 
 
-def source_bytes(spec, fmt: str) -> int | None:
-    """About how many bytes of text a source holds (the total of a progress bar)."""
-    if fmt == "stdlib":
-        return None
-    from chimera.data_formats import data_size
-
-    return data_size(spec)
-
-
 # ---------------------------------------------------------------------------------------
 # Bytes or ids
 
@@ -157,7 +148,7 @@ def encode_chunks(tokenizer, pieces: Iterable[str], vocab: int, progress: bool =
     """The ids of the pieces, a batch of pieces at a time (no special tokens added)."""
     bar = None
     if progress and (total is None or total >= BAR_BYTES):
-        from tqdm import tqdm
+        from tqdm import tqdm  # only when a bar is drawn
 
         bar = tqdm(total=total, desc="tokenizing", unit="B", unit_scale=True, file=sys.stderr)
     batch, size = [], 0

@@ -111,6 +111,6 @@ def check_ids(ids, vocab: int, where: str, progress: bool = False) -> None:
 def _bar(total: int, desc: str, show: bool):
     if not show:
         return None
-    from tqdm import tqdm
+    from tqdm import tqdm  # only when a bar is drawn
 
     return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, file=sys.stderr)

@@ -30,7 +30,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from chimera.train.export import export
+    from chimera.train.export import export  # start-up time: torch and transformers load when the command runs
 
     check_output(args.out, "--out", directory=True)
     done = export(args.checkpoint, args.out)

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from chimera.api import Pipeline
+from chimera.byo import build_layers
 from chimera.hf import layers as L
 from chimera.hf.weights import (Checkpoint, cast_parameters, clear_init_flags, load_layer, save_folder,
                                 tie_within)
@@ -135,7 +137,6 @@ class HFModel:
 
     def layers(self) -> list[nn.Module]:
         """Every layer, in one process (a reference, a check); ties as in the pipeline."""
-        from chimera.byo import build_layers
 
         out = build_layers(self.make_layer, self.num_layers)
         for first, second in self.ties:
@@ -154,7 +155,6 @@ class HFModel:
     def pipeline(self, **kwargs):
         """``chimera.api.Pipeline`` of this model: ``pipeline(schedule="chimera", stages=4,
         micro_batches=8, micro_batch_size=2)``. Every rank calls it."""
-        from chimera.api import Pipeline
 
         return Pipeline(**self.pipeline_kwargs(), **kwargs)
 
@@ -191,7 +191,7 @@ class HFModel:
 
 def _on_meta(arch: str, config) -> nn.Module:
     """The whole HF model on the meta device: names, ties, init functions; no memory."""
-    import transformers
+    import transformers  # start-up time: transformers loads its model classes lazily too
 
     with torch.device("meta"):
         return getattr(transformers, arch)(config)
@@ -211,7 +211,7 @@ def load(source, *, dtype: torch.dtype | None = None, attn_implementation: str |
     tokens (``targets[:, t]`` follows ``inputs[:, t]``, as ``chimera train``'s batches), not
     HF's labels (the input ids, shifted inside the loss). Local files only: nothing is downloaded.
     """
-    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel  # start-up time (see _on_meta)
 
     model, checkpoint = None, None
     if isinstance(source, PreTrainedModel):
@@ -251,7 +251,7 @@ def _read_folder(path: Path):
     if model_type not in {t for t, _, _ in ARCHS.values()}:
         raise ValueError(f"{file}: model_type {model_type!r} is not supported (chimera.hf supports "
                          f"{SUPPORTED})")
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # start-up time (see _on_meta)
 
     config = AutoConfig.for_model(**raw)
     folder = path if path.is_dir() else None

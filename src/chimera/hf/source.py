@@ -24,7 +24,7 @@ import torch
 from chimera.byo import layer_seed, merge_ties, seeded
 from chimera.data import model_vocab
 from chimera.hf.model import HFModel, check_config, load
-from chimera.train.sources import HF_PREFIX, HF_PRESETS, ModelSource
+from chimera.train.source_base import HF_PREFIX, HF_PRESETS, ModelSource
 
 # HF initializes with torch's global RNG, and patches torch.nn.init while it does: one layer
 # at a time per process (virtual ranks are threads of one process)
@@ -42,7 +42,7 @@ def context_of(config) -> int | None:
 
 
 def preset_config(name: str, vocab_size: int):
-    import transformers
+    import transformers  # start-up time: transformers loads its model classes lazily too
 
     arch, fields, _ = HF_PRESETS[name]
     config_class = getattr(transformers, arch).config_class
@@ -97,7 +97,7 @@ class HFSource(ModelSource):
     @classmethod
     def from_fingerprint(cls, name: str, fingerprint: dict, dtype: torch.dtype) -> "HFSource":
         """The source of a checkpoint's ``meta.json`` (its weights come from the checkpoint)."""
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # start-up time (see preset_config)
 
         try:
             arch = fingerprint["architecture"]

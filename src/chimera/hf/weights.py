@@ -115,7 +115,7 @@ def load_layer(layer: nn.Module, index: int, names: dict[str, list[str]], ckpt: 
     """Give a meta ``layer`` memory and values: each tensor from the first of its candidate
     keys in ``ckpt`` (``names``: local name -> HF keys, best first), the rest from
     ``hf_init`` (HF's ``_initialize_weights``, children before parents as in HF)."""
-    from transformers import initialization
+    from transformers import initialization  # start-up time: transformers loads its model classes lazily too
 
     tensors = _tensors(layer)
     _poison(tensors)

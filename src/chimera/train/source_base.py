@@ -1,0 +1,86 @@
+"""The model-source interface (:class:`ModelSource`) and the Hugging Face names, apart from
+:mod:`chimera.train.sources` so that ``chimera.hf.source`` (an optional extra, imported
+lazily by ``open_source``) can implement it without an import cycle."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from chimera.byo import retie
+from chimera.data import IGNORE_INDEX
+from chimera.runtime.boundary import Stage
+from chimera.runtime.shared import Tie
+
+HF_PREFIX = "hf:"
+# name -> (architecture, config fields over HF's defaults, training sequence length); the
+# vocabulary is the data's (as chimera's presets), special token ids are the tokenizer's
+HF_PRESETS = {
+    "hf-llama-tiny": ("LlamaForCausalLM",  # RoPE, GQA (4 query heads, 2 key/value), untied
+                      dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256), 64),
+    "hf-gpt2-small": ("GPT2LMHeadModel", {}, 1024),  # GPT2Config(): 12 x 768, tied, 124M at 50257
+}
+
+
+class ModelSource:
+    """What ``Trainer`` builds and scores; subclasses set the fields and the methods."""
+
+    name: str          # what --model said
+    kind: str          # "gpt2": targets are the next tokens; "bert": masked tokens
+    seq_len: int       # tokens per sequence
+    vocab_size: int    # the ids batches hold (BERT: with the mask id, the last)
+    num_layers: int
+    sums: bool = False  # loss_fn sums over target tokens (divided by their count), else a mean
+    ties: tuple[tuple[str, ...], ...] = ()  # names of one weight in several layers, first: its name
+
+    def layer_costs(self) -> list[float]:
+        raise NotImplementedError
+
+    def build_layer(self, index: int, seed: int) -> nn.Module:
+        raise NotImplementedError
+
+    def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def global_name(self, name: str) -> str:
+        """``"3.attn.qkv.weight"`` -> the name the model itself gives it."""
+        raise NotImplementedError
+
+    def fingerprint(self) -> dict:
+        """The whole config, JSON: ``meta.json``'s ``model_config``."""
+        raise NotImplementedError
+
+    # -- shared -------------------------------------------------------------------------
+    def key(self, name: str) -> str:
+        """The checkpoint key of a parameter: every copy of a tie under its first name, so a
+        checkpoint holds it once and any layout reads it back."""
+        return self.global_name(self._tie_first.get(name, name))
+
+    @property
+    def _tie_first(self) -> dict[str, str]:
+        return {n: names[0] for names in self.ties for n in names[1:]}
+
+    def token_count(self, targets: torch.Tensor) -> int:
+        """Target tokens a summed loss covers (``sums``)."""
+        return int((targets != IGNORE_INDEX).sum())
+
+    def tie_stages(self, ranges: Sequence[range]) -> list[Tie]:
+        """The ties with the stage of each name (``ranges``: the layers of each stage)."""
+        stage_of = {i: k for k, r in enumerate(ranges) for i in r}
+        return [Tie(names, tuple(stage_of[int(n.split(".", 1)[0])] for n in names))
+                for names in self.ties]
+
+    def stage(self, indices: range, seed: int, ties: Sequence[Tie] = ()) -> Stage:
+        """The layers ``indices``, named by model-wide index; a tie inside is one Parameter."""
+        stage = Stage({i: self.build_layer(i, seed) for i in indices})
+        retie(stage, list(ties))
+        return stage
+
+    def whole(self, seed: int) -> Stage:
+        """Every layer in one process (the reference, generate): ties are one Parameter."""
+        everything = range(self.num_layers)
+        return self.stage(everything, seed, self.tie_stages([everything]))
