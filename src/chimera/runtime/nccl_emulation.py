@@ -292,12 +292,12 @@ class NcclEmulation(Transport):
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group) -> EmulatedWork:
         """gloo's async reduce-scatter (sum), gated as :meth:`all_reduce`."""
-        return self._collective("reduce-scatter", group, lambda: dist.reduce_scatter_tensor(
+        return self._collective("reduce-scatter", group, lambda: dist.reduce_scatter_single(
             output, input, group=group, async_op=True))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group) -> EmulatedWork:
         """gloo's async all-gather into one tensor, gated as :meth:`all_reduce`."""
-        return self._collective("all-gather", group, lambda: dist.all_gather_into_tensor(
+        return self._collective("all-gather", group, lambda: dist.all_gather_single(
             output, input, group=group, async_op=True))
 
     def _collective(self, kind: str, group, issue) -> EmulatedWork:

@@ -92,7 +92,7 @@ class StageShard:
         NCCL emulation's collective stream when ``collectives`` is given)."""
         if collectives is not None:
             return collectives.reduce_scatter(self.grad, flat_grad, self.group)
-        return dist.reduce_scatter_tensor(self.grad, flat_grad, group=self.group, async_op=True)
+        return dist.reduce_scatter_single(self.grad, flat_grad, group=self.group, async_op=True)
 
     def all_gather_async(self, collectives=None):
         """Async: every member's updated slice into every member's parameters. Returns the
@@ -101,13 +101,13 @@ class StageShard:
         if collectives is not None:
             work = collectives.all_gather(self.flat, source, self.group)
         else:
-            work = dist.all_gather_into_tensor(self.flat, source, group=self.group, async_op=True)
+            work = dist.all_gather_single(self.flat, source, group=self.group, async_op=True)
         return work, source
 
     def all_gather(self, flat: torch.Tensor | None = None) -> torch.Tensor:
         """Every member's slice of ``flat`` (default: the parameters) into every member's."""
         flat = self.flat if flat is None else flat
-        dist.all_gather_into_tensor(flat, flat[self.lo:self.hi].clone(), group=self.group)
+        dist.all_gather_single(flat, flat[self.lo:self.hi].clone(), group=self.group)
         return flat
 
     def gather_state(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, dict]:

@@ -145,7 +145,7 @@ class VirtualWorld:
         work = self._collective(group, tensor, finish)
         return work if async_op else work.wait()
 
-    def reduce_scatter_tensor(self, output, input, op=None, group=None, async_op: bool = False):
+    def reduce_scatter_single(self, output, input, op=None, group=None, async_op: bool = False):
         def finish(entries):
             total = sum(i.detach().clone() for _, (_, i), _ in entries)
             for k, (_, (o, _), _) in enumerate(entries):
@@ -153,13 +153,16 @@ class VirtualWorld:
         work = self._collective(group, (output, input), finish)
         return work if async_op else work.wait()
 
-    def all_gather_into_tensor(self, output, input, group=None, async_op: bool = False):
+    def all_gather_single(self, output, input, group=None, async_op: bool = False):
         def finish(entries):
             whole = torch.cat([i.detach().reshape(-1) for _, (_, i), _ in entries])
             for _, (o, _), _ in entries:
                 o.copy_(whole)
         work = self._collective(group, (output, input), finish)
         return work if async_op else work.wait()
+
+    reduce_scatter_tensor = reduce_scatter_single  # the names before torch 2.13
+    all_gather_into_tensor = all_gather_single
 
     def broadcast(self, tensor, src: int, group=None, async_op: bool = False):
         def finish(entries):
