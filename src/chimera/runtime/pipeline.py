@@ -147,7 +147,8 @@ class PipelineRuntime:
         self.timeout = None if dist.get_backend() == "nccl" else comm_timeout
         # Buckets reduced inside the last backward pay off where the allreduce runs beside the
         # compute (NCCL); with gloo on CPU cores the reduction competes with the compute for the
-        # same cores and measured no faster than one allreduce per replica at SYNC (benchmarks/RESULTS.md, "Making the runtime fast").
+        # same cores and measured no faster than one allreduce per replica at SYNC
+        # (benchmarks/RESULTS.md, "Making the runtime fast").
         buckets = BUCKET_BYTES if self.device.type == "cuda" else 0
         self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout, buckets,
                              collectives_from_env(grid.rank), self.shards)

@@ -32,8 +32,8 @@ F0F1 | f4f5 F2F3 | f6f7 b4 | B0 b5, B1 b6, B2 b7 | B3. With N=16 the second unit
 fill the first one's tail: 51 units for 48 of work, against 27 for 24 with one unit.
 
 Within a unit this order puts a backward right after the one it waits for on the neighbour,
-so it exposes a p2p latency more than a greedy merge does (benchmarks/RESULTS.md, doubling order); across units it
-wins far more than that back.
+so it exposes a p2p latency more than a greedy merge does (benchmarks/RESULTS.md, doubling
+order); across units it wins far more than that back.
 
 A partial last unit (N not a multiple of the unit) runs as a full one with the missing
 micro-batches left out: every rank's order stays a sub-order of a valid full one, so it is
