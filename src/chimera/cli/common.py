@@ -48,24 +48,22 @@ def check_output(path: str | None, flag: str, directory: bool = False) -> None:
         raise UsageError(f"{flag} {path}: {existing} is not writable")
 
 
-def positive_int(text: str) -> int:
+def _whole(text: str, low: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _whole(text, 1, "a positive integer")
 
 
 def nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _whole(text, 0, "an integer >= 0")
 
 
 def nonneg_float(text: str) -> float:
