@@ -11,6 +11,7 @@ import time
 import torch
 
 from chimera.bench.rows import BenchConfig, Row
+from chimera.schedules import get_scheme
 
 
 def result_rows(cfg: BenchConfig, rows: list[Row], raw: dict) -> list[dict]:
@@ -96,8 +97,7 @@ def _name(r: dict) -> str:
         return f"single, {r['threads']} thread{'s' if r['threads'] > 1 else ''}" + \
             (f", {acc} micro-batches accumulated" if acc else "")
     opts = r["options"]
-    extra = [f"v={opts['chunks']}"] if "chunks" in opts else []
-    extra += [opts["strategy"]] if "strategy" in opts else []
+    extra = get_scheme(r["schedule"]).labels(opts) if r["impl"] == "chimera" else []
     extra += ["sharded optimizer"] if opts.get("shard") else []
     return r["schedule"] + (f" ({', '.join(extra)})" if extra else "")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chimera.ir import ScheduleError
-from chimera.schedules import schemes
+from chimera.schedules import get_scheme, schemes
 
 # Ours, in the order the table shows them; any other runnable scheme is appended unless it is
 # in SKIPPED_SCHEMES (GEMS idles 75% of the time by design: it would only slow the run down).
@@ -37,7 +37,8 @@ class Row:
     @property
     def id(self) -> str:
         """``impl:schedule`` plus options, e.g. ``single:none:threads=2``, ``chimera:interleaved``."""
-        opts = "".join(f":{k}={v}" for k, v in self.options if k != "chunks")
+        ours = get_scheme(self.schedule) if self.impl == "chimera" else None
+        opts = "".join(f":{k}={v}" for k, v in self.options if not (ours and ours.is_default(k, v)))
         return f"{self.impl}:{self.schedule}{opts}"
 
     @property
@@ -109,13 +110,21 @@ def all_rows(cfg: BenchConfig) -> list[Row]:
             # the (cache) cost or benefit of computing the whole mini-batch at once
             Row("single", "none", (("threads", 1), ("micro_batches", cfg.micro_batches)))]
     for name in our_schemes():
-        rows.append(Row("chimera", name, (("chunks", 2),) if name == "interleaved" else ()))
-        if name == "chimera":  # the paper's forward doubling, as its own code orders it
-            rows.append(Row("chimera", name, (("strategy", "doubling"),)))
-            # ZeRO-1 over the two replicas: half the AdamW state and work per rank
-            rows.append(Row("chimera", name, (("shard", 1),)))
-            rows.append(Row("chimera", name, (("strategy", "doubling"), ("shard", 1))))
+        ours = scheme_rows(name)
+        rows += ours
+        if name == "chimera":  # ZeRO-1 over the two replicas: half the AdamW state and work per rank
+            rows += [Row(r.impl, r.schedule, r.options + (("shard", 1),)) for r in ours]
     rows += [Row("torch", name) for name in TORCH_SCHEDULES]
+    return rows
+
+
+def scheme_rows(name: str) -> list[Row]:
+    """The scheme at its defaults, then one row per value its options ask the benchmark to
+    run (``Option.bench``; a default among them is written out in the first row)."""
+    declared = get_scheme(name).declared
+    rows = [Row("chimera", name, tuple((o.name, o.default) for o in declared if o.default in o.bench))]
+    for o in declared:
+        rows += [Row("chimera", name, ((o.name, v),)) for v in o.bench if v != o.default]
     return rows
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from chimera.bench.rows import BenchConfig, Row
+from chimera.schedules import get_scheme
 from chimera.train.config import TrainConfig
 from chimera.models import loss_fn
 from chimera.train.loop import Trainer, lr_at
@@ -67,8 +68,8 @@ class OursRunner:
         opts = row.opts
         tc = TrainConfig(model=cfg.model, schedule=row.schedule, stages=cfg.stages,
                          micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
-                         steps=cfg.rounds + 2, seed=cfg.seed, chunks=opts.get("chunks"),
-                         pipes=opts.get("pipes"), strategy=opts.get("strategy"),
+                         steps=cfg.rounds + 2, seed=cfg.seed,
+                         options={k: v for k, v in opts.items() if k in get_scheme(row.schedule).options},
                          shard_optimizer=bool(opts.get("shard")),
                          threads=cfg.threads, comm_timeout=cfg.comm_timeout, progress=False)
         self.trainer = Trainer(tc, rank)

@@ -10,7 +10,7 @@ import sys
 from chimera.ir import Schedule
 from chimera.passes import SYNC_MODES, lower
 from chimera.schedules import build, get_scheme, schemes
-from chimera.schedules.bidirectional import STRATEGIES
+from chimera.schedules.registry import option_declarations
 from chimera.validate import validate
 
 
@@ -48,14 +48,22 @@ def check_output(path: str | None, flag: str, directory: bool = False) -> None:
         raise UsageError(f"{flag} {path}: {existing} is not writable")
 
 
-def positive_int(text: str) -> int:
+def _whole(text: str, low: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _whole(text, 1, "a positive integer")
+
+
+def nonneg_int(text: str) -> int:
+    return _whole(text, 0, "an integer >= 0")
 
 
 def nonneg_float(text: str) -> float:
@@ -78,25 +86,38 @@ def add_schedule_options(p: argparse.ArgumentParser, default: str = "chimera",
                    help=f"pipeline depth D = ranks per pipeline (default: {stages})")
     g.add_argument("--micro-batches", "-N", type=positive_int, default=micro_batches,
                    help="micro-batches per iteration N (default: D)")
-    g.add_argument("--pipes", "-Q", type=positive_int, default=None,
-                   help="chimera: number of pipelines Q = 2k (default: 2)")
-    g.add_argument("--chunks", "-v", type=positive_int, default=None,
-                   help="interleaved: virtual stages per rank (default: 2)")
-    g.add_argument("--strategy", choices=STRATEGIES, default=None,
-                   help="chimera with N > D: direct concatenation, forward doubling, or backward "
-                        "halving (default: direct)")
-    g.add_argument("--cap", type=positive_int, default=None, metavar="MA",
-                   help="chimera-zb: activation memory cap per rank in Ma (default: D)")
+    add_scheme_options(g)
     g.add_argument("--sync", choices=SYNC_MODES, default="eager",
                    help="when a stage's gradient allreduce starts: eager (right after its last "
                         "backward, overlapping bubbles) or end (default: eager)")
 
 
+def add_scheme_options(group) -> None:
+    """One flag per option the registered schemes declare (``chimera.schedules.registry``)."""
+    for opt, owners in option_declarations().values():
+        if not opt.flag:
+            continue
+        flags = [f"--{opt.name.replace('_', '-')}"] + ([opt.short] if opt.short else [])
+        kind = {"choices": opt.choices} if opt.choices else {
+            "type": positive_int if opt.type is int and opt.low == 1 else
+            nonneg_int if opt.type is int else opt.type}
+        group.add_argument(*flags, default=None, metavar=opt.metavar, **kind,
+                           help=f"{', '.join(owners)}: {opt.help} (default: {opt.shown_default})")
+
+
+def scheme_options_from_args(args: argparse.Namespace, scheme: str | None = None) -> dict:
+    """Every scheme option's flag (unset: None; ``build`` refuses one the scheme does not
+    take), and the options the command sets otherwise that ``scheme`` takes (``cost``)."""
+    out = {name: getattr(args, name, None) for name, (opt, _) in option_declarations().items()
+           if opt.flag}
+    if scheme is not None:  # time-aware schemes (chimera-zb): the costs they will be simulated with
+        out.update({o.name: getattr(args, o.name, None) for o in get_scheme(scheme).declared
+                    if not o.flag})
+    return out
+
+
 def schedule_from_args(args: argparse.Namespace) -> Schedule:
     """Build, lower and validate the schedule the options describe."""
     n = args.micro_batches or args.stages
-    # time-aware schemes (chimera-zb) are built for the costs they will be simulated with
-    timed = {"cost": getattr(args, "cost", None)} if "cost" in get_scheme(args.schedule).options else {}
-    schedule = build(args.schedule, args.stages, n, pipes=args.pipes, chunks=args.chunks,
-                     strategy=args.strategy, cap=getattr(args, "cap", None), **timed)
+    schedule = build(args.schedule, args.stages, n, **scheme_options_from_args(args, args.schedule))
     return validate(lower(schedule, args.sync))

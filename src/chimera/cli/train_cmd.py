@@ -6,10 +6,10 @@ import argparse
 import os
 import sys
 
-from chimera.cli.common import check_output, nonneg_float, positive_int
+from chimera.cli.common import (add_scheme_options, check_output, nonneg_float, nonneg_int,
+                                positive_int, scheme_options_from_args)
 from chimera.passes import SYNC_MODES
 from chimera.schedules import schemes
-from chimera.schedules.bidirectional import STRATEGIES
 
 MODELS = ("gpt2-tiny", "gpt2-bench", "gpt2-small", "gpt2-medium", "gpt2-paper", "bert-tiny", "bert-48")
 HF_MODELS = ("hf-llama-tiny", "hf-gpt2-small")  # chimera.train.sources.HF_PRESETS (no torch here)
@@ -66,9 +66,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--micro-batches", "-N", type=positive_int, help="micro-batches per step N (default: 2D)")
     s.add_argument("--micro-batch-size", "-B", type=positive_int, default=4, help="sequences per micro-batch")
     s.add_argument("--data-parallel", "-W", type=positive_int, default=1, help="pipeline copies W (default: 1)")
-    s.add_argument("--pipes", "-Q", type=positive_int, help="chimera: pipelines Q = 2k (default: 2)")
-    s.add_argument("--chunks", type=positive_int, help="interleaved: virtual stages per rank")
-    s.add_argument("--strategy", choices=STRATEGIES, help="chimera with N > D (default: direct)")
+    add_scheme_options(s)
     s.add_argument("--sync", choices=SYNC_MODES, default="eager", help="gradient allreduce start")
     s.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     s.add_argument("--shard-optimizer", action="store_true",
@@ -96,7 +94,7 @@ def add_parsers(sub) -> None:
     r.add_argument("--skip-nonfinite", action="store_true", help="skip (and log) a step whose "
                    "loss or gradient norm is NaN/inf instead of stopping the run")
     e = p.add_argument_group("evaluation (the held-out split: the last 5% of the data)")
-    e.add_argument("--eval-every", type=_nonneg_int, default=0, metavar="K",
+    e.add_argument("--eval-every", type=nonneg_int, default=0, metavar="K",
                    help="every K steps and at the end, the held-out loss: forwards only on every "
                         "rank (eval mode, no gradients, training unchanged), the same value on "
                         "every layout; in the summary, the progress bar, --log-json "
@@ -108,7 +106,7 @@ def add_parsers(sub) -> None:
                              "resume on another D, W or schedule)")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints DIR/step-<n> "
                    "(atomically: complete or absent), always one at the end of the run")
-    c.add_argument("--checkpoint-every", type=_nonneg_int, default=0, metavar="K",
+    c.add_argument("--checkpoint-every", type=nonneg_int, default=0, metavar="K",
                    help="also every K steps (default: 0, only at the end)")
     c.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="N",
                    help="keep the newest N checkpoints (default: 3)")
@@ -118,26 +116,20 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
 def config_from_args(args: argparse.Namespace):
     from chimera.train.config import TrainConfig
 
-    return TrainConfig(
+    # scheme options TrainConfig names (pipes, chunks, strategy) as fields, the rest in options
+    given = {k: v for k, v in scheme_options_from_args(args).items() if v is not None}
+    named = {k: v for k, v in given.items() if k in TrainConfig.field_names()}
+    others = {k: v for k, v in given.items() if k not in named}
+    return TrainConfig(**named, options=others or None,
         model=args.model, schedule=args.schedule, stages=args.stages,
         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
         data_parallel=args.data_parallel, steps=args.steps, lr=args.lr, warmup=args.warmup,
         weight_decay=args.weight_decay, clip=args.clip, seed=args.seed, recompute=args.recompute,
         shard_optimizer=args.shard_optimizer,
-        strategy=args.strategy, pipes=args.pipes, chunks=args.chunks, sync=args.sync,
+        sync=args.sync,
         partition=args.partition, seq_len=args.seq_len, data=args.data, token_dtype=args.token_dtype,
         vocab_size=args.vocab_size, text_field=args.text_field, tokenizer=args.tokenizer,
         dtype=args.dtype, wire_dtype=args.wire_dtype, threads=args.threads,

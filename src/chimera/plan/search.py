@@ -30,7 +30,6 @@ from chimera.plan.shapes import Shape, ShapeCache
 from chimera.plan.workload import Pricing, StageCosts, Workload, divisors, memory_floor
 from chimera.schedules import build, get_scheme, schemes
 from chimera.schedules.asynchronous import weight_versions
-from chimera.schedules.bidirectional import STRATEGIES
 
 
 @dataclass(frozen=True, order=True)
@@ -47,9 +46,7 @@ class Candidate:
     @property
     def variant(self) -> str:
         """The scheme with its options, e.g. ``chimera Q=2 direct`` (``+zero1`` if sharded)."""
-        short = {"pipes": "Q", "chunks": "v"}
-        parts = [f"{short[k]}={v}" if k in short else str(v) for k, v in self.options]
-        return " ".join([self.scheme] + parts + (["+zero1"] if self.shard else []))
+        return get_scheme(self.scheme).label(self.options) + (" +zero1" if self.shard else "")
 
 
 @dataclass(frozen=True)
@@ -114,23 +111,14 @@ class _Search:
             self.top = sorted(self.top + [ev], key=lambda e: (e.iteration_s, e.candidate))[:self.top_k]
 
 
-def option_values(option: str, depth: int, layers: int) -> list:
-    """Values of a generator option the search tries; [] leaves the scheme's default."""
-    if option == "pipes":
-        return [q for q in range(2, depth + 1, 2) if depth % q == 0]
-    if option == "chunks":
-        return [v for v in (2, 4) if depth * v <= layers]
-    if option == "strategy":
-        return list(STRATEGIES)
-    return []
-
-
 def variants(name: str, depth: int, layers: int) -> list[tuple[tuple[str, object], ...]]:
+    """Every combination of the values the scheme's options search (``Option.search``);
+    an option without them keeps the generator's default."""
     axes = []
-    for option in get_scheme(name).options:
-        values = option_values(option, depth, layers)
+    for option in get_scheme(name).declared:
+        values = option.search(depth, layers) if option.search else []
         if values:
-            axes.append([(option, v) for v in values])
+            axes.append([(option.name, v) for v in values])
     return [tuple(combo) for combo in itertools.product(*axes)]
 
 

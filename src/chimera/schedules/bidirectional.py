@@ -5,9 +5,15 @@ from __future__ import annotations
 from chimera.ir import Op, OpTimes, Placement, Schedule, ScheduleError
 from chimera.schedules.chimera_slots import slot_programs
 from chimera.schedules.engine import Tasks, build_tasks, list_schedule
-from chimera.schedules.registry import register
+from chimera.schedules.registry import Option, register
 
 STRATEGIES = ("direct", "doubling", "halving")
+# Q: chimera-zb takes the same option (one flag, --pipes, serves both)
+PIPES = Option("pipes", int, "number of pipelines Q = 2k", short="-Q", symbol="Q", cells=True,
+               search=lambda depth, layers: [q for q in range(2, depth + 1, 2) if depth % q == 0])
+STRATEGY = Option("strategy", str, "the order with N > D: direct concatenation, forward doubling, or "
+                  "backward halving", choices=STRATEGIES, search=lambda depth, layers: list(STRATEGIES),
+                  bench=("doubling",))  # the paper's forward doubling, as its own code orders it
 
 
 def chimera_micro_pipes(stages: int, micro_batches: int, pipes: int) -> tuple[int, ...]:
@@ -24,7 +30,8 @@ def chimera_micro_pipes(stages: int, micro_batches: int, pipes: int) -> tuple[in
 
 
 @register("chimera", "Chimera (Li & Hoefler SC'21): Q=2k pipelines in opposite directions over the "
-                     "same ranks; D-2 bubbles per unit of N=D; strategy direct|doubling|halving")
+                     "same ranks; D-2 bubbles per unit of N=D; strategy direct|doubling|halving",
+          options=(PIPES, STRATEGY))
 def chimera(stages: int, micro_batches: int, pipes: int = 2, strategy: str = "direct") -> Schedule:
     """Chimera on D ranks with N micro-batches.
 

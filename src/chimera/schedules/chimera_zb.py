@@ -33,8 +33,9 @@ from functools import partial
 
 from chimera.ir import Action, Op, OpTimes, Placement, Schedule, ScheduleError
 from chimera.schedules.exact import refine
+from chimera.schedules.bidirectional import PIPES
 from chimera.schedules.list_play import EPS, Dag, Play, Rule, build_dag, first_hop, priorities
-from chimera.schedules.registry import register
+from chimera.schedules.registry import Option, register
 
 
 # -- costs ----------------------------------------------------------------------------------
@@ -154,7 +155,18 @@ def _programs(dag: Dag, order: list[list[int]]) -> list[list[Action]]:
 
 
 @register("chimera-zb", "Chimera placement with B split into I and W, list-scheduled by time under "
-                        "a per-rank activation cap (default D Ma); any N")
+                        "a per-rank activation cap (default D Ma); any N",
+          options=(PIPES,
+                   # the unit times it is ordered for: the command's --cost (or a CostModel)
+                   Option("cost", object, "unit times F:B or F:I:W", flag=False),
+                   Option("cap", int, "activation memory cap per rank in Ma", metavar="MA",
+                          default_text="D"),
+                   Option("rule", str, "the priority rule of the list scheduler, RULE or "
+                          "RULE/RESERVE; auto plays each of " + ", ".join(AUTO) + " and keeps "
+                          "the shortest", metavar="RULE", choices=("auto",) + RULES + tuple(
+                              f"{r}/{v}" for r in RULES for v in RESERVES)),
+                   Option("exact", int, "seconds of CP-SAT refinement (needs OR-Tools; small D "
+                          "and N), 0 for none", low=0, metavar="S")))
 def chimera_zb(stages: int, micro_batches: int, pipes: int = 2, cost: str | None = None,
                cap: int | None = None, rule: str = "auto", exact: int = 0) -> Schedule:
     """Chimera's Q pipes (micro-batch m on pipe m mod Q), ordered by ``rule`` under ``cap``.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from chimera.ir import Action, Op, Placement, Schedule, ScheduleError
-from chimera.schedules.registry import register
+from chimera.schedules.registry import Option, register
 
 
 def _check(stages: int, micro_batches: int) -> None:
@@ -41,7 +41,10 @@ def one_f_one_b(stages: int, micro_batches: int) -> Schedule:
 
 
 @register("interleaved", "Megatron interleaved 1F1B: `chunks` virtual stages per rank, "
-                         "bubble (D-1)/(vN+D-1); needs N a multiple of D")
+                         "bubble (D-1)/(vN+D-1); needs N a multiple of D",
+          options=(Option("chunks", int, "virtual stages per rank v", short="-v", symbol="v",
+                          cells=True, bench=(2,),
+                          search=lambda depth, layers: [v for v in (2, 4) if depth * v <= layers]),))
 def interleaved(stages: int, micro_batches: int, chunks: int = 2) -> Schedule:
     """Rank r holds virtual stages r, r+D, ..., r+(v-1)D (loop placement)."""
     _check(stages, micro_batches)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 
 from chimera.ir import Schedule, ScheduleError
+from chimera.schedules.registry import option_declarations
 
 WIRE_DTYPES = {None: None, "bf16": "bfloat16", "float16": "float16"}  # name -> torch attribute
 DTYPES = ("float32", "float64", "bf16")
@@ -42,6 +43,7 @@ class TrainConfig:
     strategy: str | None = None
     pipes: int | None = None
     chunks: int | None = None
+    options: dict | None = None  # any other option the scheme declares, e.g. {"cap": 3} (chimera-zb)
     sync: str = "eager"
     partition: str | None = None  # e.g. "0-2,3-5": layer ranges per stage
     seq_len: int | None = None  # tokens per sequence (default: the model's: its preset or config)
@@ -135,7 +137,7 @@ class TrainConfig:
                               f"{source.num_layers - 2} blocks, head) into {self.stages_total} stages")
         if self.partition is not None and not self.reference:
             self._check_partition(source.num_layers)
-        if self.strategy == "halving" and self.micro_batch_size % 2:
+        if self.schedule_options.get("strategy") == "halving" and self.micro_batch_size % 2:
             raise ConfigError("backward halving splits each micro-batch in two: "
                               "--micro-batch-size must be even")
         if self.shard_optimizer and source.ties and self.stages_total > 1:
@@ -308,11 +310,23 @@ class TrainConfig:
         from chimera.validate import validate
 
         try:
-            s = build(self.schedule, self.stages, self.n_micro, pipes=self.pipes,
-                      chunks=self.chunks, strategy=self.strategy)
+            s = build(self.schedule, self.stages, self.n_micro, **self.schedule_options)
         except ScheduleError as exc:
             raise ConfigError(str(exc).splitlines()[0]) from None
         return validate(lower(s, self.sync))
+
+    @property
+    def schedule_options(self) -> dict:
+        """The scheme's options: the named fields and ``options`` (``build`` checks them against
+        the registry's declarations)."""
+        if self.options is not None and not isinstance(self.options, dict):
+            raise ConfigError(f"options must be a dict of scheme options, got {self.options!r}")
+        extra = dict(self.options or {})
+        named = {k: getattr(self, k) for k in option_declarations() if k in self.field_names()}
+        twice = [k for k in extra if named.get(k) is not None]
+        if twice:
+            raise ConfigError(f"scheme option(s) {', '.join(twice)} given twice: as a field and in options")
+        return {**named, **{k: v for k, v in extra.items() if v is not None}}
 
     def to_dict(self) -> dict:
         return asdict(self)
