@@ -25,22 +25,13 @@ import torch
 from torch import nn
 
 from chimera.ir import ScheduleError
+from chimera.rng import seeded  # noqa: F401  (re-exported: chimera.hf and users import it here)
 from chimera.runtime.boundary import Stage
 from chimera.runtime.shared import Tie
 
 
 def layer_seed(seed: int, index: int) -> int:
     return seed * 1_000_003 + index
-
-
-@contextlib.contextmanager
-def seeded(seed: int):
-    """Run a build with ``seed`` without touching the caller's RNG state (no reseeding of
-    the user's global generator)."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 
 def build_layers(make_layer: Callable[[int], nn.Module], num_layers: int, seed: int = 0) -> list[nn.Module]:

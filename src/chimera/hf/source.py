@@ -15,12 +15,12 @@ the folder ``save_pretrained`` would.
 from __future__ import annotations
 
 import json
-import threading
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from chimera import rng
 from chimera.byo import layer_seed, merge_ties, seeded
 from chimera.data import model_vocab
 from chimera.hf.model import HFModel, check_config, load
@@ -28,7 +28,7 @@ from chimera.train.source_base import HF_PREFIX, HF_PRESETS, ModelSource
 
 # HF initializes with torch's global RNG, and patches torch.nn.init while it does: one layer
 # at a time per process (virtual ranks are threads of one process)
-_BUILDING = threading.Lock()
+_BUILDING = rng.LOCK  # one build at a time, and no RNG restore by another thread meanwhile
 _VOLATILE = ("transformers_version", "_name_or_path", "architectures", "dtype")
 
 

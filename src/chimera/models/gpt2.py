@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chimera import rng
 from chimera.data import derive_seed
 from chimera.modelcfg import (  # noqa: F401  (the torch-free config, re-exported here)
     KINDS, PRESETS, ModelConfig, flops_per_token, get_config, layer_param_counts, param_count)
@@ -151,7 +152,7 @@ def make_layer(cls: type, cfg: ModelConfig, seed: int, index: int) -> nn.Module:
     meta device would avoid that work, but its first use imports torch's compiler stack,
     seconds per process); every parameter is then written by ``init_weights``.
     """
-    with torch.random.fork_rng(devices=[]):
+    with rng.forked():
         layer = cls(cfg)
     layer = layer.float()                                       # whatever the default dtype
     gen = torch.Generator().manual_seed(derive_seed(seed, "layer", index))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from chimera import rng
 from chimera.comm_plan import Message, plan_comm
 from chimera.ir import Op, Schedule, ScheduleError
 from chimera.runtime.boundary import BoundarySpec, Stage, call_layer, call_loss, describe, signature
@@ -42,7 +43,7 @@ def _layers(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
 def _restored(module: nn.Module, device: torch.device):
     """The probe leaves no trace: buffers (BatchNorm statistics) and the RNG come back."""
     saved = {k: b.detach().clone() for k, b in module.named_buffers()}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with rng.forked(device):  # local work only: another virtual rank may be building
         try:
             yield
         finally:
