@@ -1,5 +1,6 @@
 """Bad input is refused before any process starts: exit code 2 and one line on stderr from
-the CLI, a ValueError subclass (ConfigError, ScheduleError) from the Python API.
+the CLI, a UserError (a ValueError: ConfigError, ScheduleError, ...) from the Python API. Any
+other exception is a bug: the CLI shows its traceback.
 
 The CLI runs in this process (``chimera.cli.main``) with the launcher replaced by a trap,
 so a case that got as far as starting processes fails loudly instead of training.
@@ -10,6 +11,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -330,3 +333,49 @@ def test_bench_with_every_row_failed_writes_nothing(tmp_path, monkeypatch, capsy
     assert (tmp_path / "bench.json").read_text() == "earlier results"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
     assert "every row failed" in capsys.readouterr().err and rows
+
+
+@pytest.mark.parametrize("bug", [ValueError("an internal invariant"), KeyError("internal")])
+def test_a_library_bug_is_not_reported_as_bad_input(bug, monkeypatch, capsys):
+    """Only a UserError is bad input: any other exception inside a command (here one the
+    simulator raises) propagates with its traceback instead of a one-line exit 2."""
+    import chimera.cli.schedule_cmds
+
+    def broken(*args, **kwargs):
+        raise bug
+
+    monkeypatch.setattr(chimera.cli.schedule_cmds, "simulate", broken)
+    with pytest.raises(type(bug)):
+        main(["simulate", "-s", "1f1b", "-D", "2"])
+    assert capsys.readouterr().err == ""
+
+
+def test_a_library_bug_shows_its_traceback_and_exits_1(cli_env):
+    """The same as a command: Python prints the traceback and exits with code 1."""
+    code = ("import sys\n"
+            "import chimera.cli.schedule_cmds as cmds\n"
+            "def broken(*args, **kwargs):\n"
+            "    raise ValueError('an internal invariant')\n"
+            "cmds.simulate = broken\n"
+            "from chimera.cli import main\n"
+            "raise SystemExit(main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", code, "simulate", "-s", "1f1b", "-D", "2"],
+                       capture_output=True, text=True, timeout=120, env=cli_env)
+    assert r.returncode == 1
+    assert "Traceback (most recent call last)" in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "ValueError: an internal invariant"
+
+
+def test_every_user_facing_error_type_is_a_user_error():
+    """The one base the CLI catches: each package error for bad input derives from it."""
+    from chimera.cli.common import UsageError
+    from chimera.errors import UserError
+    from chimera.plan.hardware import PlanError
+    from chimera.runtime.boundary import BoundaryMismatch
+    from chimera.sim.profile import ProfileError
+    from chimera.train.checkpoint import CheckpointError
+    from chimera.validate import ValidationError
+
+    for error in (UsageError, ScheduleError, ValidationError, ConfigError, CheckpointError,
+                  PlanError, ProfileError, BoundaryMismatch):
+        assert issubclass(error, UserError) and issubclass(error, ValueError), error

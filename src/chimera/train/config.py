@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 
+from chimera.errors import UserError
 from chimera.ir import Schedule, ScheduleError
 
 WIRE_DTYPES = {None: None, "bf16": "bfloat16", "float16": "float16"}  # name -> torch attribute
@@ -18,7 +19,7 @@ MIN_COMM_TIMEOUT_S, MAX_COMM_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
 LIMITS = {"micro_batch_size": 65536, "data_parallel": 1024, "threads": 1024, "eval_batches": 10000}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A training configuration that cannot run; the message says what to change."""
 
 

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from chimera.errors import UserError
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.grid import end_group
@@ -228,7 +229,7 @@ def launch(cfg: TrainConfig) -> dict:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.reference:
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world:
-            raise ValueError(f"torchrun started {world} processes but the layout needs "
+            raise UserError(f"torchrun started {world} processes but the layout needs "
                              f"W·D = {cfg.data_parallel}·{cfg.stages} = {cfg.world}")
         if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: die with it
             workers.bind_to_parent(os.getppid(), ignore_sigint=False)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from chimera.data import VAL_FRACTION, get_batch, split_corpus
 from chimera.data_formats import open_data
 from chimera.models import parse_partition, partition
+from chimera.errors import UserError
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.p2p import CommTimeout
@@ -81,7 +82,7 @@ def stage_ranges(cfg: TrainConfig, source, n_stages: int) -> list[range]:
     if cfg.partition:
         ranges = parse_partition(cfg.partition, source.num_layers)
         if len(ranges) != n_stages:
-            raise ValueError(f"--partition gives {len(ranges)} stages, the schedule needs {n_stages}")
+            raise UserError(f"--partition gives {len(ranges)} stages, the schedule needs {n_stages}")
         return ranges
     return partition(source.layer_costs(), n_stages)
 
@@ -109,7 +110,7 @@ def check_heldout(corpus: torch.Tensor, kind: str, seq_len: int) -> None:
     held = len(split_corpus(corpus, "val"))
     need = seq_len + 1 if kind == "gpt2" else seq_len
     if held < need:
-        raise ValueError(f"--eval-every: the held-out split (the last {VAL_FRACTION:.0%} of the "
+        raise UserError(f"--eval-every: the held-out split (the last {VAL_FRACTION:.0%} of the "
                          f"data) has {held} tokens, fewer than one sequence of {need}; give more "
                          "data or drop --eval-every")
 
