@@ -53,7 +53,6 @@ Conventions (the same as ``nn.Sequential`` with pytrees):
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
 
 import torch
@@ -61,11 +60,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from chimera.errors import UserError
 from chimera.byo import LayerSource, build_layers, check_partition
+from chimera.errors import UserError
 from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.runtime.allocator import keep_freed_memory
+from chimera.runtime.clip import clip_by_global_norm_
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.launch_local import SpawnError, spawn
@@ -362,14 +362,8 @@ class Pipeline:
         """Clip the gradients by the model's global 2-norm (each stage once, each tie once)
         and return that norm: the value ``torch.nn.utils.clip_grad_norm_`` gives on one device."""
         if self.runtime.shards:  # each rank's slices: every stage once, no ties (refused)
-            sq = self.runtime.owned_sq_norm()
-            dist.all_reduce(sq)
-            norm = sq.sqrt()
-            grads = self.runtime.grad_tensors()
-            coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-            if math.isfinite(float(norm)):
-                torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-            return norm
+            return clip_by_global_norm_(self.runtime.grad_tensors(), self.runtime.owned_sq_norm(),
+                                        max_norm, eps, all_reduce=dist.all_reduce)
         sq = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         skip = self.tie_sync.counted_elsewhere()
         counted = set()
@@ -380,13 +374,8 @@ class Pipeline:
             for p in module.parameters():
                 if p.grad is not None and id(p) not in skip:
                     sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq)
-        norm = sq.sqrt()
-        coef = torch.clamp(max_norm / (norm + eps), max=1.0)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads and math.isfinite(float(norm)):
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-        return norm
+        return clip_by_global_norm_(grads, sq, max_norm, eps, all_reduce=dist.all_reduce)
 
     def _owner(self, stage: int) -> int:
         return self.grid.global_rank(self.grid.placement.rank_of(0, stage), 0)
