@@ -276,7 +276,7 @@ API_CASES = [
 @pytest.mark.parametrize("kwargs", API_CASES, ids=[str(k) for k in API_CASES])
 def test_api_raises_a_value_error_subclass(kwargs):
     with pytest.raises(ValueError) as exc:
-        TrainConfig(**kwargs)
+        TrainConfig(**kwargs).preflight()
     assert isinstance(exc.value, (ConfigError, ScheduleError))
     assert "\n" not in str(exc.value).strip() or isinstance(exc.value, ScheduleError)
 
@@ -290,18 +290,18 @@ def test_api_refuses_data_formats(files):
                          (dict(data=str(files / "ids.bin"), token_dtype="uint16"), "--vocab-size"),
                          (dict(data=str(files / "text.txt"), token_dtype="int8"), "--token-dtype")):
         with pytest.raises(ConfigError, match=word):
-            TrainConfig(**kwargs)
+            TrainConfig(**kwargs).preflight()
     with pytest.raises(ValueError, match="token id 4000"):
         open_data(DataSpec(str(files / "ids.bin"), token_dtype="uint16", vocab_size=4000))
-    cfg = TrainConfig(data=str(files / "tok"), model="bert-tiny", schedule="none", stages=1)
+    cfg = TrainConfig(data=str(files / "tok"), model="bert-tiny", schedule="none", stages=1).preflight()
     assert cfg.model_config.vocab_size == 301  # the tokenizer's 300 ids and BERT's mask
 
 
 def test_api_refuses_another_models_checkpoint(files):
     with pytest.raises(ConfigError, match="bert-tiny"):
-        TrainConfig(resume=True, checkpoint_dir=str(files / "bert-tiny"))
+        TrainConfig(resume=True, checkpoint_dir=str(files / "bert-tiny")).preflight()
     with pytest.raises(ConfigError, match="corrupt"):
-        TrainConfig(resume=True, checkpoint_dir=str(files / "corrupt"))
+        TrainConfig(resume=True, checkpoint_dir=str(files / "corrupt")).preflight()
 
 
 def test_api_pipeline_refuses_a_million_micro_batches(tmp_path):
@@ -379,3 +379,26 @@ def test_every_user_facing_error_type_is_a_user_error():
     for error in (UsageError, ScheduleError, ValidationError, ConfigError, CheckpointError,
                   PlanError, ProfileError, BoundaryMismatch):
         assert issubclass(error, UserError) and issubclass(error, ValueError), error
+
+
+def test_a_config_checks_values_and_preflight_reads_files(files, monkeypatch):
+    """Making a TrainConfig reads no file and builds no schedule; preflight() does both, once."""
+    import chimera.train.config
+
+    cases = [(dict(data="/no/such/file"), "no such file"),
+             (dict(resume=True, checkpoint_dir=str(files / "corrupt")), "corrupt"),
+             (dict(stages=3), "stages")]
+    built = []
+    monkeypatch.setattr(chimera.train.config.TrainConfig, "_schedule",
+                        property(lambda self: built.append(self) or pytest.fail("built")))
+    for kwargs, _ in cases:
+        TrainConfig(**kwargs)  # values only: fine
+    assert not built
+    monkeypatch.undo()
+    for kwargs, word in cases:
+        with pytest.raises(ConfigError, match=word):
+            TrainConfig(**kwargs).preflight()
+    cfg = TrainConfig(schedule="1f1b")
+    assert cfg.preflight() is cfg and "_schedule" in vars(cfg)
+    with pytest.raises(ConfigError, match="--micro-batch-size"):  # a value: refused when made
+        TrainConfig(strategy="halving", micro_batch_size=3)

@@ -29,7 +29,7 @@ class SingleRunner:
             tc = TrainConfig(model=cfg.model, schedule="none", stages=1, micro_batches=1,
                              micro_batch_size=cfg.global_batch, steps=cfg.rounds + 2,
                              seed=cfg.seed, progress=False)
-            self.trainer = Trainer(tc, 0)
+            self.trainer = Trainer(tc.preflight(), 0)
 
     def step(self, i: int) -> float | None:
         if self.trainer is None:
@@ -69,7 +69,7 @@ class OursRunner:
                          pipes=opts.get("pipes"), strategy=opts.get("strategy"),
                          shard_optimizer=bool(opts.get("shard")),
                          threads=cfg.threads, comm_timeout=cfg.comm_timeout, progress=False)
-        self.trainer = Trainer(tc, rank)
+        self.trainer = Trainer(tc.preflight(), rank)
 
     def step(self, i: int) -> float:
         return self.trainer.step(i).loss

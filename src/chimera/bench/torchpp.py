@@ -39,7 +39,7 @@ class TorchRunner:
         self.cfg, self.model = cfg, get_config(cfg.model)
         self.tc = TrainConfig(model=cfg.model, schedule="none", stages=1, micro_batches=1,
                               micro_batch_size=cfg.global_batch, steps=cfg.rounds + 2,
-                              seed=cfg.seed, progress=False)
+                              seed=cfg.seed, progress=False).preflight()
         n = cfg.stages * per_rank
         ranges = stage_ranges(self.tc, self.tc.model_source, n)
         self.indices = stages_of(style, rank, cfg.stages, per_rank)

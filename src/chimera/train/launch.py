@@ -223,8 +223,10 @@ def launch(cfg: TrainConfig) -> dict:
     """Run ``cfg`` to the end and return rank 0's result dict.
 
     Under torchrun (RANK and WORLD_SIZE set) this process is one rank; otherwise it spawns
-    ``cfg.world`` local processes that rendezvous on the loopback address.
+    ``cfg.world`` local processes that rendezvous on the loopback address. ``cfg.preflight()``
+    runs first, so bad input is refused before any process starts.
     """
+    cfg.preflight()  # data, model, schedule, checkpoints: refused before any process starts
     faults.active()  # a malformed CHIMERA_FAULT fails here, before any process starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.reference:
         world = int(os.environ["WORLD_SIZE"])
