@@ -1,5 +1,6 @@
 """Bad input is refused before any process starts: exit code 2 and one line on stderr from
-the CLI, a ValueError subclass (ConfigError, ScheduleError) from the Python API.
+the CLI, a UserError (a ValueError: ConfigError, ScheduleError, ...) from the Python API. Any
+other exception is a bug: the CLI shows its traceback.
 
 The CLI runs in this process (``chimera.cli.main``) with the launcher replaced by a trap,
 so a case that got as far as starting processes fails loudly instead of training.
@@ -10,6 +11,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -273,7 +276,7 @@ API_CASES = [
 @pytest.mark.parametrize("kwargs", API_CASES, ids=[str(k) for k in API_CASES])
 def test_api_raises_a_value_error_subclass(kwargs):
     with pytest.raises(ValueError) as exc:
-        TrainConfig(**kwargs)
+        TrainConfig(**kwargs).preflight()
     assert isinstance(exc.value, (ConfigError, ScheduleError))
     assert "\n" not in str(exc.value).strip() or isinstance(exc.value, ScheduleError)
 
@@ -287,18 +290,18 @@ def test_api_refuses_data_formats(files):
                          (dict(data=str(files / "ids.bin"), token_dtype="uint16"), "--vocab-size"),
                          (dict(data=str(files / "text.txt"), token_dtype="int8"), "--token-dtype")):
         with pytest.raises(ConfigError, match=word):
-            TrainConfig(**kwargs)
+            TrainConfig(**kwargs).preflight()
     with pytest.raises(ValueError, match="token id 4000"):
         open_data(DataSpec(str(files / "ids.bin"), token_dtype="uint16", vocab_size=4000))
-    cfg = TrainConfig(data=str(files / "tok"), model="bert-tiny", schedule="none", stages=1)
+    cfg = TrainConfig(data=str(files / "tok"), model="bert-tiny", schedule="none", stages=1).preflight()
     assert cfg.model_config.vocab_size == 301  # the tokenizer's 300 ids and BERT's mask
 
 
 def test_api_refuses_another_models_checkpoint(files):
     with pytest.raises(ConfigError, match="bert-tiny"):
-        TrainConfig(resume=True, checkpoint_dir=str(files / "bert-tiny"))
+        TrainConfig(resume=True, checkpoint_dir=str(files / "bert-tiny")).preflight()
     with pytest.raises(ConfigError, match="corrupt"):
-        TrainConfig(resume=True, checkpoint_dir=str(files / "corrupt"))
+        TrainConfig(resume=True, checkpoint_dir=str(files / "corrupt")).preflight()
 
 
 def test_api_pipeline_refuses_a_million_micro_batches(tmp_path):
@@ -330,3 +333,72 @@ def test_bench_with_every_row_failed_writes_nothing(tmp_path, monkeypatch, capsy
     assert (tmp_path / "bench.json").read_text() == "earlier results"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
     assert "every row failed" in capsys.readouterr().err and rows
+
+
+@pytest.mark.parametrize("bug", [ValueError("an internal invariant"), KeyError("internal")])
+def test_a_library_bug_is_not_reported_as_bad_input(bug, monkeypatch, capsys):
+    """Only a UserError is bad input: any other exception inside a command (here one the
+    simulator raises) propagates with its traceback instead of a one-line exit 2."""
+    import chimera.cli.schedule_cmds
+
+    def broken(*args, **kwargs):
+        raise bug
+
+    monkeypatch.setattr(chimera.cli.schedule_cmds, "simulate", broken)
+    with pytest.raises(type(bug)):
+        main(["simulate", "-s", "1f1b", "-D", "2"])
+    assert capsys.readouterr().err == ""
+
+
+def test_a_library_bug_shows_its_traceback_and_exits_1(cli_env):
+    """The same as a command: Python prints the traceback and exits with code 1."""
+    code = ("import sys\n"
+            "import chimera.cli.schedule_cmds as cmds\n"
+            "def broken(*args, **kwargs):\n"
+            "    raise ValueError('an internal invariant')\n"
+            "cmds.simulate = broken\n"
+            "from chimera.cli import main\n"
+            "raise SystemExit(main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", code, "simulate", "-s", "1f1b", "-D", "2"],
+                       capture_output=True, text=True, timeout=120, env=cli_env)
+    assert r.returncode == 1
+    assert "Traceback (most recent call last)" in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "ValueError: an internal invariant"
+
+
+def test_every_user_facing_error_type_is_a_user_error():
+    """The one base the CLI catches: each package error for bad input derives from it."""
+    from chimera.cli.common import UsageError
+    from chimera.errors import UserError
+    from chimera.plan.hardware import PlanError
+    from chimera.runtime.boundary import BoundaryMismatch
+    from chimera.sim.profile import ProfileError
+    from chimera.train.checkpoint import CheckpointError
+    from chimera.validate import ValidationError
+
+    for error in (UsageError, ScheduleError, ValidationError, ConfigError, CheckpointError,
+                  PlanError, ProfileError, BoundaryMismatch):
+        assert issubclass(error, UserError) and issubclass(error, ValueError), error
+
+
+def test_a_config_checks_values_and_preflight_reads_files(files, monkeypatch):
+    """Making a TrainConfig reads no file and builds no schedule; preflight() does both, once."""
+    import chimera.train.config
+
+    cases = [(dict(data="/no/such/file"), "no such file"),
+             (dict(resume=True, checkpoint_dir=str(files / "corrupt")), "corrupt"),
+             (dict(stages=3), "stages")]
+    built = []
+    monkeypatch.setattr(chimera.train.config.TrainConfig, "_schedule",
+                        property(lambda self: built.append(self) or pytest.fail("built")))
+    for kwargs, _ in cases:
+        TrainConfig(**kwargs)  # values only: fine
+    assert not built
+    monkeypatch.undo()
+    for kwargs, word in cases:
+        with pytest.raises(ConfigError, match=word):
+            TrainConfig(**kwargs).preflight()
+    cfg = TrainConfig(schedule="1f1b")
+    assert cfg.preflight() is cfg and "_schedule" in vars(cfg)
+    with pytest.raises(ConfigError, match="--micro-batch-size"):  # a value: refused when made
+        TrainConfig(strategy="halving", micro_batch_size=3)

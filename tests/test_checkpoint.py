@@ -119,18 +119,18 @@ def test_corrupt_or_foreign_checkpoints_are_refused_before_start(data, tmp_path)
     t.step(0)
     path = ckpt.save(t, tmp_path, 1, keep=2)
     cfg = dict(schedule="none", stages=1, data=data, checkpoint_dir=str(tmp_path), resume=True)
-    TrainConfig(**cfg)  # fine as written
+    TrainConfig(**cfg).preflight()  # fine as written
     with pytest.raises(ConfigError, match="bert-tiny|written for model"):
-        TrainConfig(**{**cfg, "model": "bert-tiny"})
+        TrainConfig(**{**cfg, "model": "bert-tiny"}).preflight()
     blob = next(p for p in path.iterdir() if p.suffix == ".distcp")
     raw = bytearray(blob.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     blob.write_bytes(bytes(raw))
     with pytest.raises(ConfigError, match="corrupt"):
-        TrainConfig(**cfg)
+        TrainConfig(**cfg).preflight()
     (path / "meta.json").write_text("{not json")
     with pytest.raises(ConfigError, match="meta.json"):
-        TrainConfig(**cfg)
+        TrainConfig(**cfg).preflight()
 
 
 # -- one run per directory (issue 13, case 2) -----------------------------------------------
@@ -140,8 +140,8 @@ def test_a_directory_with_checkpoints_needs_resume(data, tmp_path):
     ckpt.save(t, tmp_path, 3, keep=3)
     cfg = dict(schedule="none", stages=1, data=data, checkpoint_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="holds another run's checkpoints.*--resume"):
-        TrainConfig(**cfg)
-    TrainConfig(**cfg, resume=True)  # continues that run
+        TrainConfig(**cfg).preflight()
+    TrainConfig(**cfg, resume=True).preflight()  # continues that run
     with pytest.raises(ckpt.CheckpointError, match="--resume"):  # checked again under the lease
         claim(tmp_path, resume=False)
 
@@ -186,7 +186,8 @@ def test_a_tampered_meta_is_refused_in_one_line(data, tmp_path):
     for field, value in (("step", "x"), ("files", {"a": {"bytes": None}}), ("layout", None)):
         (path / "meta.json").write_text(json.dumps({**meta, field: value}))
         with pytest.raises(ConfigError, match="malformed") as exc:
-            TrainConfig(schedule="none", stages=1, data=data, checkpoint_dir=str(tmp_path), resume=True)
+            TrainConfig(schedule="none", stages=1, data=data, checkpoint_dir=str(tmp_path),
+                        resume=True).preflight()
         assert "\n" not in str(exc.value)
 
 

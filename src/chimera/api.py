@@ -53,7 +53,6 @@ Conventions (the same as ``nn.Sequential`` with pytrees):
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
 
 import torch
@@ -62,9 +61,11 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from chimera.byo import LayerSource, build_layers, check_partition
+from chimera.errors import UserError
 from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.runtime.allocator import keep_freed_memory
+from chimera.runtime.clip import clip_by_global_norm_
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.launch_local import SpawnError, spawn
@@ -115,7 +116,7 @@ def _check_same_batch(tree) -> None:
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     high, low = both[:4].cpu(), -both[4:].cpu()
     if not torch.equal(high, low):
-        raise ValueError("the ranks were given different mini-batches: every rank must pass the "
+        raise UserError("the ranks were given different mini-batches: every rank must pass the "
                          "same whole mini-batch to step()/eval_step() (seed its generator or "
                          "loader alike on every rank; each rank takes its own rows from it)")
 
@@ -165,12 +166,12 @@ class Pipeline:
         self.batch_rows = micro_batch_size * n * data_parallel
         self.rows = int(micro_batch_size * self.schedule.micro_scale)
         if self.rows * self.schedule.micro_batches * data_parallel != self.batch_rows:
-            raise ValueError(f"micro_batch_size {micro_batch_size} cannot be halved for {schedule}")
+            raise UserError(f"micro_batch_size {micro_batch_size} cannot be halved for {schedule}")
         source = LayerSource(layers, num_layers, seed, ties, init)
         self.ranges = self._partition(source, partition)
         self.ties = source.ties(self.ranges)
         if shard_optimizer and self.ties:
-            raise ValueError(f"shard_optimizer=True with weights tied across stages "
+            raise UserError(f"shard_optimizer=True with weights tied across stages "
                              f"({', '.join(t.names[0] for t in self.ties)}) is not supported: a "
                              "tie's gradient sum needs whole gradients, a sharded replica holds a "
                              "slice; untie them or train without shard_optimizer")
@@ -197,7 +198,7 @@ class Pipeline:
             raise RuntimeError("chimera.api.Pipeline needs torch.distributed initialized "
                                "(use chimera.api.spawn or torchrun)")
         if loss_reduction not in REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {loss_reduction!r}")
+            raise UserError(f"loss_reduction must be one of {REDUCTIONS}, got {loss_reduction!r}")
         world = dist.get_world_size()
         if world != stages * data_parallel:
             raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
@@ -258,7 +259,7 @@ class Pipeline:
         for t in pytree.tree_leaves(tree):
             if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != self.batch_rows):
                 got = tuple(t.shape)
-                raise ValueError(f"{what}: expected tensors of {self.batch_rows} rows first "
+                raise UserError(f"{what}: expected tensors of {self.batch_rows} rows first "
                                  f"(W x N x micro_batch_size), got a leaf of shape {got}")
 
     def _micro_data(self, inputs, targets, scale: float, outputs: bool = False) -> MicroData:
@@ -295,7 +296,7 @@ class Pipeline:
         else:
             leaves = [t for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
             if len(leaves) != 1:
-                raise ValueError(f"loss_reduction='token_mean' with {len(leaves)} target tensors: "
+                raise UserError(f"loss_reduction='token_mean' with {len(leaves)} target tensors: "
                                  "pass token_count=fn(targets) -> the number of tokens the loss "
                                  "sums over (the whole mini-batch)")
             count = int((leaves[0] != self.ignore_index).sum())  # the whole mini-batch
@@ -311,7 +312,7 @@ class Pipeline:
         ``backward()`` (scale with ``loss_scale`` to average several mini-batches).
         """
         if targets is None:
-            raise ValueError("step() needs targets (the loss is computed from them); "
+            raise UserError("step() needs targets (the loss is computed from them); "
                              "eval_step(inputs) runs the forwards alone")
         data = self._micro_data(inputs, targets, loss_scale)
         if self.runtime.shards:  # the slices the optimizer updated; each replica waits for
@@ -361,14 +362,8 @@ class Pipeline:
         """Clip the gradients by the model's global 2-norm (each stage once, each tie once)
         and return that norm: the value ``torch.nn.utils.clip_grad_norm_`` gives on one device."""
         if self.runtime.shards:  # each rank's slices: every stage once, no ties (refused)
-            sq = self.runtime.owned_sq_norm()
-            dist.all_reduce(sq)
-            norm = sq.sqrt()
-            grads = self.runtime.grad_tensors()
-            coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-            if math.isfinite(float(norm)):
-                torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-            return norm
+            return clip_by_global_norm_(self.runtime.grad_tensors(), self.runtime.owned_sq_norm(),
+                                        max_norm, eps, all_reduce=dist.all_reduce)
         sq = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         skip = self.tie_sync.counted_elsewhere()
         counted = set()
@@ -379,13 +374,8 @@ class Pipeline:
             for p in module.parameters():
                 if p.grad is not None and id(p) not in skip:
                     sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq)
-        norm = sq.sqrt()
-        coef = torch.clamp(max_norm / (norm + eps), max=1.0)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads and math.isfinite(float(norm)):
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-        return norm
+        return clip_by_global_norm_(grads, sq, max_norm, eps, all_reduce=dist.all_reduce)
 
     def _owner(self, stage: int) -> int:
         return self.grid.global_rank(self.grid.placement.rank_of(0, stage), 0)

@@ -27,6 +27,7 @@ from chimera import data_text
 from chimera.data import BYTE_VOCAB, VAL_FRACTION, split_corpus_bytes
 from chimera.data_formats import MAX_VOCAB, META, META_FORMAT, DataSpec, data_size, describe, detect
 from chimera.data_tokens import id_dtype
+from chimera.errors import UserError
 
 FILES = {"train": "train.bin", "val": "val.bin"}
 COPY_CHUNK = 2**24              # ids copied at once when val.bin is cut off
@@ -38,7 +39,7 @@ def train_bpe(pieces, vocab_size: int, progress: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # optional extra (hf): tokenizers
 
     if not isinstance(vocab_size, int) or not BYTE_VOCAB < vocab_size <= MAX_VOCAB:
-        raise ValueError(f"--vocab-size must be more than {BYTE_VOCAB} (the byte alphabet) and "
+        raise UserError(f"--vocab-size must be more than {BYTE_VOCAB} (the byte alphabet) and "
                          f"at most {MAX_VOCAB:,}, got {vocab_size!r}")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -55,7 +56,7 @@ def tokenize(spec: DataSpec, out: str | os.PathLike, vocab_size: int | None,
     (which must not exist, or be empty). Returns the ``meta.json`` written."""
     fmt = detect(spec)
     if fmt in ("bin", "token-folder", "npy"):
-        raise ValueError(f"{spec.path} holds token ids already: chimera tokenize reads text")
+        raise UserError(f"{spec.path} holds token ids already: chimera tokenize reads text")
     field = spec.text_field or ("text" if fmt == "datasets" else None)  # not its input_ids
     info = describe(DataSpec(spec.path, text_field=field))  # the text, read as a source
     spec = DataSpec(spec.path, text_field=field, tokenizer=spec.tokenizer)
@@ -67,7 +68,7 @@ def tokenize(spec: DataSpec, out: str | os.PathLike, vocab_size: int | None,
         tokenizer = train_bpe(data_text.text_pieces(spec, info.format), vocab_size, progress)
     vocab = tokenizer.get_vocab_size()
     if vocab_size is not None and vocab_size < vocab:
-        raise ValueError(f"--vocab-size {vocab_size} is smaller than the tokenizer's {vocab} ids")
+        raise UserError(f"--vocab-size {vocab_size} is smaller than the tokenizer's {vocab} ids")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     umask = os.umask(0)
@@ -86,7 +87,7 @@ def tokenize(spec: DataSpec, out: str | os.PathLike, vocab_size: int | None,
 
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out} exists and is not an empty folder: choose a new one")
+        raise UserError(f"--out {out} exists and is not an empty folder: choose a new one")
 
 
 def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress: bool) -> dict:
@@ -99,7 +100,7 @@ def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress:
             ids.tofile(f)
             n += len(ids)
     if n < 2:
-        raise ValueError(f"{spec.path or 'the text'} makes {n} token(s): too little to split")
+        raise UserError(f"{spec.path or 'the text'} makes {n} token(s): too little to split")
     cut = split_corpus_bytes(n)[0].stop
     _move_tail(train, tmp / FILES["val"], cut, dtype)
     meta = {"format": META_FORMAT, "version": 1, "dtype": str(np.dtype(dtype).name),

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from chimera.errors import UserError
 from chimera.ir import ScheduleError
 from chimera.rng import seeded  # noqa: F401  (re-exported: chimera.hf and users import it here)
 from chimera.runtime.boundary import Stage
@@ -94,7 +95,7 @@ def _materialize(layer: nn.Module, index: int, device, init, seed: int) -> None:
         init(layer)
     unwritten = [n for n, t in tensors.items() if t.is_floating_point() and bool(t.isnan().any())]
     if unwritten:
-        raise ValueError(f"layer {index} was built on the meta device and init left "
+        raise UserError(f"layer {index} was built on the meta device and init left "
                          f"{', '.join(unwritten[:4])} unwritten: pass Pipeline(init=fn) that sets "
                          "every parameter and buffer (the default calls reset_parameters())")
 
@@ -136,7 +137,7 @@ class LayerSource:
         for names in self.tie_names:
             for n in names:
                 if not n.split(".", 1)[0].isdigit() or int(n.split(".", 1)[0]) not in stage_of:
-                    raise ValueError(f"tie {names}: {n!r} is not a model-wide parameter name "
+                    raise UserError(f"tie {names}: {n!r} is not a model-wide parameter name "
                                      f"('<layer index>.<name in the layer>', layers 0..{self.num_layers - 1})")
             out.append(Tie(tuple(names), tuple(stage_of[int(n.split(".", 1)[0])] for n in names)))
         return out

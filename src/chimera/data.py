@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from chimera.errors import UserError
+
 DEFAULT_MAX_BYTES = 4 * 2**20
 VAL_FRACTION = 0.05              # the last 5% of the corpus is held out
 # every rank holds the whole corpus in memory (one byte a token), read before training
@@ -79,7 +81,7 @@ def check_not_binary(path: Path, data: bytes) -> None:
     """A single file given as text must be text: a NUL byte anywhere means it is not."""
     at = data.find(b"\0")
     if at >= 0:
-        raise ValueError(f"{str(path)!r} is binary (a NUL byte at offset {at:,}), not text: "
+        raise UserError(f"{str(path)!r} is binary (a NUL byte at offset {at:,}), not text: "
                          "token files are .bin (with --token-dtype) or .npy")
 
 
@@ -117,10 +119,10 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int | None 
     if path is not None and not p.is_dir():
         check_not_binary(p, data)
     if not data.strip():
-        raise ValueError(f"corpus from {where!r} is empty (no text files or no bytes)")
+        raise UserError(f"corpus from {where!r} is empty (no text files or no bytes)")
     train = len(split_corpus_bytes(len(data))[0])
     if seq_len is not None and train < seq_len + 1:
-        raise ValueError(f"corpus from {where!r} has {len(data)} bytes: fewer than one sequence "
+        raise UserError(f"corpus from {where!r} has {len(data)} bytes: fewer than one sequence "
                          f"of {seq_len} + 1 in its training split ({train} bytes; the last "
                          f"{VAL_FRACTION:.0%} is held out)")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -139,17 +141,17 @@ def special_kind(p: Path) -> str | None:
 
 def check_corpus_path(p: Path) -> None:
     if not p.exists():
-        raise ValueError(f"corpus path {str(p)!r} does not exist")
+        raise UserError(f"corpus path {str(p)!r} does not exist")
     kind = special_kind(p)
     if kind:
-        raise ValueError(f"corpus path {str(p)!r} is {kind}: give a regular text file or a "
+        raise UserError(f"corpus path {str(p)!r} is {kind}: give a regular text file or a "
                          "directory of them")
 
 
 def check_total_size(where: str, files: list[Path], max_bytes: int | None) -> None:
     total = sum(f.stat().st_size for f in files)
     if max_bytes is None and total > MAX_CORPUS_BYTES:
-        raise ValueError(f"corpus from {where!r} has {total:,} bytes, more than the limit of "
+        raise UserError(f"corpus from {where!r} has {total:,} bytes, more than the limit of "
                          f"{MAX_CORPUS_BYTES:,} (every rank holds it in memory)")
 
 
@@ -204,7 +206,7 @@ def split_corpus(corpus: "Corpus | torch.Tensor", split: str) -> torch.Tensor | 
     """A ``Corpus``'s split, or of a bare array the first 95% (``"train"``) or the last 5%
     (``"val"``)."""
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise UserError(f"split must be one of {SPLITS}, got {split!r}")
     if isinstance(corpus, Corpus):
         return corpus.train if split == "train" else corpus.val
     train, val = split_corpus_bytes(len(corpus))
@@ -217,16 +219,16 @@ def split_corpus(corpus: "Corpus | torch.Tensor", split: str) -> torch.Tensor | 
 def _check_batch_args(step: int, global_batch: int, seq_len: int, kind: str,
                       vocab_size: int, corpus=None) -> None:
     if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        raise UserError(f"kind must be one of {KINDS}, got {kind!r}")
     if not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        raise UserError(f"step must be a non-negative integer, got {step!r}")
     for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise UserError(f"{name} must be a positive integer, got {value!r}")
     need = model_vocab(corpus, kind)
     if vocab_size < need:
         what = "byte data" if need == BYTE_VOCAB else f"{corpus.where} ({corpus.vocab_size} ids)"
-        raise ValueError(f"{what} needs vocab_size >= {need}, got {vocab_size}")
+        raise UserError(f"{what} needs vocab_size >= {need}, got {vocab_size}")
 
 
 def mask_tokens(tokens: torch.Tensor, gen: torch.Generator,
@@ -272,7 +274,7 @@ def get_batch(corpus: "Corpus | torch.Tensor", step: int, global_batch: int, seq
     data = split_corpus(corpus, split)
     need = seq_len + 1 if kind == "gpt2" else seq_len
     if len(data) < need:
-        raise ValueError(f"the {split!r} split has {len(data)} tokens, fewer than one "
+        raise UserError(f"the {split!r} split has {len(data)} tokens, fewer than one "
                          f"sequence needs ({need})")
     gen = torch.Generator().manual_seed(derive_seed(seed, "batch", split, step))
     starts = torch.randint(0, len(data) - need + 1, (global_batch, 1), generator=gen)

@@ -10,6 +10,7 @@ import numpy as np
 
 from chimera.data import MAX_CORPUS_BYTES, check_corpus_path
 from chimera.data_tokens import check_ids, id_dtype
+from chimera.errors import UserError
 
 
 def is_datasets_folder(p: Path) -> bool:
@@ -20,16 +21,16 @@ def _table(folder: Path):
     try:
         import pyarrow as pa  # optional extra (hf): pyarrow, with datasets
     except ImportError:
-        raise ValueError(f"--data {folder} is a datasets folder: reading it needs pyarrow "
+        raise UserError(f"--data {folder} is a datasets folder: reading it needs pyarrow "
                          "(pip install 'chimera-pipeline[hf]')") from None
     try:
         names = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
     except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{folder / 'state.json'} is not a datasets state file") from None
+        raise UserError(f"{folder / 'state.json'} is not a datasets state file") from None
     files = [folder / n for n in names]
     total = sum(f.stat().st_size for f in files if f.is_file())
     if total > MAX_CORPUS_BYTES:
-        raise ValueError(f"--data {folder} has {total:,} bytes of arrow data, more than the limit "
+        raise UserError(f"--data {folder} has {total:,} bytes of arrow data, more than the limit "
                          f"of {MAX_CORPUS_BYTES:,} (it is read into memory): write .bin token files")
     tables = []
     for f in files:
@@ -37,7 +38,7 @@ def _table(folder: Path):
         try:
             tables.append(pa.ipc.open_stream(pa.memory_map(str(f))).read_all())
         except pa.ArrowInvalid as exc:
-            raise ValueError(f"{f} is not an arrow stream ({exc})") from None
+            raise UserError(f"{f} is not an arrow stream ({exc})") from None
     return pa.concat_tables(tables) if tables else None
 
 
@@ -47,7 +48,7 @@ def pick_column(spec) -> str:
     columns = table.column_names if table is not None else []
     want = spec.text_field or ("input_ids" if "input_ids" in columns else "text")
     if want not in columns:
-        raise ValueError(f"--data {spec.path} has columns {', '.join(columns) or '(none)'}: no "
+        raise UserError(f"--data {spec.path} has columns {', '.join(columns) or '(none)'}: no "
                          f"{want!r} column (give input_ids, or choose a text column with --text-field)")
     return want
 
@@ -61,14 +62,14 @@ def token_ids(spec, column: str, vocab: int) -> np.ndarray:
     t = col.type
     if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) \
             or not pa.types.is_integer(t.value_type):
-        raise ValueError(f"--data {spec.path}: column {column!r} holds {t}, not lists of "
+        raise UserError(f"--data {spec.path}: column {column!r} holds {t}, not lists of "
                          "integer token ids")
     parts = [pc.list_flatten(chunk) for chunk in col.chunks]
     if col.null_count or any(part.null_count for part in parts):
-        raise ValueError(f"--data {spec.path}: column {column!r} has missing values")
+        raise UserError(f"--data {spec.path}: column {column!r} has missing values")
     ids = np.concatenate([part.to_numpy() for part in parts] or [np.zeros(0, np.int64)])
     if ids.size == 0:
-        raise ValueError(f"--data {spec.path}: column {column!r} holds no token ids")
+        raise UserError(f"--data {spec.path}: column {column!r} holds no token ids")
     check_ids(ids, vocab, spec.path)
     return ids.astype(id_dtype(vocab))
 
@@ -79,8 +80,8 @@ def text_rows(spec, column: str):
 
     col = _table(Path(spec.path)).column(column)
     if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-        raise ValueError(f"--data {spec.path}: column {column!r} holds {col.type}, not text")
+        raise UserError(f"--data {spec.path}: column {column!r} holds {col.type}, not text")
     if col.null_count:
-        raise ValueError(f"--data {spec.path}: column {column!r} has missing values")
+        raise UserError(f"--data {spec.path}: column {column!r} has missing values")
     for chunk in col.chunks:
         yield from chunk.to_pylist()

@@ -31,6 +31,7 @@ from pathlib import Path
 from chimera import data_datasets, data_text
 from chimera.data import BYTE_VOCAB, Corpus, check_corpus_path, load_corpus
 from chimera.data_tokens import TOKEN_DTYPES, bin_file, npy_file
+from chimera.errors import UserError
 
 MAX_VOCAB = 2**24               # an embedding row per id: beyond this is a typo, not a model
 META, META_FORMAT = "meta.json", "chimera-tokens"
@@ -65,13 +66,13 @@ class DataSpec:
 
     def __post_init__(self) -> None:
         if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
-            raise ValueError(f"--token-dtype must be one of {', '.join(TOKEN_DTYPES)}, "
+            raise UserError(f"--token-dtype must be one of {', '.join(TOKEN_DTYPES)}, "
                              f"got {self.token_dtype!r}")
         v = self.vocab_size
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= MAX_VOCAB):
-            raise ValueError(f"--vocab-size must be an integer from 2 to {MAX_VOCAB:,}, got {v!r}")
+            raise UserError(f"--vocab-size must be an integer from 2 to {MAX_VOCAB:,}, got {v!r}")
         if self.text_field is not None and (not isinstance(self.text_field, str) or not self.text_field):
-            raise ValueError(f"--text-field must be a column name, got {self.text_field!r}")
+            raise UserError(f"--text-field must be a column name, got {self.text_field!r}")
 
     @property
     def field(self) -> str:
@@ -110,12 +111,12 @@ def detect(spec: DataSpec) -> str:
     if suffix in TEXT_SUFFIXES:
         return "jsonl"
     if suffix == ".json":
-        raise ValueError(_json_refusal(p))
+        raise UserError(_json_refusal(p))
     with open(p, "rb") as f:
         head = f.read(16)
     kind = binary_kind(head, suffix)
     if kind:
-        raise ValueError(f"--data {p} is {kind}, not a supported data format: give text, .bin, "
+        raise UserError(f"--data {p} is {kind}, not a supported data format: give text, .bin, "
                          ".npy, .jsonl or a datasets folder")
     return "text"
 
@@ -145,7 +146,7 @@ def _json_refusal(p: Path) -> str:
 def _detect_folder(p: Path) -> str:
     if (p / "dataset_dict.json").is_file():
         splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
-        raise ValueError(f"--data {p} is a datasets DatasetDict (splits: {', '.join(splits)}): "
+        raise UserError(f"--data {p} is a datasets DatasetDict (splits: {', '.join(splits)}): "
                          f"pass one split's folder, e.g. --data {p / (splits or ['train'])[0]}")
     if data_datasets.is_datasets_folder(p):
         return "datasets"
@@ -153,7 +154,7 @@ def _detect_folder(p: Path) -> str:
         return "token-folder"
     for f in data_text.folder_files(p):
         if f.suffix.lower() in DATA_SUFFIXES:
-            raise ValueError(f"--data {p} holds {f.relative_to(p)}, a data file: a folder is read "
+            raise UserError(f"--data {p} holds {f.relative_to(p)}, a data file: a folder is read "
                              "as text, so pass that file itself as --data")
     return "text"
 
@@ -177,7 +178,7 @@ def describe(spec: DataSpec) -> DataInfo:
         known[meta["path"]] = meta["vocab_size"]
     if as_text and spec.tokenizer is None:
         if spec.vocab_size is not None:
-            raise ValueError(f"--vocab-size applies to token ids: {_what(spec, fmt)} is read as "
+            raise UserError(f"--vocab-size applies to token ids: {_what(spec, fmt)} is read as "
                              f"bytes ({BYTE_VOCAB} ids; give --tokenizer to read it as tokens)")
         return DataInfo(fmt, BYTE_VOCAB, True, True, column=column)
     vocab = _resolve_vocab(spec, known, fmt)
@@ -191,26 +192,26 @@ def _what(spec: DataSpec, fmt: str) -> str:
 
 def _check_flags(spec: DataSpec, fmt: str) -> None:
     if spec.token_dtype is not None and fmt not in ("bin", "token-folder"):
-        raise ValueError(f"--token-dtype applies to .bin token files, not to {_what(spec, fmt)} "
+        raise UserError(f"--token-dtype applies to .bin token files, not to {_what(spec, fmt)} "
                          "(a .npy and a datasets folder say their own dtype)")
     if spec.text_field is not None and fmt not in ("jsonl", "datasets"):
-        raise ValueError(f"--text-field applies to .jsonl files and datasets folders, not to "
+        raise UserError(f"--text-field applies to .jsonl files and datasets folders, not to "
                          f"{_what(spec, fmt)}")
 
 
 def _resolve_vocab(spec: DataSpec, known: dict[str, int], fmt: str) -> int:
     if len(set(known.values())) > 1:
-        raise ValueError("the vocabulary sizes disagree: " + ", ".join(
+        raise UserError("the vocabulary sizes disagree: " + ", ".join(
             f"{k} says {v}" for k, v in known.items()))
     have = max(known.values()) if known else None
     if spec.vocab_size is None:
         if have is None:
-            raise ValueError(f"{spec.path} holds token ids but no vocabulary size: give "
+            raise UserError(f"{spec.path} holds token ids but no vocabulary size: give "
                              "--vocab-size (e.g. 50257 for GPT-2's tokenizer) or --tokenizer")
         return have
     if have is not None and spec.vocab_size < have:
         source = next(iter(known))
-        raise ValueError(f"--vocab-size {spec.vocab_size} is smaller than the vocabulary of "
+        raise UserError(f"--vocab-size {spec.vocab_size} is smaller than the vocabulary of "
                          f"{source} ({have})")
     return spec.vocab_size
 
@@ -226,13 +227,13 @@ def _meta_for(path: str | None, fmt: str) -> dict | None:
     try:
         meta = json.loads(meta_path.read_text())
     except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"{meta_path} is not JSON") from None
+        raise UserError(f"{meta_path} is not JSON") from None
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
         return None  # another tool's meta.json: it says nothing about these ids
     if name not in meta.get("files", {}).values():
         return None
     if meta.get("dtype") not in TOKEN_DTYPES or not isinstance(meta.get("vocab_size"), int):
-        raise ValueError(f"{meta_path} is malformed: it needs dtype (uint16|uint32) and vocab_size")
+        raise UserError(f"{meta_path} is malformed: it needs dtype (uint16|uint32) and vocab_size")
     tok = meta.get("tokenizer")
     return {**meta, "path": str(meta_path), "tokenizer_path": str(folder / tok) if tok else None}
 
@@ -268,7 +269,7 @@ def _text(spec: DataSpec, info: DataInfo, progress: bool) -> Corpus:
     ids = data_text.encode_all(tokenizer, pieces, info.vocab_size, progress,
                                None if info.format == "stdlib" else data_size(spec))
     if len(ids) == 0:
-        raise ValueError(f"{where} holds no text")
+        raise UserError(f"{where} holds no text")
     return Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=spec.tokenizer)
 
 
@@ -288,10 +289,10 @@ def _token_arrays(spec: DataSpec, fmt: str, vocab: int | None = None, progress: 
     meta = _meta_for(spec.path, fmt)
     dtype = spec.token_dtype or (meta or {}).get("dtype")
     if dtype is None:
-        raise ValueError(f"{p} holds raw token ids of no stated width: give --token-dtype "
+        raise UserError(f"{p} holds raw token ids of no stated width: give --token-dtype "
                          "uint16 or uint32 (nanoGPT writes uint16)")
     if meta is not None and spec.token_dtype not in (None, meta["dtype"]):
-        raise ValueError(f"--token-dtype {spec.token_dtype} contradicts {meta['path']} "
+        raise UserError(f"--token-dtype {spec.token_dtype} contradicts {meta['path']} "
                          f"(dtype {meta['dtype']})")
     if fmt == "bin":
         return bin_file(p, dtype, vocab, progress), None
@@ -302,7 +303,7 @@ def _token_arrays(spec: DataSpec, fmt: str, vocab: int | None = None, progress: 
 
 def _check_length(corpus: Corpus, seq_len: int | None) -> None:
     if seq_len is not None and len(corpus.train) < seq_len + 1:
-        raise ValueError(f"{corpus.where} has {len(corpus.train):,} tokens in its training "
+        raise UserError(f"{corpus.where} has {len(corpus.train):,} tokens in its training "
                          f"split: fewer than one sequence of {seq_len} + 1")
 
 

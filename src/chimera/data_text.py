@@ -21,6 +21,7 @@ import torch
 from chimera.data import (MAX_CORPUS_BYTES, check_not_binary, check_total_size, text_files,
                           walk_sorted, load_corpus)
 from chimera.data_tokens import id_dtype
+from chimera.errors import UserError
 
 PIECE_CHARS = 2**20             # documents are cut after a newline into pieces this long at most
 BATCH_CHARS = 2**23             # characters a tokenizer encodes in one call (in parallel)
@@ -38,15 +39,15 @@ def load_tokenizer(path: str):
     try:
         from tokenizers import Tokenizer  # optional extra (hf): tokenizers
     except ImportError:
-        raise ValueError("--tokenizer needs the tokenizers package "
+        raise UserError("--tokenizer needs the tokenizers package "
                          "(pip install 'chimera-pipeline[hf]')") from None
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"--tokenizer {path}: no such file")
+        raise UserError(f"--tokenizer {path}: no such file")
     try:
         return Tokenizer.from_file(str(p))
     except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
-        raise ValueError(f"--tokenizer {path}: not a tokenizers JSON file "
+        raise UserError(f"--tokenizer {path}: not a tokenizers JSON file "
                          f"({str(exc).splitlines()[0][:120]})") from None
 
 
@@ -98,14 +99,14 @@ def _decode(data: bytes, where: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{where} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+        raise UserError(f"{where} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
                          f"{exc.start:,}): a tokenizer reads text; without --tokenizer it is "
                          "read as bytes") from None
 
 
 def _jsonl(p: Path, field: str) -> Iterator[str]:
     if p.stat().st_size > MAX_CORPUS_BYTES:
-        raise ValueError(f"{p} has {p.stat().st_size:,} bytes, more than the limit of "
+        raise UserError(f"{p} has {p.stat().st_size:,} bytes, more than the limit of "
                          f"{MAX_CORPUS_BYTES:,} (it is read into memory): write .bin token "
                          "files with chimera tokenize")
     with open(p, "rb") as f:
@@ -115,15 +116,15 @@ def _jsonl(p: Path, field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except ValueError as exc:
-                raise ValueError(f"{p} line {n} is not JSON ({str(exc).splitlines()[0]})") from None
+                raise UserError(f"{p} line {n} is not JSON ({str(exc).splitlines()[0]})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{p} line {n} is a JSON {type(record).__name__}, not an object "
+                raise UserError(f"{p} line {n} is a JSON {type(record).__name__}, not an object "
                                  f"with a {field!r} field")
             if field not in record:
-                raise ValueError(f"{p} line {n} has no {field!r} field (it has "
+                raise UserError(f"{p} line {n} has no {field!r} field (it has "
                                  f"{', '.join(map(repr, record)) or 'none'}): choose one with --text-field")
             if not isinstance(record[field], str):
-                raise ValueError(f"{p} line {n}: {field!r} is a {type(record[field]).__name__}, not text")
+                raise UserError(f"{p} line {n}: {field!r} is a {type(record[field]).__name__}, not text")
             yield record[field]
 
 
@@ -136,10 +137,10 @@ def pieces_as_bytes(pieces: Iterable[str], where: str) -> torch.Tensor:
     for piece in pieces:
         data += piece.encode("utf-8")
         if len(data) > MAX_CORPUS_BYTES:
-            raise ValueError(f"the text of {where} is more than the limit of "
+            raise UserError(f"the text of {where} is more than the limit of "
                              f"{MAX_CORPUS_BYTES:,} bytes (every rank holds it in memory)")
     if not data.strip():
-        raise ValueError(f"{where} holds no text")
+        raise UserError(f"{where} holds no text")
     return torch.frombuffer(data, dtype=torch.uint8)
 
 
@@ -169,7 +170,7 @@ def _encode(tokenizer, batch: list[str], vocab: int) -> np.ndarray:
     encoded = tokenizer.encode_batch(batch, add_special_tokens=False)
     ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encoded), dtype=np.int64)
     if ids.size and ids.max() >= vocab:  # before narrowing: an id must not wrap around
-        raise ValueError(f"the tokenizer made id {int(ids.max())}, outside the vocabulary of "
+        raise UserError(f"the tokenizer made id {int(ids.max())}, outside the vocabulary of "
                          f"{vocab} ids")
     return ids.astype(id_dtype(vocab))
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from chimera.data import check_corpus_path
+from chimera.errors import UserError
 
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 SCAN_CHUNK = 2**24              # ids checked per read of a file
@@ -58,9 +59,9 @@ def bin_file(p: Path, dtype: str, vocab: int | None, progress: bool) -> TokenFil
     check_corpus_path(p)
     size, width = p.stat().st_size, TOKEN_DTYPES[dtype].itemsize
     if size == 0:
-        raise ValueError(f"{p} is empty")
+        raise UserError(f"{p} is empty")
     if size % width:
-        raise ValueError(f"{p} has {size:,} bytes, not a multiple of {width} ({dtype} ids): not "
+        raise UserError(f"{p} has {size:,} bytes, not a multiple of {width} ({dtype} ids): not "
                          "a token file of that dtype")
     ids = TokenFile(str(p), TOKEN_DTYPES[dtype], 0, size // width)
     if vocab is not None:
@@ -74,15 +75,15 @@ def npy_file(p: Path, vocab: int | None, progress: bool) -> TokenFile:
     except ValueError as exc:  # object arrays need a pickle; a damaged header
         objects = "allow_pickle" in str(exc) or "Python objects" in str(exc)
         kind = "Python objects (a pickle)" if objects else str(exc).splitlines()[0]
-        raise ValueError(f"{p} holds {kind}, not token ids") from None
+        raise UserError(f"{p} holds {kind}, not token ids") from None
     except (OSError, EOFError) as exc:
-        raise ValueError(f"{p} is not a readable .npy file ({exc})") from None
+        raise UserError(f"{p} is not a readable .npy file ({exc})") from None
     if not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{p} holds {array.dtype} values: token ids must be integers")
+        raise UserError(f"{p} holds {array.dtype} values: token ids must be integers")
     if array.ndim != 1:
-        raise ValueError(f"{p} is {array.ndim}-D {tuple(array.shape)}: give a 1-D array of token ids")
+        raise UserError(f"{p} is {array.ndim}-D {tuple(array.shape)}: give a 1-D array of token ids")
     if array.size == 0:
-        raise ValueError(f"{p} is empty")
+        raise UserError(f"{p} is empty")
     ids = TokenFile(str(p), array.dtype, array.offset, len(array))
     if vocab is not None:
         check_ids(ids, vocab, str(p), progress)
@@ -100,7 +101,7 @@ def check_ids(ids, vocab: int, where: str, progress: bool = False) -> None:
             bad |= chunk < 0
         if bad.any():
             at = int(np.argmax(bad))
-            raise ValueError(f"{where} holds token id {int(chunk[at])} (at position {lo + at:,}), "
+            raise UserError(f"{where} holds token id {int(chunk[at])} (at position {lo + at:,}), "
                              f"outside the vocabulary of {vocab} ids")
         if bar is not None:
             bar.update(len(chunk))

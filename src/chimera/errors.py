@@ -1,18 +1,17 @@
-"""Errors that show the schedule they are about (no torch): the rank-by-slot grid with the
-offending action marked, so a failure explains itself (``validate``, ``rendezvous``)."""
+"""The package's error for user mistakes (no imports: every layer may raise it).
+
+:class:`UserError` is bad input: a flag, a file, a config value, a schedule argument. Its
+message names the problem; ``chimera`` prints it as one line and exits with code 2. Every
+error type the package raises for bad input derives from it (``ScheduleError``,
+``ConfigError``, ``CheckpointError``, ``ProfileError``, ``PlanError``, the CLI's
+``UsageError``). It is a ``ValueError``, so callers that catch ``ValueError`` still catch it.
+
+Any other exception is a bug in the library (or a failure the caller must see whole): the
+command line shows its traceback and exits with code 1.
+"""
 
 from __future__ import annotations
 
-from chimera.ir import Schedule, ScheduleError
-from chimera.viz.grid import render_programs
 
-
-class ValidationError(ScheduleError):
-    """``problem`` at action ``index`` of ``rank`` (when known); the message ends with the grid."""
-
-    def __init__(self, problem: str, schedule: Schedule, rank: int | None = None,
-                 index: int | None = None):
-        self.problem, self.rank, self.index = problem, rank, index
-        mark = schedule.programs[rank][index] if rank is not None and index is not None else None
-        picture = render_programs(schedule, mark=mark)
-        super().__init__(f"{problem}\n{picture}" if picture else problem)
+class UserError(ValueError):
+    """Bad input from the user; the message says what is wrong and, where it can, what to do."""

@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable, Iterator
 
+from chimera.errors import UserError
 
-class ScheduleError(ValueError):
+
+class ScheduleError(UserError):
     """A schedule, placement or generator argument is invalid."""
 
 

@@ -12,6 +12,8 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from chimera.errors import UserError
+
 KINDS = ("gpt2", "bert")
 
 
@@ -30,18 +32,18 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+            raise UserError(f"kind must be one of {KINDS}, got {self.kind!r}")
         for name in ("n_layer", "d_model", "n_head", "seq_len", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise UserError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
-            raise ValueError(
+            raise UserError(
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if not isinstance(self.vocab_size, int) or self.vocab_size < 2:
-            raise ValueError(f"vocab_size must be an integer >= 2, got {self.vocab_size!r}")
+            raise UserError(f"vocab_size must be an integer >= 2, got {self.vocab_size!r}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+            raise UserError(f"dropout must be in [0, 1), got {self.dropout!r}")
 
     @property
     def n_layers_total(self) -> int:
@@ -65,7 +67,7 @@ PRESETS = types.MappingProxyType({
 def get_config(name: str, **overrides) -> ModelConfig:
     """The preset ``name``, with any field overridden (e.g. ``vocab_size=50257``)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
+        raise UserError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
     return replace(PRESETS[name], **overrides)
 
 
@@ -121,11 +123,11 @@ def layer_costs(cfg: ModelConfig) -> list[float]:
 
 def _check_costs(costs: Sequence[float], parts: int) -> None:
     if not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"number of stages must be a positive integer, got {parts!r}")
+        raise UserError(f"number of stages must be a positive integer, got {parts!r}")
     if any(not math.isfinite(c) or c < 0 for c in costs):
-        raise ValueError(f"layer costs must be finite and non-negative, got {list(costs)}")
+        raise UserError(f"layer costs must be finite and non-negative, got {list(costs)}")
     if parts > len(costs):
-        raise ValueError(f"cannot split {len(costs)} layers into {parts} stages: "
+        raise UserError(f"cannot split {len(costs)} layers into {parts} stages: "
                          f"every stage needs at least one layer")
 
 

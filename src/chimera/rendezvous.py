@@ -53,8 +53,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from chimera.comm_plan import CommPlan, Launch, Message, Post
-from chimera.errors import ValidationError
+from chimera.errors import UserError
 from chimera.ir import Action, Op, Schedule
+from chimera.validation_error import ValidationError
 
 MODES = ("pair", "rank")
 ISEND, IRECV, WAIT, ALL_REDUCE = "isend", "irecv", "wait", "all_reduce"
@@ -172,9 +173,9 @@ def check(plan: CommPlan, mode: str = "pair", data_parallel: int = 1,
     """Replay ``plan`` under NCCL's rules (module docstring); raise RendezvousDeadlock if
     some rank can never finish its iteration. ``buckets`` as in :func:`issued_ops`."""
     if mode not in MODES:
-        raise ValueError(f"unknown stream mode {mode!r}; choose one of {', '.join(MODES)}")
+        raise UserError(f"unknown stream mode {mode!r}; choose one of {', '.join(MODES)}")
     if data_parallel < 1:
-        raise ValueError(f"data_parallel must be at least 1, got {data_parallel}")
+        raise UserError(f"data_parallel must be at least 1, got {data_parallel}")
     depth = plan.schedule.ranks
     copy0 = [_pipeline_calls(plan, d, data_parallel, buckets) for d in range(depth)]
     calls = [_shifted(c, w * depth) for w in range(data_parallel) for c in copy0]

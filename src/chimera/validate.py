@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import Counter
 
 from chimera import comm_plan, rendezvous
-from chimera.errors import ValidationError
 from chimera.ir import Action, Op, Schedule
 from chimera.sim.engine import Deadlock, simulate
+from chimera.validation_error import ValidationError
 
 __all__ = ["ValidationError", "validate"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chimera.errors import UserError
 from chimera.ir import ScheduleError
 from chimera.schedules import get_scheme, schemes
 
@@ -72,9 +73,9 @@ class BenchConfig:
         for name in ("stages", "micro_batches", "micro_batch_size", "threads", "steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"bench {name.replace('_', '-')} must be a positive integer, got {value!r}")
+                raise UserError(f"bench {name.replace('_', '-')} must be a positive integer, got {value!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"bench warmup must be a non-negative integer, got {self.warmup!r}")
+            raise UserError(f"bench warmup must be a non-negative integer, got {self.warmup!r}")
 
     @classmethod
     def quick_config(cls, **kw) -> "BenchConfig":

@@ -9,12 +9,12 @@ everywhere), so their step times compare like with like.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from chimera.bench.rows import BenchConfig, Row
 from chimera.schedules import get_scheme
 from chimera.train.config import TrainConfig
 from chimera.models import loss_fn
+from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares
 from chimera.train.loop import Trainer, lr_at
 
 
@@ -30,7 +30,7 @@ class SingleRunner:
             tc = TrainConfig(model=cfg.model, schedule="none", stages=1, micro_batches=1,
                              micro_batch_size=cfg.global_batch, steps=cfg.rounds + 2,
                              seed=cfg.seed, progress=False)
-            self.trainer = Trainer(tc, 0)
+            self.trainer = Trainer(tc.preflight(), 0)
 
     def step(self, i: int) -> float | None:
         if self.trainer is None:
@@ -52,9 +52,7 @@ class SingleRunner:
             loss.backward()
             total += float(loss.detach())
         grads = [p.grad for p in tr.params]
-        norm = float(torch.stack(torch._foreach_norm(grads)).double().pow(2).sum().sqrt())
-        if tr.cfg.clip > 0 and norm > tr.cfg.clip:
-            torch._foreach_mul_(grads, tr.cfg.clip / (norm + 1e-6))
+        clip_by_global_norm_(grads, sum_of_squares(grads), tr.cfg.clip or None)
         for group in tr.optimizer.param_groups:
             group["lr"] = lr_at(tr.cfg, i)
         tr.optimizer.step()
@@ -72,7 +70,7 @@ class OursRunner:
                          options={k: v for k, v in opts.items() if k in get_scheme(row.schedule).options},
                          shard_optimizer=bool(opts.get("shard")),
                          threads=cfg.threads, comm_timeout=cfg.comm_timeout, progress=False)
-        self.trainer = Trainer(tc, rank)
+        self.trainer = Trainer(tc.preflight(), rank)
 
     def step(self, i: int) -> float:
         return self.trainer.step(i).loss
@@ -139,11 +137,3 @@ def peak_activation_bytes(runner, i: int) -> int:
         runner.step(i)
     return meter.peak
 
-
-def global_clip_(params, local_sq: torch.Tensor, clip: float) -> float:
-    """Clip ``params``' gradients by the global norm, given this rank's sum of squares."""
-    dist.all_reduce(local_sq)
-    norm = float(local_sq.sqrt())
-    if clip > 0 and norm > clip:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], clip / (norm + 1e-6))
-    return norm

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row
-from chimera.bench.runners import global_clip_
 from chimera.data import get_batch, load_corpus
 from chimera.models import build_layers, get_config, loss_fn
+from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares
 from chimera.train.config import TrainConfig
 from chimera.train.loop import make_optimizer, stage_ranges
 
@@ -39,7 +39,7 @@ class TorchRunner:
         self.cfg, self.model = cfg, get_config(cfg.model)
         self.tc = TrainConfig(model=cfg.model, schedule="none", stages=1, micro_batches=1,
                               micro_batch_size=cfg.global_batch, steps=cfg.rounds + 2,
-                              seed=cfg.seed, progress=False)
+                              seed=cfg.seed, progress=False).preflight()
         n = cfg.stages * per_rank
         ranges = stage_ranges(self.tc, self.tc.model_source, n)
         self.indices = stages_of(style, rank, cfg.stages, per_rank)
@@ -74,6 +74,5 @@ class TorchRunner:
 
     def _clip(self) -> float:
         grads = [p.grad for p in self.params if p.grad is not None]
-        norms = torch._foreach_norm(grads) if grads else []
-        local = torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
-        return global_clip_(self.params, local.reshape(()), self.tc.clip)
+        return float(clip_by_global_norm_(grads, sum_of_squares(grads), self.tc.clip or None,
+                                          all_reduce=dist.all_reduce))

@@ -1,7 +1,9 @@
 """The `chimera` command line: thin argument parsing over the library.
 
 Each sub-command lives in its own module with ``add_parser(subparsers)`` registering it and
-setting ``func``. Bad input exits with code 2 and one line on stderr, never a traceback.
+setting ``func``. Bad input (a :class:`chimera.errors.UserError`) exits with code 2 and one
+line on stderr (plus the grid of a schedule error). Anything else is a bug in the library: it
+propagates, so Python prints its traceback and exits with code 1.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ import argparse
 import importlib
 import sys
 
-from chimera.cli.common import UsageError, fail
-from chimera.ir import ScheduleError
+from chimera.cli.common import fail
+from chimera.errors import UserError
 
 COMMANDS = ("chimera.cli.schedule_cmds",)
 OPTIONAL_COMMANDS = ("chimera.cli.train_cmd", "chimera.cli.generate_cmd", "chimera.cli.export_cmd",
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ScheduleError, ValueError) as exc:
+    except UserError as exc:
         fail(f"chimera {args.command}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
              detail=str(exc))
     except BrokenPipeError:

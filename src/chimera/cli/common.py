@@ -7,6 +7,7 @@ import math
 import os
 import sys
 
+from chimera.errors import UserError
 from chimera.ir import Schedule
 from chimera.passes import SYNC_MODES, lower
 from chimera.schedules import build, get_scheme, schemes
@@ -14,8 +15,8 @@ from chimera.schedules.registry import option_declarations
 from chimera.validate import validate
 
 
-class UsageError(Exception):
-    """Bad input from the user: reported as one line, exit code 2."""
+class UsageError(UserError):
+    """A bad combination of flags: reported as one line, exit code 2."""
 
 
 def fail(message: str, detail: str | None = None) -> None:

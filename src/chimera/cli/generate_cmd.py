@@ -8,6 +8,7 @@ import math
 import sys
 
 from chimera.cli.common import positive_int
+from chimera.errors import UserError
 
 
 def add_parsers(sub) -> None:
@@ -65,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda: no GPU is visible to this torch; use --device cpu")
+            raise UserError("--device cuda: no GPU is visible to this torch; use --device cpu")
     out = generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
                    args.top_k, args.seed, args.device, args.tokenizer)
     for note in out.notes:

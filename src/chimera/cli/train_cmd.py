@@ -152,7 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from chimera.train.lease import check_free
 
         check_free(args.checkpoint_dir)
-    cfg = config_from_args(args)  # every check happens here, before any process starts
+    cfg = config_from_args(args).preflight()  # every check, before any process starts
     for path, flag in ((cfg.trace, "--trace"), (cfg.png, "--png"), (cfg.log_json, "--log-json")):
         check_output(path, flag)
     if args.data is not None or args.tokenizer is not None or cfg.eval_every:

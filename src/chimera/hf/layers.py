@@ -23,6 +23,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
+from chimera.errors import UserError
+
 IGNORE = -100  # HF's label for "no loss here" (padding, unmasked MLM positions)
 
 
@@ -68,23 +70,23 @@ class Embed(HFLayer):
         if isinstance(inputs, dict):
             unknown = sorted(set(inputs) - set(self.keys))
             if unknown:
-                raise ValueError(f"inputs: unexpected key(s) {unknown}; {type(self).__name__} takes "
+                raise UserError(f"inputs: unexpected key(s) {unknown}; {type(self).__name__} takes "
                                  f"{list(self.keys)}")
             ids, mask, pos, types = (inputs.get(k) for k in
                                      ("input_ids", "attention_mask", "position_ids", "token_type_ids"))
         else:
             ids = inputs
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
-            raise ValueError(f"input_ids must be a (batch, length) integer tensor, got {_desc(ids)}")
+            raise UserError(f"input_ids must be a (batch, length) integer tensor, got {_desc(ids)}")
         for name, t in (("attention_mask", mask), ("position_ids", pos), ("token_type_ids", types)):
             if t is not None and (not isinstance(t, torch.Tensor) or t.shape != ids.shape):
-                raise ValueError(f"{name} must be a (batch, length) tensor like input_ids "
+                raise UserError(f"{name} must be a (batch, length) tensor like input_ids "
                                  f"{tuple(ids.shape)}, got {_desc(t)} (4-D masks are not supported)")
         if types is not None and "token_type_ids" not in self.keys:
-            raise ValueError(f"{type(self).__name__} takes no token_type_ids")
+            raise UserError(f"{type(self).__name__} takes no token_type_ids")
         limit = getattr(self.config, "max_position_embeddings", None)
         if self.absolute_positions and limit is not None and ids.shape[1] > limit:
-            raise ValueError(f"sequence length {ids.shape[1]} > max_position_embeddings {limit}")
+            raise UserError(f"sequence length {ids.shape[1]} > max_position_embeddings {limit}")
         return ids, mask, pos, types
 
 
@@ -186,7 +188,7 @@ def bert_plan(config) -> list[tuple[type, dict[str, str]]]:
 # -- losses (sums over tokens: Pipeline(loss_reduction="token_mean") divides) ----------------
 def _check_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
     if not isinstance(labels, torch.Tensor) or labels.shape != logits.shape[:2]:
-        raise ValueError(f"labels must be (batch, length) like input_ids {tuple(logits.shape[:2])}, "
+        raise UserError(f"labels must be (batch, length) like input_ids {tuple(logits.shape[:2])}, "
                          f"got {_desc(labels)}")
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from chimera.api import Pipeline
 from chimera.byo import build_layers
+from chimera.errors import UserError
 from chimera.hf import layers as L
 from chimera.hf.weights import (Checkpoint, cast_parameters, clear_init_flags, load_layer, save_folder,
                                 tie_within)
@@ -57,7 +58,7 @@ class HFModel:
         self._shadow = None if model is not None else self.source  # on meta: for sizing
         attn = self.config._attn_implementation
         if attn not in ATTENTION:
-            raise ValueError(f"attention implementation {attn!r} is not supported "
+            raise UserError(f"attention implementation {attn!r} is not supported "
                              f"(use one of {ATTENTION})")
         self.plan = plan(self.config)
         self.num_layers = len(self.plan)
@@ -170,7 +171,7 @@ class HFModel:
         want = {k for k in self.source.state_dict(keep_vars=True) if k not in self.hf_ties}
         if set(out) != want:
             missing, extra = sorted(want - set(out)), sorted(set(out) - want)
-            raise ValueError(f"not the whole {self.arch}: missing {missing[:4]}, unexpected {extra[:4]}")
+            raise UserError(f"not the whole {self.arch}: missing {missing[:4]}, unexpected {extra[:4]}")
         return out
 
     def save_pretrained(self, state, folder: str | Path) -> Path | None:
@@ -217,7 +218,7 @@ def load(source, *, dtype: torch.dtype | None = None, attn_implementation: str |
     if isinstance(source, PreTrainedModel):
         model, config, arch = source, source.config, type(source).__name__
         if arch not in ARCHS:
-            raise ValueError(f"{arch} is not supported (chimera.hf supports {SUPPORTED})")
+            raise UserError(f"{arch} is not supported (chimera.hf supports {SUPPORTED})")
     else:
         if isinstance(source, PretrainedConfig):
             config = copy.deepcopy(source)
@@ -227,10 +228,10 @@ def load(source, *, dtype: torch.dtype | None = None, attn_implementation: str |
     check_config(arch, config)
     if attn_implementation is not None:
         if attn_implementation not in ATTENTION:
-            raise ValueError(f"attn_implementation {attn_implementation!r} is not supported "
+            raise UserError(f"attn_implementation {attn_implementation!r} is not supported "
                              f"(use one of {ATTENTION})")
         if model is not None and config._attn_implementation != attn_implementation:
-            raise ValueError(f"the model uses {config._attn_implementation!r} attention; build it with "
+            raise UserError(f"the model uses {config._attn_implementation!r} attention; build it with "
                              f"attn_implementation={attn_implementation!r} instead")
         config._attn_implementation = attn_implementation
     return HFModel(arch, config, model, checkpoint, dtype, labels_shifted)
@@ -238,18 +239,18 @@ def load(source, *, dtype: torch.dtype | None = None, attn_implementation: str |
 
 def _read_folder(path: Path):
     if not path.exists():
-        raise ValueError(f"{path}: no such file or folder (chimera.hf reads local files only: "
+        raise UserError(f"{path}: no such file or folder (chimera.hf reads local files only: "
                          "a config.json or a save_pretrained folder)")
     file = path if path.is_file() else path / "config.json"
     if not file.is_file():
-        raise ValueError(f"{path}: no config.json in this folder")
+        raise UserError(f"{path}: no config.json in this folder")
     try:
         raw = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{file}: not a JSON config ({exc})") from None
+        raise UserError(f"{file}: not a JSON config ({exc})") from None
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type not in {t for t, _, _ in ARCHS.values()}:
-        raise ValueError(f"{file}: model_type {model_type!r} is not supported (chimera.hf supports "
+        raise UserError(f"{file}: model_type {model_type!r} is not supported (chimera.hf supports "
                          f"{SUPPORTED})")
     from transformers import AutoConfig  # start-up time (see _on_meta)
 
@@ -259,7 +260,7 @@ def _read_folder(path: Path):
         others = [] if folder is None else sorted(
             p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth"))
         if others:
-            raise ValueError(f"{folder}: only safetensors weights are read, found {others[0]} (save the "
+            raise UserError(f"{folder}: only safetensors weights are read, found {others[0]} (save the "
                              "model with save_pretrained(..., safe_serialization=True))")
         return config, None
     return config, Checkpoint(folder)
@@ -270,12 +271,12 @@ def _architecture(config) -> str:
     if named:
         arch = next((a for a in named if a in ARCHS), None)
         if arch is None:
-            raise ValueError(f"architecture {named[0]} is not supported (chimera.hf supports "
+            raise UserError(f"architecture {named[0]} is not supported (chimera.hf supports "
                              f"{SUPPORTED}; pass architecture= to train the weights as one of those)")
         return arch
     by_type = {t: a for a, (t, _, _) in ARCHS.items()}
     if config.model_type not in by_type:
-        raise ValueError(f"model_type {config.model_type!r} is not supported (chimera.hf supports "
+        raise UserError(f"model_type {config.model_type!r} is not supported (chimera.hf supports "
                          f"{SUPPORTED})")
     return by_type[config.model_type]
 
@@ -283,22 +284,22 @@ def _architecture(config) -> str:
 def check_config(arch: str, config) -> None:
     """Refuse, in one line, what the layers would not compute as HF does."""
     if arch not in ARCHS:
-        raise ValueError(f"architecture {arch} is not supported (chimera.hf supports {SUPPORTED})")
+        raise UserError(f"architecture {arch} is not supported (chimera.hf supports {SUPPORTED})")
     want = ARCHS[arch][0]
     if config.model_type != want:
-        raise ValueError(f"{arch} needs a {want!r} config, got model_type {config.model_type!r} "
+        raise UserError(f"{arch} needs a {want!r} config, got model_type {config.model_type!r} "
                          f"(chimera.hf supports {SUPPORTED})")
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(config, key, None):
-            raise ValueError(f"mixture-of-experts configs ({key}={getattr(config, key)}) are not "
+            raise UserError(f"mixture-of-experts configs ({key}={getattr(config, key)}) are not "
                              "supported")
     if getattr(config, "sliding_window", None) or getattr(config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is not supported (full causal attention only)")
+        raise UserError("sliding-window attention is not supported (full causal attention only)")
     if getattr(config, "add_cross_attention", False):
-        raise ValueError(f"{arch} with add_cross_attention=True is not supported")
+        raise UserError(f"{arch} with add_cross_attention=True is not supported")
     if arch == "BertForMaskedLM" and config.is_decoder:
-        raise ValueError("BertForMaskedLM with is_decoder=True is not supported (bidirectional only)")
+        raise UserError("BertForMaskedLM with is_decoder=True is not supported (bidirectional only)")
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope in ("dynamic", "longrope"):
-        raise ValueError(f"rope_type {rope!r} changes with the sequence length and is not supported "
+        raise UserError(f"rope_type {rope!r} changes with the sequence length and is not supported "
                          "(default, linear, llama3 and yarn are)")

@@ -23,6 +23,7 @@ import torch
 from chimera import rng
 from chimera.byo import layer_seed, merge_ties, seeded
 from chimera.data import model_vocab
+from chimera.errors import UserError
 from chimera.hf.model import HFModel, check_config, load
 from chimera.train.source_base import HF_PREFIX, HF_PRESETS, ModelSource
 
@@ -65,14 +66,14 @@ class HFSource(ModelSource):
     def _check_sizes(self) -> None:
         if self.config.vocab_size < self.vocab_size:
             what = "with BERT's mask id" if self.kind == "bert" else "ids"
-            raise ValueError(f"--model {self.name}: its vocab_size {self.config.vocab_size} is smaller "
+            raise UserError(f"--model {self.name}: its vocab_size {self.config.vocab_size} is smaller "
                              f"than the data's vocabulary ({self.vocab_size} {what}); use a config "
                              f"with vocab_size >= {self.vocab_size}")
         longest = context_of(self.config)
         if not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
+            raise UserError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
         if longest is not None and self.seq_len > longest:
-            raise ValueError(f"--seq-len {self.seq_len} is longer than {self.name}'s "
+            raise UserError(f"--seq-len {self.seq_len} is longer than {self.name}'s "
                              f"max_position_embeddings {longest}")
 
     @classmethod
@@ -84,7 +85,7 @@ class HFSource(ModelSource):
             return cls(name, arch, config, seq_len or default, config.vocab_size, dtype)
         path = name[len(HF_PREFIX):]
         if not path:
-            raise ValueError("--model hf:PATH: give a config.json, or a folder holding one (and "
+            raise UserError("--model hf:PATH: give a config.json, or a folder holding one (and "
                              "save_pretrained safetensors weights to start from)")
         model = load(path, dtype=dtype, labels_shifted=True)
         weights = path if model.checkpoint is not None else None
@@ -106,7 +107,7 @@ class HFSource(ModelSource):
             return cls(name, arch, config, int(fingerprint["seq_len"]),
                        int(fingerprint["vocab_size"]), dtype)
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"its model_config does not describe a Hugging Face model this "
+            raise UserError(f"its model_config does not describe a Hugging Face model this "
                              f"version builds: {str(exc).splitlines()[0]}") from None
 
     @cached_property
@@ -152,5 +153,5 @@ class HFSource(ModelSource):
             try:
                 named[self.model.pipeline_name(key)] = tensor
             except KeyError as exc:
-                raise ValueError(f"{exc.args[0]}: not a parameter of this model") from None
+                raise UserError(f"{exc.args[0]}: not a parameter of this model") from None
         return self.model.save_pretrained(named, folder)

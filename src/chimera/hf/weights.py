@@ -19,6 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from chimera.errors import UserError
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -123,13 +125,13 @@ def load_layer(layer: nn.Module, index: int, names: dict[str, list[str]], ckpt: 
         for local, t in tensors.items():
             key = None if ckpt is None or local not in names else ckpt.find(names[local])
             if ckpt is not None and local in names and key is None:
-                raise ValueError(f"{ckpt.folder}: no tensor {names[local][0]} (layer {index}); the "
+                raise UserError(f"{ckpt.folder}: no tensor {names[local][0]} (layer {index}); the "
                                  "weights do not match the config")
             if key is None:
                 continue
             value = ckpt.get(key)
             if tuple(value.shape) != tuple(t.shape):
-                raise ValueError(f"{ckpt.folder}: {key} has shape {tuple(value.shape)}, the config "
+                raise UserError(f"{ckpt.folder}: {key} has shape {tuple(value.shape)}, the config "
                                  f"makes {tuple(t.shape)}")
             t.copy_(value)
             t._is_hf_initialized = True

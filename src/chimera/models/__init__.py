@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chimera.data import IGNORE_INDEX
+from chimera.errors import UserError
 from chimera.models.bert import BERT_LAYERS
 from chimera.models.gpt2 import (
     GPT2_LAYERS, PRESETS, ModelConfig, flops_per_token, get_config, layer_param_counts,
@@ -34,7 +35,7 @@ __all__ = [
 
 def _layer_class(cfg: ModelConfig, index: int) -> type:
     if not 0 <= index < cfg.n_layers_total:
-        raise ValueError(f"layer index {index} out of range: the model has "
+        raise UserError(f"layer index {index} out of range: the model has "
                          f"{cfg.n_layers_total} layers (embedding, {cfg.n_layer} blocks, head)")
     embed, block, head = GPT2_LAYERS if cfg.kind == "gpt2" else BERT_LAYERS
     if index == 0:
@@ -119,5 +120,5 @@ def loss_fn(cfg: ModelConfig, reduction: str = "mean"):
     which for BERT differs from averaging per-micro-batch means.
     """
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        raise UserError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     return functools.partial(_cross_entropy, reduction=reduction)

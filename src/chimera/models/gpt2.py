@@ -22,6 +22,7 @@ from torch import nn
 
 from chimera import rng
 from chimera.data import derive_seed
+from chimera.errors import UserError
 from chimera.modelcfg import (  # noqa: F401  (the torch-free config, re-exported here)
     KINDS, PRESETS, ModelConfig, flops_per_token, get_config, layer_param_counts, param_count)
 
@@ -80,11 +81,11 @@ class TokenPositionEmbedding(nn.Module):
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.dim() != 2 or idx.dtype != torch.long:
-            raise ValueError(f"embedding expects (B, T) int64 token ids, got "
+            raise UserError(f"embedding expects (B, T) int64 token ids, got "
                              f"{tuple(idx.shape)} {idx.dtype}")
         T = idx.shape[1]
         if T > self.seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.seq_len}")
+            raise UserError(f"sequence length {T} exceeds the model's seq_len {self.seq_len}")
         pos = torch.arange(T, device=idx.device)                # (T,)
         return self.tok(idx) + self.pos(pos)                    # (B, T, C)
 

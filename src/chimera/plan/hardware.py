@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from chimera.errors import UserError
 from chimera.sim.cost import Link
 from chimera.sim.profile import Profile
 
 PRECISIONS = ("fp32", "mixed")
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """Bad planner input (unknown hardware, bad profile, impossible request): exit code 2."""
 
 

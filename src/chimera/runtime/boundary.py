@@ -19,10 +19,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from chimera.errors import UserError
+
 ALIGN = 16  # bytes; a uint8 slice can be viewed as any dtype of at most this size
 
 
-class BoundaryMismatch(ValueError):
+class BoundaryMismatch(UserError):
     """A stage produced a boundary whose structure, shape or dtype differs from the probe's."""
 
 

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from chimera.errors import UserError
 from chimera.runtime.p2p import Transport
 
 __all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "collectives_from_env",
@@ -76,7 +77,7 @@ def transport_from_env(rank: int) -> Transport:
     if not mode:
         return Transport()
     if mode not in MODES:
-        raise ValueError(f"{ENV}={mode!r}: choose one of {', '.join(MODES)} (or leave it unset)")
+        raise UserError(f"{ENV}={mode!r}: choose one of {', '.join(MODES)} (or leave it unset)")
     return NcclEmulation(rank, mode)
 
 
@@ -255,7 +256,7 @@ class NcclEmulation(Transport):
 
     def __init__(self, rank: int, mode: str = "pair", store=None):
         if mode not in MODES:
-            raise ValueError(f"NCCL emulation mode {mode!r}: choose one of {', '.join(MODES)}")
+            raise UserError(f"NCCL emulation mode {mode!r}: choose one of {', '.join(MODES)}")
         self.rank, self.mode = rank, mode
         self.store = store if store is not None else dist.distributed_c10d._get_default_store()
         instance = self.store.add(f"{PREFIX}/instances/{rank}", 1)  # same n on every rank

@@ -15,6 +15,7 @@ from torch import nn
 
 from chimera import rng
 from chimera.comm_plan import Message, plan_comm
+from chimera.errors import UserError
 from chimera.ir import Op, Schedule, ScheduleError
 from chimera.runtime.boundary import BoundarySpec, Stage, call_layer, call_loss, describe, signature
 from chimera.runtime.executor import ActionRecord, Executor, MicroData
@@ -65,7 +66,7 @@ def _probe_stage(module: nn.Module, stage: int, x, last: bool, loss_fn, target, 
             try:
                 loss = call_loss(loss_fn, x, target)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise ValueError(f"loss_fn must return a scalar tensor, got {describe(loss)}")
+                    raise UserError(f"loss_fn must return a scalar tensor, got {describe(loss)}")
             except Exception as exc:  # noqa: BLE001
                 return "error", (f"stage {stage}: loss_fn failed on output {describe(x)} and target "
                                  f"{describe(target)}: {type(exc).__name__}: {exc}")

@@ -29,6 +29,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from chimera.errors import UserError
 from chimera.ir import Schedule
 from chimera.modelcfg import PRESETS, layer_costs, partition
 from chimera.sim.cost import CostModel, Link
@@ -38,7 +39,7 @@ PROFILE_SCHEMA = "chimera.profile/1"
 _SPLIT = ("input_backward_s", "weight_backward_s")
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError):
     """A file that is not a usable profile: the CLI prints its one line and exits 2."""
 
 

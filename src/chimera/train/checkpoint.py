@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from chimera.errors import UserError
 from chimera.runtime.grid import collective_device
 from chimera.train.faults import collective
 
@@ -51,7 +52,7 @@ _NAME = re.compile(r"^step-(\d{8})$")
 _OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used: missing, corrupt, or written for another model."""
 
 

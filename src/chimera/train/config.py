@@ -1,4 +1,6 @@
-"""TrainConfig: every knob of a training run, validated before any process starts."""
+"""TrainConfig: every knob of a training run. Its values are checked when it is made; what
+needs files or building (data, model, schedule, checkpoints) by ``preflight()``, which
+``chimera train`` and ``launch`` call before any process starts."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 
+from chimera.errors import UserError
 from chimera.ir import Schedule, ScheduleError
 from chimera.schedules.registry import option_declarations
 
@@ -19,7 +22,7 @@ MIN_COMM_TIMEOUT_S, MAX_COMM_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
 LIMITS = {"micro_batch_size": 65536, "data_parallel": 1024, "threads": 1024, "eval_batches": 10000}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A training configuration that cannot run; the message says what to change."""
 
 
@@ -72,6 +75,7 @@ class TrainConfig:
     eval_batches: int = 8  # mini-batches of the held-out split per evaluation (the same ones each time)
 
     def __post_init__(self) -> None:
+        """Values only: no file is read and nothing is built (that is :meth:`preflight`)."""
         self._check_numbers()
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -86,15 +90,34 @@ class TrainConfig:
                               f"(use --schedule none --stages 1 for single-process training)")
         if not self.reference:
             _check_runnable(self.schedule)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.schedule_options.get("strategy") == "halving" and self.micro_batch_size % 2:
+            raise ConfigError("backward halving splits each micro-batch in two: "
+                              "--micro-batch-size must be even")
+        self.data_spec  # the data flags' values (--token-dtype, --vocab-size, --text-field)
+        self._check_checkpoint_values()
+        self._check_eval()
+
+    def preflight(self) -> "TrainConfig":
+        """Every check that reads files or builds something, so that a run that cannot start
+        fails here, before any process starts: --data exists and its format and vocabulary
+        (from layout and metadata), the model and its cut into stages, the GPUs, the schedule
+        (built, lowered and validated), and --checkpoint-dir (writable; its newest checkpoint
+        verified for --resume, refused without it). Returns ``self``; a second call does
+        nothing. ``chimera train`` and :func:`chimera.train.launch` call it."""
+        if self.__dict__.get("_preflight_done"):
+            return self
         if self.data is not None:
             self._check_data_path()
         self.data_info  # the format and vocabulary of --data, from its layout and metadata
         self._check_model()
-        self._check_device()
+        self._check_gpus()
         if not self.reference:
-            self.build_schedule()  # raises ScheduleError on impossible layouts
-        self._check_checkpoint()
-        self._check_eval()
+            self.build_schedule()  # raises ConfigError on impossible layouts
+        self._check_checkpoint_dir()
+        object.__setattr__(self, "_preflight_done", True)  # frozen: not a field, not compared
+        return self
 
     def _check_numbers(self) -> None:
         for name in ("stages", "micro_batch_size", "data_parallel", "steps", "threads"):
@@ -137,9 +160,6 @@ class TrainConfig:
                               f"{source.num_layers - 2} blocks, head) into {self.stages_total} stages")
         if self.partition is not None and not self.reference:
             self._check_partition(source.num_layers)
-        if self.schedule_options.get("strategy") == "halving" and self.micro_batch_size % 2:
-            raise ConfigError("backward halving splits each micro-batch in two: "
-                              "--micro-batch-size must be even")
         if self.shard_optimizer and source.ties and self.stages_total > 1:
             raise ConfigError(f"--shard-optimizer with weights tied across stages "
                               f"({', '.join(source.key(t[0]) for t in source.ties)} in {self.model}) "
@@ -157,9 +177,7 @@ class TrainConfig:
             raise ConfigError(f"--partition {self.partition} gives {len(ranges)} stages, the "
                               f"schedule needs {self.stages_total}")
 
-    def _check_device(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+    def _check_gpus(self) -> None:
         if self.device == "cuda":
             import torch
 
@@ -170,14 +188,16 @@ class TrainConfig:
                 raise ConfigError(f"--device cuda: the layout needs {self.world} GPUs (one per "
                                   f"rank), {torch.cuda.device_count()} are visible")
 
-    def _check_checkpoint(self) -> None:
+    def _check_checkpoint_values(self) -> None:
         for name, low in (("checkpoint_every", 0), ("keep_checkpoints", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        if self.checkpoint_dir is None and (self.resume or self.checkpoint_every):
+            raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir")
+
+    def _check_checkpoint_dir(self) -> None:
         if self.checkpoint_dir is None:
-            if self.resume or self.checkpoint_every:
-                raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir")
             return
         where = os.path.abspath(self.checkpoint_dir)
         if os.path.exists(where) and not os.path.isdir(where):

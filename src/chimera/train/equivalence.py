@@ -95,6 +95,8 @@ def check_equivalence(configs: list[TrainConfig]) -> list[dict]:
     worlds = {c.world for c in configs}
     if len(worlds) != 1:
         raise ValueError(f"configs must share one world size, got {sorted(worlds)}")
+    for cfg in configs:
+        cfg.preflight()  # before the ranks start
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "equivalence.json")
         codes = workers.run(_worker, (worlds.pop(), configs, free_port(), out), configs[0].world,
@@ -111,4 +113,5 @@ def check_virtual(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     no process group, so it runs where only one device exists (all ranks on one GPU)."""
     from chimera.runtime.virtual import run_virtual
 
+    cfg.preflight()
     return run_virtual(cfg.world, lambda rank: _one(rank, cfg, device))[0]

@@ -15,6 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from chimera.errors import UserError
 from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError
 from chimera.train.generate import resolve, source_from_meta
@@ -35,7 +36,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> Exported:
     exist or be empty). Raises ValueError (CheckpointError included) with one line."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out}: exists and is not an empty folder")
+        raise UserError(f"--out {out}: exists and is not an empty folder")
     where = resolve(path)
     meta = checkpoint.verify(where)
     source = source_from_meta(meta, where)

@@ -26,6 +26,7 @@ import time
 import torch.distributed as dist
 
 from chimera.comm_plan import Message, Post
+from chimera.errors import UserError
 from chimera.ir import Action, Op, Schedule
 from chimera.runtime.p2p import CommTimeout, peers_text
 
@@ -47,7 +48,7 @@ def parse(text: str | None) -> list[Fault]:
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         kind, *numbers = part.split(":")
         if kind not in _KINDS or len(numbers) != _KINDS[kind] or not all(n.isdigit() for n in numbers):
-            raise ValueError(f"{ENV}={text!r}: expected kill:RANK:STEP, nan:RANK:STEP or "
+            raise UserError(f"{ENV}={text!r}: expected kill:RANK:STEP, nan:RANK:STEP or "
                              f"deadlock:RANK (comma-separated), got {part!r}")
         faults.append(Fault(kind, *map(int, numbers)))
     return faults

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from chimera.errors import UserError
 from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError
 
@@ -56,12 +57,12 @@ class TokenizerCodec:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ValueError("a tokenizer file needs the `tokenizers` package "
+            raise UserError("a tokenizer file needs the `tokenizers` package "
                              "(pip install tokenizers)") from None
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 -- its errors are plain Exceptions
-            raise ValueError(f"tokenizer {path}: not a tokenizers file ({str(exc).splitlines()[0]})") from None
+            raise UserError(f"tokenizer {path}: not a tokenizers file ({str(exc).splitlines()[0]})") from None
         self.name = str(path)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -77,7 +78,7 @@ def codec_for(meta: dict, where: Path, override: str | None = None):
     records (which must still be the file the run used), else bytes."""
     if override is not None:
         if not os.path.isfile(override):
-            raise ValueError(f"--tokenizer {override}: no such file")
+            raise UserError(f"--tokenizer {override}: no such file")
         return TokenizerCodec(override)
     record = (meta.get("data") or {}).get("tokenizer")
     if not record:
@@ -213,9 +214,9 @@ def sample(loaded: Loaded, prompt: list[int], max_new_tokens: int, temperature: 
 
 def check_sampling(temperature: float, top_k: int | None) -> None:
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        raise UserError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"--top-k must be a positive integer, got {top_k!r}")
+        raise UserError(f"--top-k must be a positive integer, got {top_k!r}")
 
 
 # -- prompt in, text out -------------------------------------------------------------------
@@ -239,15 +240,15 @@ def generate(path: str | os.PathLike, prompt: str, max_new_tokens: int = 200,
     (CheckpointError included) with one line for every input it refuses."""
     check_sampling(temperature, top_k)
     if not prompt:
-        raise ValueError("--prompt is empty: give the text to continue")
+        raise UserError("--prompt is empty: give the text to continue")
     loaded = load(path, device)
     codec = codec_for(loaded.meta, loaded.path, tokenizer)
     allowed = _check_codec(codec, loaded)
     ids = codec.encode(prompt)
     if not ids:
-        raise ValueError(f"--prompt {prompt!r} encodes to no tokens with {codec.name}")
+        raise UserError(f"--prompt {prompt!r} encodes to no tokens with {codec.name}")
     if max(ids) >= loaded.vocab_size:
-        raise ValueError(f"the prompt holds token id {max(ids)}, outside the model's vocabulary "
+        raise UserError(f"the prompt holds token id {max(ids)}, outside the model's vocabulary "
                          f"of {loaded.vocab_size}")
     cropped = max(0, len(ids) - loaded.context)
     notes = [f"the prompt is {len(ids)} tokens, the model's context {loaded.context}: it sees "
@@ -260,10 +261,10 @@ def generate(path: str | os.PathLike, prompt: str, max_new_tokens: int = 200,
 def _check_codec(codec, loaded: Loaded) -> int:
     """The ids the sampler may draw: those both the model and the codec know."""
     if isinstance(codec, ByteCodec) and loaded.vocab_size != BYTE_VOCAB:
-        raise ValueError(f"checkpoint {loaded.path}: the model has a vocabulary of "
+        raise UserError(f"checkpoint {loaded.path}: the model has a vocabulary of "
                          f"{loaded.vocab_size} tokens, not {BYTE_VOCAB} bytes, and the run recorded "
                          "no tokenizer: pass --tokenizer FILE")
     if codec.vocab_size > loaded.vocab_size:
-        raise ValueError(f"the tokenizer {codec.name} has {codec.vocab_size} tokens, more than "
+        raise UserError(f"the tokenizer {codec.name} has {codec.vocab_size} tokens, more than "
                          f"the model's vocabulary of {loaded.vocab_size}: not the run's tokenizer")
     return codec.vocab_size

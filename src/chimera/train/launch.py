@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from chimera.errors import UserError
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.grid import end_group
@@ -222,13 +223,15 @@ def launch(cfg: TrainConfig) -> dict:
     """Run ``cfg`` to the end and return rank 0's result dict.
 
     Under torchrun (RANK and WORLD_SIZE set) this process is one rank; otherwise it spawns
-    ``cfg.world`` local processes that rendezvous on the loopback address.
+    ``cfg.world`` local processes that rendezvous on the loopback address. ``cfg.preflight()``
+    runs first, so bad input is refused before any process starts.
     """
+    cfg.preflight()  # data, model, schedule, checkpoints: refused before any process starts
     faults.active()  # a malformed CHIMERA_FAULT fails here, before any process starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.reference:
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world:
-            raise ValueError(f"torchrun started {world} processes but the layout needs "
+            raise UserError(f"torchrun started {world} processes but the layout needs "
                              f"W·D = {cfg.data_parallel}·{cfg.stages} = {cfg.world}")
         if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: die with it
             workers.bind_to_parent(os.getppid(), ignore_sigint=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import resource
@@ -14,7 +15,9 @@ import torch.distributed as dist
 
 from chimera.data import VAL_FRACTION, get_batch, split_corpus
 from chimera.data_formats import open_data
+from chimera.errors import UserError
 from chimera.models import parse_partition, partition
+from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.p2p import CommTimeout
@@ -81,7 +84,7 @@ def stage_ranges(cfg: TrainConfig, source, n_stages: int) -> list[range]:
     if cfg.partition:
         ranges = parse_partition(cfg.partition, source.num_layers)
         if len(ranges) != n_stages:
-            raise ValueError(f"--partition gives {len(ranges)} stages, the schedule needs {n_stages}")
+            raise UserError(f"--partition gives {len(ranges)} stages, the schedule needs {n_stages}")
         return ranges
     return partition(source.layer_costs(), n_stages)
 
@@ -109,7 +112,7 @@ def check_heldout(corpus: torch.Tensor, kind: str, seq_len: int) -> None:
     held = len(split_corpus(corpus, "val"))
     need = seq_len + 1 if kind == "gpt2" else seq_len
     if held < need:
-        raise ValueError(f"--eval-every: the held-out split (the last {VAL_FRACTION:.0%} of the "
+        raise UserError(f"--eval-every: the held-out split (the last {VAL_FRACTION:.0%} of the "
                          f"data) has {held} tokens, fewer than one sequence of {need}; give more "
                          "data or drop --eval-every")
 
@@ -295,17 +298,14 @@ class Trainer:
 
     def _clip(self) -> float:
         """Clip by the global norm, each stage counted once (not once per replica)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
         if self.cfg.reference:
-            norms = torch._foreach_norm([p.grad for p in self.params if p.grad is not None])
-            sq = torch.stack(norms).double().pow(2).sum()
+            sq, reduce = sum_of_squares(grads), None
         else:
             sq = (self.runtime.owned_sq_norm() - self._tie_excess()).to(collective_device())
-            faults.collective("all-reduce of the gradient norm", dist.all_reduce, sq)
-        norm = float(sq.sqrt())
-        if self.cfg.clip > 0 and math.isfinite(norm) and norm > self.cfg.clip:
-            coef = self.cfg.clip / (norm + 1e-6)
-            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
-        return norm
+            reduce = functools.partial(faults.collective, "all-reduce of the gradient norm",
+                                       dist.all_reduce)
+        return float(clip_by_global_norm_(grads, sq, self.cfg.clip or None, all_reduce=reduce))
 
     def _tie_excess(self) -> torch.Tensor:
         """``owned_sq_norm`` counts each stage once, so a tie in k stages k times: the squares

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from chimera.data import model_vocab
+from chimera.errors import UserError
 from chimera.models import (PRESETS, ModelConfig, build_layers, get_config, layer_costs, layer_names,
                             loss_fn)
 from chimera.train.checkpoint import model_fingerprint
@@ -79,7 +80,7 @@ def open_source(model: str, data_info, seq_len: int | None = None,
         return HFSource.open(model, data_info, seq_len, dtype)
 
     if model not in PRESETS:
-        raise ValueError(f"unknown model {model!r}; known: {', '.join(sorted(PRESETS))}, "
+        raise UserError(f"unknown model {model!r}; known: {', '.join(sorted(PRESETS))}, "
                          f"{', '.join(HF_PRESETS)}, or {HF_PREFIX}PATH (a Hugging Face config.json "
                          "or save_pretrained folder)")
     size = {"vocab_size": model_vocab(data_info, PRESETS[model].kind)}
@@ -100,5 +101,5 @@ def source_from_fingerprint(model: str, fingerprint: dict,
     try:
         return PresetSource(model, ModelConfig(**fingerprint))
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"its model_config ({fingerprint!r}) does not describe a model this "
+        raise UserError(f"its model_config ({fingerprint!r}) does not describe a model this "
                          f"version builds: {exc}") from None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from chimera.errors import UserError
 from chimera.ir import Action, Schedule, ScheduleError
 from chimera.sim.timeline import Event, Timeline
 
@@ -60,7 +61,7 @@ def load_trace_events(path, unit: str | None = None) -> list[Event]:
     if isinstance(data, list):  # the bare-array form of the format
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")
+        raise UserError(f"{path}: not a Chrome trace (no traceEvents list)")
     other = data.get("otherData") if isinstance(data.get("otherData"), dict) else {}
     scale = _scale(unit or other.get("unit", "s"))
     events = [e for e in (_to_event(raw, scale) for raw in data["traceEvents"]) if e]
@@ -88,13 +89,13 @@ def load_trace(path) -> tuple[Schedule | None, list[Event], dict]:
 def strict_json(text: str):
     """Standard JSON only: a trace holding ``Infinity`` or ``NaN`` is refused (ValueError)."""
     def refuse(name: str):
-        raise ValueError(f"non-standard JSON constant {name}")
+        raise UserError(f"non-standard JSON constant {name}")
     return json.loads(text, parse_constant=refuse)
 
 
 def _scale(unit: str) -> float:
     if unit not in US_PER:
-        raise ValueError(f"unknown time unit {unit!r} (expected one of {sorted(US_PER)})")
+        raise UserError(f"unknown time unit {unit!r} (expected one of {sorted(US_PER)})")
     return US_PER[unit]
 
 
