@@ -42,7 +42,7 @@ def test_a_flag_reaches_the_generator(echo, capsys):
 
 
 def test_train_config_accepts_and_passes_the_option(echo):
-    TrainConfig(schedule="echo-test", stages=2, options={"warmth": 4})
+    TrainConfig(schedule="echo-test", stages=2, options={"warmth": 4}).preflight()
     assert echo[-1] == (4, "red")
 
 
@@ -53,7 +53,7 @@ def test_train_config_accepts_and_passes_the_option(echo):
 ])
 def test_train_config_refuses_a_bad_value_in_one_line(echo, options, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(schedule="echo-test", stages=2, options=options)
+        TrainConfig(schedule="echo-test", stages=2, options=options).preflight()
 
 
 def test_the_planner_searches_the_declared_values_and_labels_them(echo):
