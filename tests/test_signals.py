@@ -113,16 +113,16 @@ def test_the_watchdog_alone_ends_an_orphan(tmp_path, cli_env):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_second_process_on_the_same_directory_is_refused(data, tmp_path):
+def test_a_second_process_on_the_same_directory_is_refused(cli_env, data, tmp_path):
     """Two `chimera train` processes on one --checkpoint-dir at once (issue 13, case 2): the
     second ends with one line naming the running one, and the first's checkpoints stay
     intact and its own."""
-    proc = start_training(data, tmp_path)
+    proc = start_training(cli_env, data, tmp_path)
     try:
         argv = [sys.executable, "-m", "chimera", "train", "--steps", "2", "--no-progress",
                 "--data", data, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
                 "1", "--resume", "--png", str(tmp_path / "u.png"), "--trace", str(tmp_path / "u.json")]
-        second = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=120)
+        second = subprocess.run(argv, env=cli_env, capture_output=True, text=True, timeout=120)
         assert second.returncode == 2, second.stderr
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1 and "is in use by run" in lines[0], lines
