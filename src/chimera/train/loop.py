@@ -355,10 +355,9 @@ class Trainer:
 
     def replica_parameters(self) -> list[tuple[str, int, torch.Tensor]]:
         """(model-wide name, pipe, parameter) for every replica this rank holds."""
-        if not self.cfg.reference:
-            self.runtime.finish_gather()  # sharded: the last step's all-gathers are complete
         if self.cfg.reference:
             return [(self.source.key(n), 0, p) for n, p in self.model.named_parameters()]
+        self.runtime.finish_gather()  # sharded: the last step's all-gathers are complete
         return [(self.source.key(n), pipe, p)
                 for (pipe, stage), module in sorted(self.runtime.modules.items())
                 for n, p in module.named_parameters()]
