@@ -44,7 +44,11 @@ def start_training(cli_env, data, tmp_path, ignore_sigint=False):
             "--checkpoint-every", "1", "--keep-checkpoints", "2", "--log-json", str(log),
             "--png", str(tmp_path / "t.png"), "--trace", str(tmp_path / "t.json")]
     # a script's `chimera train &` starts with SIGINT ignored
-    pre = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+    # otherwise as from a terminal: SIGINT at its default whatever the suite inherited (a
+    # suite started as a background job of a shell without job control ignores SIGINT, and
+    # a launcher keeps a signal ignored that it was started with, as `cmd &` asks)
+    mode = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
+    pre = lambda: signal.signal(signal.SIGINT, mode)  # noqa: E731
     proc = subprocess.Popen(argv, env=cli_env, preexec_fn=pre, stdout=subprocess.DEVNULL,
                             stderr=open(tmp_path / "err.txt", "w"))
     deadline = time.monotonic() + 120
