@@ -53,6 +53,7 @@ Conventions (the same as ``nn.Sequential`` with pytrees):
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -130,6 +131,10 @@ def _rows(tree, lo: int, hi: int, device=None):
     return pytree.tree_map(rows, tree)
 
 
+def _build_stage(source: LayerSource, ranges: list[range], ties, device, compile_opts, stage: int):
+    return source.stage(ranges[stage], ties, device, compile_opts)
+
+
 class Pipeline:
     """This rank's share of a pipelined model. Construct it on every rank, same arguments.
 
@@ -181,14 +186,14 @@ class Pipeline:
         if device.type == "cuda":  # NCCL's object collectives (probe, state_dict) use it
             torch.cuda.set_device(device)
         opts = None if not compile else ({} if compile is True else dict(compile))
+        stage_of = functools.partial(_build_stage, source, self.ranges, self.ties, device, opts)
         self.runtime = PipelineRuntime(
-            self.schedule, self.grid,
-            lambda s: source.stage(self.ranges[s], self.ties, device, opts), loss_fn,
+            self.schedule, self.grid, stage_of, loss_fn,
             rows=self.rows, recompute=recompute, autocast=autocast, device=device,
             comm_timeout=comm_timeout, example=self._example(example_input, device),
             target_example=self._example(example_target, device), wire_dtype=wire_dtype,
             shard_optimizer=shard_optimizer)
-        del source  # the layers a rank does not hold are garbage now
+        del source, stage_of  # the layers a rank does not hold are garbage now
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
 

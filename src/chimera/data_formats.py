@@ -241,9 +241,11 @@ def _meta_for(path: str | None, fmt: str) -> dict | None:
 # ---------------------------------------------------------------------------------------
 # Reading
 
-def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = False) -> Corpus:
+def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = False,
+              scan: bool = True) -> Corpus:
     """Read ``spec`` into a ``Corpus`` (token files memory-mapped); check every id is below
-    the vocabulary and the training split holds one sequence of ``seq_len`` + 1."""
+    the vocabulary (``scan=False``: not the ids of token files, which another process of the
+    run reads through) and the training split holds one sequence of ``seq_len`` + 1."""
     info = describe(spec)
     where = _what(spec, info.format)
     if info.format in ("stdlib", "text") and info.is_bytes:
@@ -254,7 +256,7 @@ def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = Fa
         ids = data_datasets.token_ids(spec, info.column, info.vocab_size)
         corpus = Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=info.tokenizer)
     else:
-        corpus = _token_files(spec, info, progress)
+        corpus = _token_files(spec, info, progress, scan)
     _check_length(corpus, seq_len)
     return corpus
 
@@ -273,8 +275,8 @@ def _text(spec: DataSpec, info: DataInfo, progress: bool) -> Corpus:
     return Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=spec.tokenizer)
 
 
-def _token_files(spec: DataSpec, info: DataInfo, progress: bool) -> Corpus:
-    train, val = _token_arrays(spec, info.format, info.vocab_size, progress)
+def _token_files(spec: DataSpec, info: DataInfo, progress: bool, scan: bool = True) -> Corpus:
+    train, val = _token_arrays(spec, info.format, info.vocab_size if scan else None, progress)
     if val is None:
         return Corpus.from_tokens(train, info.vocab_size, spec.path, tokenizer=info.tokenizer)
     return Corpus(train, val, info.vocab_size, spec.path, tokenizer=info.tokenizer)
