@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from chimera.ir import Action, Op, Placement, Schedule, ScheduleError
+from chimera.ir import (Action, Op, Placement, Schedule, ScheduleError, finishing_op, input_stage,
+                        needs, output_stage)
 from chimera.passes import lower
 from chimera.schedules import build
 
@@ -68,3 +69,19 @@ def test_schedule_json_rejects_garbage():
 def test_schedule_checks_program_count():
     with pytest.raises(ScheduleError, match="rank programs"):
         Schedule("x", Placement.linear(2), (0,), ((),))
+
+
+def test_the_dependency_rule():
+    a = Action.parse
+    assert needs(a("p0s0F1"), 3, False) == ()
+    assert needs(a("p1s2F1"), 3, False) == (a("p1s1F1"),)
+    assert needs(a("p0s1B2"), 3, False) == (a("p0s1F2"), a("p0s2B2"))
+    assert needs(a("p0s2B2"), 3, False) == (a("p0s2F2"),)
+    assert needs(a("p0s1I2"), 3, True) == (a("p0s1F2"), a("p0s2I2"))
+    assert needs(a("p0s1W2"), 3, True) == (a("p0s1I2"),)
+    assert needs(a("p0s1SYNC"), 3, True) == ()
+    assert [input_stage(a(t), 3) for t in ("p0s0F0", "p0s1F0", "p0s1B0", "p0s2B0", "p0s1W0")] \
+        == [None, 0, 2, None, None]
+    assert [output_stage(a(t), 3) for t in ("p0s2F0", "p0s1F0", "p0s1I0", "p0s0B0", "p0s1W0")] \
+        == [None, 2, 0, None, None]
+    assert finishing_op(True) is Op.W and finishing_op(False) is Op.B

@@ -99,6 +99,53 @@ class Action:
         return (self.pipe, self.stage, self.micro)
 
 
+# -- the dependency rule: what an action needs, what it sends, what frees activations ---------
+def finishing_op(split_backward: bool) -> Op:
+    """The op that ends a micro-batch's work on a stage: it frees the activations the forward
+    kept and produces the last of the stage's weight gradient (W when backward is split, B
+    otherwise). Memory accounting, eager gradient sync and the list schedulers' windows all
+    count on it."""
+    return Op.W if split_backward else Op.B
+
+
+def needs(action: Action, stages: int, split_backward: bool) -> tuple[Action, ...]:
+    """The compute actions (same pipe and micro-batch) that must have run before ``action``:
+    F(s) needs F(s-1); B(s) or I(s) needs F(s) and the input gradient of stage s+1 (its B, or
+    its I when backward is split); W(s) needs I(s). Communication, SYNC and STEP need nothing
+    here (their order is the lowering passes' business)."""
+    op, p, s, m = action.op, action.pipe, action.stage, action.micro
+    if op is Op.F:
+        return (Action(Op.F, p, s - 1, m),) if s > 0 else ()
+    if op is Op.W:
+        return (Action(Op.I, p, s, m),)
+    if op in BACKWARD_OPS:
+        grad = Op.I if split_backward else Op.B
+        return (Action(Op.F, p, s, m),) + ((Action(grad, p, s + 1, m),) if s < stages - 1 else ())
+    return ()
+
+
+def input_stage(action: Action, stages: int) -> int | None:
+    """The neighbouring stage whose output ``action`` consumes (an activation for F, an input
+    gradient for B and I), or None when it consumes none: the first forward, the last stage's
+    backward, W, communication, SYNC and STEP. A message crosses ranks exactly when that
+    stage lives on another rank of the pipe."""
+    if action.op is Op.F:
+        return action.stage - 1 if action.stage > 0 else None
+    if action.op in BACKWARD_OPS:
+        return action.stage + 1 if action.stage < stages - 1 else None
+    return None
+
+
+def output_stage(action: Action, stages: int) -> int | None:
+    """The neighbouring stage that consumes ``action``'s output (the mirror of
+    :func:`input_stage`): F(s) feeds s+1, B(s) and I(s) feed s-1."""
+    if action.op is Op.F:
+        return action.stage + 1 if action.stage < stages - 1 else None
+    if action.op in BACKWARD_OPS:
+        return action.stage - 1 if action.stage > 0 else None
+    return None
+
+
 @dataclass(frozen=True)
 class OpTimes:
     """Per-stage durations of F, B, I and W, and the p2p hop after each stage.
