@@ -212,6 +212,12 @@ class _RecordingDist:
     def all_reduce(self, tensor, group=None, async_op=False):
         return self._call("all_reduce", group)
 
+    def reduce_scatter_single(self, output, input, group=None, async_op=False):
+        return self._call("reduce_scatter", group)
+
+    def all_gather_single(self, output, input, group=None, async_op=False):
+        return self._call("all_gather", group)
+
     def new_group(self, ranks, **kw):
         return _Group(ranks)
 
@@ -219,45 +225,59 @@ class _RecordingDist:
         return group.ranks
 
 
-def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int) -> list[tuple]:
-    """The dist calls rank ``rank`` makes running one iteration of ``plan`` (tiny model)."""
+def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int,
+            sharded: bool = False) -> list[tuple]:
+    """The dist calls rank ``rank`` makes running one iteration of ``plan`` (tiny model);
+    ``sharded``: two iterations with the optimizer sharded, each followed by the runtime's
+    own ``PipelineRuntime.gather_parameters`` (on a runtime assembled from its parts)."""
     import torch
 
     from chimera.runtime.boundary import BoundarySpec
     from chimera.runtime.executor import Executor, MicroData
     from chimera.runtime.grid import ProcessGrid
     from chimera.runtime.p2p import Mailbox
+    from chimera.runtime.pipeline import PipelineRuntime
     from chimera.runtime.sync import GradSync, ReplicaGrads
 
     fake = _RecordingDist()
-    for module in ("p2p", "sync", "grid"):
+    for module in ("p2p", "sync", "grid", "shard"):
         monkeypatch.setattr(f"chimera.runtime.{module}.dist", fake)
     s = plan.schedule
     grid = ProcessGrid(s.placement, w, rank)
     grid.build_groups()
     modules = {key: torch.nn.Linear(WIDTH, WIDTH) for key in grid.held()}
-    grads = {key: ReplicaGrads(m) for key, m in modules.items()}
+    runtime = PipelineRuntime.__new__(PipelineRuntime)  # the parts gather_parameters reads
+    runtime.grid, runtime.gathering = grid, {}
+    runtime.grads = {key: ReplicaGrads(m, None, len(grid.stage_ranks[key[1]]) if sharded else 1)
+                     for key, m in modules.items()}
+    runtime.shards = runtime._shards() if sharded else {}
+    sync = runtime.sync = GradSync(runtime.grads, grid.stage_groups, rank, None, bucket_bytes,
+                                   None, runtime.shards)
     spec = BoundarySpec.of(torch.nn.Linear(WIDTH, WIDTH)(torch.zeros(ROWS, WIDTH)))
     mailbox = Mailbox(plan, grid, lambda m: (spec.nbytes(backward=m.kind is Op.RECV_B),),
                       torch.uint8, torch.device("cpu"), None)
-    sync = GradSync(grads, grid.stage_groups, rank, None, bucket_bytes)
     loss = lambda y, t: ((y - t) ** 2).mean()  # noqa: E731
     executor = Executor(s, modules, loss, mailbox, sync, early=plan.early[grid.d])
     executor.boundaries = [spec] * s.stages
+    if sharded:
+        executor.before_forward = runtime._gathered
     zeros = {m: torch.zeros(ROWS, WIDTH) for m in range(s.micro_batches)}
-    executor.run(plan.steps[grid.d], MicroData(zeros, dict(zeros), dict.fromkeys(zeros, 1.0)))
+    for _ in range(2 if sharded else 1):
+        executor.run(plan.steps[grid.d], MicroData(zeros, dict(zeros), dict.fromkeys(zeros, 1.0)))
+        if sharded:
+            runtime.gather_parameters()
     stage_of = {id(g): stage for stage, g in grid.stage_groups.items() if g is not None}
-    return [("all_reduce", stage_of[id(c[1])], tuple(c[1].ranks)) if c[0] == "all_reduce" else c
+    return [(c[0], stage_of[id(c[1])], tuple(c[1].ranks)) if c[0] in rv.COLLECTIVES else c
             for c in fake.log]
 
 
-def _replayed(plan: CommPlan, rank: int, w: int, buckets: bool) -> list[tuple]:
+def _replayed(plan: CommPlan, rank: int, w: int, buckets: bool, sharded: bool = False) -> list[tuple]:
     out = []
-    for c in rv.issued_ops(plan, rank, w, buckets):
+    for c in rv.issued_ops(plan, rank, w, buckets, sharded):
         if c.kind in (rv.ISEND, rv.IRECV):
             out.append((c.kind, c.peer, c.message.tag(plan.schedule)))
-        elif c.kind == rv.ALL_REDUCE:
-            out.append(("all_reduce", c.stage, c.group))
+        elif c.kind in rv.COLLECTIVES:
+            out.append((c.kind, c.stage, c.group))
         else:
             out.append(("wait", c.target))
     return out
@@ -293,3 +313,42 @@ def test_plan_and_check_import_no_torch(cli_env):
     code = ("import sys, chimera.comm_plan, chimera.rendezvous, chimera.validate, chimera.passes; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env=cli_env)
+
+
+SHARDED = [("chimera", {}, 2), ("chimera", {"strategy": "doubling"}, 4), ("chimera", {"pipes": 4}, 4),
+           ("1f1b", {}, 2), ("chimera-zb", {}, 4)]
+
+
+@pytest.mark.parametrize("name,options,d", SHARDED, ids=[f"{n}-{o}-D{d}" for n, o, d in SHARDED])
+def test_sharded_runtime_calls_equal_the_replayed_calls(monkeypatch, name, options, d):
+    """With the optimizer sharded the replay's two iterations are the runtime's: reduce-scatters
+    at the Launches (never bucketed), all-gathers after the step, each waited for at its
+    replica's first forward of the next iteration."""
+    from chimera.runtime.sync import BUCKET_BYTES
+
+    plan = plan_comm(lower(build(name, d, 2 * d, **options)))
+    for w in (1, 2):
+        for rank in range(w * d):
+            got = _record(monkeypatch, plan, rank, w, BUCKET_BYTES, sharded=True)
+            want = _replayed(plan, rank, w, buckets=True, sharded=True)
+            assert got == want, f"{name} {options} D={d} W={w} rank {rank}"
+            if w == 1 and name == "1f1b":
+                assert not {c[0] for c in got} & set(rv.COLLECTIVES)  # no stage has a group
+                continue
+            kinds = {c[0] for c in got}
+            assert {"reduce_scatter", "all_gather"} <= kinds and "all_reduce" not in kinds
+            gathers = [i for i, c in enumerate(got) if c[0] == "all_gather"]
+            assert any(c[0] == "wait" and c[1] in gathers for c in got)  # a prefetch is waited for
+        rv.check(plan, "pair", data_parallel=w, sharded=True)
+
+
+def test_collectives_of_different_kinds_never_match():
+    """A member whose k-th collective on a group is an all-gather while another's is a
+    reduce-scatter hangs (NCCL would mismatch the buffers); the replay reports it."""
+    plan = plan_comm(lower(build("chimera", 2, 2)))
+    calls = [rv.issued_ops(plan, r, 1, False, sharded=True) for r in range(2)]
+    first = next(i for i, c in enumerate(calls[1]) if c.kind == rv.REDUCE_SCATTER)
+    c = calls[1][first]
+    calls[1][first] = rv.Issued(rv.ALL_GATHER, c.step, group=c.group, stage=c.stage)
+    with pytest.raises(rv.RendezvousDeadlock, match="parameter all-gather of stage"):
+        rv._Replay(plan, calls, "pair", False).run()

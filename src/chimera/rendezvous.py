@@ -25,6 +25,14 @@ order; a test records the real runtime's calls and compares) under these rules:
   inside its last backward (``buckets=True``; on CPU, one allreduce at the Launch); its
   buckets are consecutive in every member's FIFO, so they count as one collective. A group
   of one rank issues nothing.
+- **Sharded optimizer** (``sharded=True``, ZeRO-1, :mod:`chimera.runtime.shard`): a replica's
+  collective at its Launch is a reduce-scatter (never bucketed); after STEP the rank issues
+  one parameter all-gather per replica, stages in order, and waits for each right before
+  its replica's first forward of the next iteration (prefetch). Those gathers are what
+  makes iterations interact, so a sharded replay runs two iterations, each ending as
+  ``PipelineRuntime.gather_parameters`` does (wait for gathers no forward waited for, then
+  issue the next ones). The k-th collective of a group must be of the same kind on every
+  member (an all-gather meeting a reduce-scatter never completes here).
 - **Lazy communicators** (``lazy_communicators=True``): the first use of a communicator (a
   pair's first p2p call in ``pair`` mode, a group's first collective) blocks the CPU until
   every member reaches its own first use: NCCL creates it then. The runtime creates every
@@ -40,8 +48,8 @@ order; a test records the real runtime's calls and compares) under these rules:
 Not modelled: timing (only whether progress is possible), buffering of small messages
 (which only hides deadlocks), p2p and collective kernels blocking each other across
 communicators, the start-up warm-up itself (its order is fixed and global), collectives
-outside the schedule (loss, gradient norm, checkpoints), and more than one iteration (after
-STEP everything is complete, so iterations do not interact).
+outside the schedule (loss, gradient norm, checkpoints), and, without sharding, more than one
+iteration (after STEP everything is complete, so iterations do not interact).
 
 The replay is event driven: each call is queued, matched and completed once, so it costs
 O(number of calls).
@@ -58,7 +66,9 @@ from chimera.ir import Action, Op, Schedule
 from chimera.validation_error import ValidationError
 
 MODES = ("pair", "rank")
-ISEND, IRECV, WAIT, ALL_REDUCE = "isend", "irecv", "wait", "all_reduce"
+ISEND, IRECV, WAIT = "isend", "irecv", "wait"
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
+COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +81,7 @@ class Issued:
     step: int
     peer: int = -1  # p2p: the other global rank
     message: Message | None = None
-    group: tuple[int, ...] = ()  # all_reduce: global ranks of the stage group
+    group: tuple[int, ...] = ()  # a collective: global ranks of the stage group
     stage: int = -1
     target: int = -1
 
@@ -80,8 +90,10 @@ class Issued:
             return f"isend {self.message} to rank {self.peer}"
         if self.kind == IRECV:
             return f"irecv {self.message} from rank {self.peer}"
-        if self.kind == ALL_REDUCE:
-            return f"allreduce of stage {self.stage} over ranks {_ranks_text(self.group)}"
+        if self.kind in COLLECTIVES:
+            name = {ALL_REDUCE: "allreduce", REDUCE_SCATTER: "reduce-scatter",
+                    ALL_GATHER: "parameter all-gather"}[self.kind]
+            return f"{name} of stage {self.stage} over ranks {_ranks_text(self.group)}"
         return f"wait for {calls[self.target].describe(calls)}"
 
 
@@ -93,14 +105,15 @@ def stage_group(schedule: Schedule, stage: int, data_parallel: int = 1) -> tuple
 
 
 def issued_ops(plan: CommPlan, rank: int, data_parallel: int = 1,
-               buckets: bool = True) -> list[Issued]:
+               buckets: bool = True, sharded: bool = False) -> list[Issued]:
     """The ``torch.distributed`` calls global ``rank`` makes, in order, executing ``plan``.
 
     ``buckets``: the runtime reduces a replica bucket by bucket inside its last backward
     where ``plan.early`` allows (what it does on CUDA); False: one allreduce at its Launch
-    (``bucket_bytes=0``, what it does on CPU)."""
+    (``bucket_bytes=0``, what it does on CPU). ``sharded``: the optimizer is sharded over
+    each stage group (module docstring); the calls of two iterations."""
     depth = plan.schedule.ranks
-    calls = _pipeline_calls(plan, rank % depth, data_parallel, buckets)
+    calls = _pipeline_calls(plan, rank % depth, data_parallel, buckets, sharded)
     return _shifted(calls, (rank // depth) * depth)
 
 
@@ -112,12 +125,24 @@ def _shifted(calls: list[Issued], base: int) -> list[Issued]:
             if c.peer >= 0 else c for c in calls]
 
 
-def _pipeline_calls(plan: CommPlan, d: int, data_parallel: int, buckets: bool) -> list[Issued]:
+def _pipeline_calls(plan: CommPlan, d: int, data_parallel: int, buckets: bool,
+                    sharded: bool = False) -> list[Issued]:
     """The calls of pipeline rank ``d`` in copy 0 (the other copies differ only in peers)."""
+    calls: list[Issued] = []
+    gathers: dict[tuple[int, int], int] = {}  # replica -> its all-gather not waited for yet
+    for _ in range(2 if sharded else 1):
+        _iteration(calls, gathers, plan, d, data_parallel, buckets and not sharded, sharded)
+    return calls
+
+
+def _iteration(calls: list[Issued], gathers: dict[tuple[int, int], int], plan: CommPlan, d: int,
+               data_parallel: int, buckets: bool, sharded: bool) -> None:
+    """Append the calls of one iteration; with ``sharded``, a replica's first forward waits
+    for its pending all-gather, and the iteration ends with the next all-gathers."""
     s = plan.schedule
     early_b = plan.early[d] if buckets else frozenset()
     early = {(a.pipe, a.stage) for a in early_b}
-    calls: list[Issued] = []
+    reduce = REDUCE_SCATTER if sharded else ALL_REDUCE
     posted: dict[Message, int] = {}
     sends: list[int] = []
     reduces: list[int] = []
@@ -127,27 +152,39 @@ def _pipeline_calls(plan: CommPlan, d: int, data_parallel: int, buckets: bool) -
             calls.append(Issued(IRECV, i, step.message.ranks(s)[0], step.message))
         elif isinstance(step, Launch):
             if (step.pipe, step.stage) not in early:
-                _all_reduce(calls, reduces, s, i, step.stage, data_parallel)
+                _collective(calls, reduces, reduce, s, i, step.stage, data_parallel)
         elif step.op in (Op.SEND_F, Op.SEND_B):
             msg = Message.of(step)
             sends.append(len(calls))
             calls.append(Issued(ISEND, i, msg.ranks(s)[1], msg))
         elif step.op in (Op.RECV_F, Op.RECV_B):
             calls.append(Issued(WAIT, i, target=_posted(plan, d, i, step, posted)))
+        elif step.op is Op.F and (step.pipe, step.stage) in gathers:
+            calls.append(Issued(WAIT, i, target=gathers.pop((step.pipe, step.stage))))
         elif step.op is Op.B and step in early_b:
-            _all_reduce(calls, reduces, s, i, step.stage, data_parallel)
+            _collective(calls, reduces, reduce, s, i, step.stage, data_parallel)
         elif step.op is Op.STEP:
             calls += [Issued(WAIT, i, target=t) for t in sends + reduces]
             sends, reduces = [], []
-    return calls
+            if sharded:  # PipelineRuntime.gather_parameters, after the optimizer step
+                calls += [Issued(WAIT, i, target=t) for t in gathers.values()]
+                gathers.clear()
+                for p, stage in sorted(s.placement.held(d), key=lambda k: (k[1], k[0])):
+                    index = len(calls)
+                    if _collective(calls, [], ALL_GATHER, s, i, stage, data_parallel):
+                        gathers[(p, stage)] = index
 
 
-def _all_reduce(calls: list[Issued], reduces: list[int], s: Schedule, i: int, stage: int,
-                data_parallel: int) -> None:
+def _collective(calls: list[Issued], issued: list[int], kind: str, s: Schedule, i: int,
+                stage: int, data_parallel: int) -> bool:
+    """Append ``kind`` over ``stage``'s group (and its index to ``issued``); a group of one
+    rank has nothing to reduce or gather and makes no call."""
     group = stage_group(s, stage, data_parallel)
-    if len(group) > 1:  # a group of one rank: nothing to reduce, no call
-        reduces.append(len(calls))
-        calls.append(Issued(ALL_REDUCE, i, group=group, stage=stage))
+    if len(group) == 1:
+        return False
+    issued.append(len(calls))
+    calls.append(Issued(kind, i, group=group, stage=stage))
+    return True
 
 
 def _posted(plan: CommPlan, d: int, i: int, step: Action, posted: dict[Message, int]) -> int:
@@ -169,15 +206,16 @@ class RendezvousDeadlock(ValidationError):
 
 
 def check(plan: CommPlan, mode: str = "pair", data_parallel: int = 1,
-          lazy_communicators: bool = False, buckets: bool = True) -> None:
+          lazy_communicators: bool = False, buckets: bool = True, sharded: bool = False) -> None:
     """Replay ``plan`` under NCCL's rules (module docstring); raise RendezvousDeadlock if
-    some rank can never finish its iteration. ``buckets`` as in :func:`issued_ops`."""
+    some rank can never finish its iteration. ``buckets`` and ``sharded`` as in
+    :func:`issued_ops`."""
     if mode not in MODES:
         raise UserError(f"unknown stream mode {mode!r}; choose one of {', '.join(MODES)}")
     if data_parallel < 1:
         raise UserError(f"data_parallel must be at least 1, got {data_parallel}")
     depth = plan.schedule.ranks
-    copy0 = [_pipeline_calls(plan, d, data_parallel, buckets) for d in range(depth)]
+    copy0 = [_pipeline_calls(plan, d, data_parallel, buckets, sharded) for d in range(depth)]
     calls = [_shifted(c, w * depth) for w in range(data_parallel) for c in copy0]
     _Replay(plan, calls, mode, lazy_communicators).run()
 
@@ -200,21 +238,22 @@ class _Replay:
     # -- set-up -------------------------------------------------------------------------
     @staticmethod
     def _number_collectives(calls: list[Issued]) -> dict[int, tuple]:
-        """NCCL matches the k-th collective on a communicator with every member's k-th.
-        Each stage has its own group, even where two have the same members."""
+        """NCCL matches the k-th collective on a communicator with every member's k-th, which
+        must be of the same kind. Each stage has its own group, even where two have the same
+        members."""
         count: dict[int, int] = {}
         out = {}
         for i, c in enumerate(calls):
-            if c.kind == ALL_REDUCE:
+            if c.kind in COLLECTIVES:
                 k = count[c.stage] = count.get(c.stage, -1) + 1
-                out[i] = (c.group, c.stage, k)
+                out[i] = (c.group, c.stage, k, c.kind)
         return out
 
     def _first_uses(self, rank: int, calls: list[Issued]) -> dict[int, tuple]:
         """Index of each call that first uses a communicator -> (communicator, members)."""
         seen, out = set(), {}
         for i, c in enumerate(calls):
-            if c.kind == ALL_REDUCE:
+            if c.kind in COLLECTIVES:
                 comm = (f"stage {c.stage}", c.group)
             elif c.kind in (ISEND, IRECV) and self.mode == "pair":
                 comm = ("pair", tuple(sorted((rank, c.peer))))
@@ -246,7 +285,7 @@ class _Replay:
             if c.kind == WAIT and not done[c.target]:
                 return  # woken by _complete
             self.pc[r] = i + 1  # before queueing: a completion looks at where the rank is
-            if c.kind == ALL_REDUCE:
+            if c.kind in COLLECTIVES:
                 self.fifo[r].append(i)
                 if len(self.fifo[r]) == 1:
                     self._collectives_from(r)

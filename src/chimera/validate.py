@@ -127,7 +127,9 @@ def _check_rendezvous(s: Schedule) -> None:
     """The runtime's calls for ``s`` (its CommPlan) finish under NCCL's rules, one stream per
     pair of ranks or per rank, communicators created eagerly. Two data-parallel copies: then
     every stage group reduces (with one copy, single-replica stages issue nothing), and more
-    copies run in lock-step with these two."""
+    copies run in lock-step with these two. Also with the optimizer sharded (two iterations:
+    the parameter all-gathers after STEP are waited for inside the next one)."""
     plan = comm_plan.plan_comm(s)
     for mode in rendezvous.MODES:
-        rendezvous.check(plan, mode, data_parallel=2)
+        for sharded in (False, True):
+            rendezvous.check(plan, mode, data_parallel=2, sharded=sharded)
