@@ -91,6 +91,8 @@ def test_profile_prices_a_schedule(tmp_path, capsys):
     cost = cost_from_profile(profile, lower(build("chimera", 2, 4)))
     assert out["makespan"] >= 4 * (sum(cost.f) + sum(cost.b)) / 2 > 0
     assert len(profile.layers) == 8 and profile.split
+    # the trainer's AdamW measured; a rank's step is priced per replica it holds
+    assert profile.optimizer_s_per_byte > 0 and all(x > 0 for x in cost.optimizer)
 
 
 @pytest.mark.parametrize("name,kw,costs", [

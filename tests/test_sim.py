@@ -103,3 +103,25 @@ def test_a_cost_string_and_its_cost_model_shape_chimera_zb_alike():
     text, priced = op_times("1:2:1", 4, 4), model.op_times(4, 4)
     assert (text.f, text.b, text.i, text.w) == (priced.f, priced.b, priced.i, priced.w)
     assert build("chimera-zb", 4, 8, cost="1:2:1").programs == build("chimera-zb", 4, 8, cost=model).programs
+
+
+@pytest.mark.parametrize("name,overlap", [("1f1b", True), ("chimera", True), ("chimera", False)])
+def test_the_optimizer_step_ends_the_iteration_once_per_replica_held(name, overlap):
+    """Each rank's STEP runs one optimizer update per replica it holds after its allreduces:
+    Chimera (two replicas a rank) pays twice what 1F1B pays, sharding over a stage's two
+    replicas halves it for the price of an all-gather, and the optimizer's time counts as
+    work, not as a bubble."""
+    s = lower(build(name, 4, 8))
+    base = dict(f=(1.0,), b=(2.0,), allreduce_time=0.5, overlap_allreduce=overlap)
+    plain = simulate(s, CostModel(**base))
+    step = simulate(s, CostModel(**base, optimizer=(0.75,)))
+    sharded = simulate(s, CostModel(**base, optimizer=(0.75,), shard_optimizer=True))
+    replicas = 2 if name == "chimera" else 1
+    assert step.makespan == pytest.approx(plain.makespan + 0.75 * replicas)
+    group = 2 if name == "chimera" else 1  # 1F1B at W=1: no replica to shard over
+    gather = 0.5 / 2 if group > 1 else 0.0  # half an allreduce, before the next first forward
+    assert sharded.makespan == pytest.approx(plain.makespan + 0.75 * replicas / group + gather)
+    for a, b in zip(plain.ranks, step.ranks):
+        assert b.busy == pytest.approx(a.busy + 0.75 * replicas)
+    steps = [e for e in step.events if e.action.op is Op.STEP]
+    assert len(steps) == 4 and all(e.end - e.start >= 0.75 * replicas - 1e-12 for e in steps)

@@ -11,6 +11,11 @@ Links: two gloo processes on the loopback, p2p (half a ping-pong round trip) and
 allreduce at sizes from 4 KiB to 16 MiB, fitted as ``alpha + bytes / beta``; the allreduce as
 a ring, whose 2(g-1) = 2 steps each move bytes/g: ``T = 2 alpha + bytes / beta``.
 
+Optimizer: the trainer's own AdamW (``train.loop.make_optimizer``: fused, nanoGPT's decay
+groups) stepping over every layer's parameters with gradients set, per byte of parameters
+(``optimizer_s_per_byte``): a rank's step costs that times the bytes of the replicas it holds,
+so Chimera's second copy of each stage doubles it and a sharded optimizer divides it.
+
 The result is a ``chimera.profile/1`` object (:mod:`chimera.sim.profile`, the one schema
 ``chimera simulate --profile`` and ``chimera plan --profile`` read).
 """
@@ -32,6 +37,8 @@ from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.split_backward import backward_input, backward_weight
 from chimera.sim.profile import PROFILE_SCHEMA
+from chimera.train.config import TrainConfig
+from chimera.train.loop import make_optimizer
 from chimera.runtime.workers import free_port, gloo_group
 
 LINK_SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
@@ -182,6 +189,22 @@ def measure_links(repeat: int = 20) -> dict:
     return {"p2p": fit_link(raw["p2p"]), "allreduce": {**fit_link(raw["allreduce"], steps=2), "group": 2}}
 
 
+def optimizer_seconds_per_byte(model: str, repeat: int = 5, seed: int = 0) -> float:
+    """Median seconds of one AdamW step of the whole model, per byte of its parameters."""
+    params = [p for layer in build_layers(get_config(model), seed) for p in layer.parameters()]
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+    optimizer = make_optimizer(params, TrainConfig(model=model))
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+
+    def timed() -> float:
+        start = time.perf_counter()
+        optimizer.step()
+        return time.perf_counter() - start
+    return _median_time(timed, repeat) / nbytes
+
+
 def build_profile(model: str, micro_batch: int, threads: int = 1, repeat: int = 5,
                   link_repeat: int = 20) -> dict:
     torch.set_num_threads(threads)
@@ -190,6 +213,7 @@ def build_profile(model: str, micro_batch: int, threads: int = 1, repeat: int = 
     data = {"schema": PROFILE_SCHEMA, "model": model, "micro_batch": micro_batch,
             "threads": threads, "dtype": "float32", "layers": layers,
             "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+            "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+            "optimizer_s_per_byte": optimizer_seconds_per_byte(model, repeat)}
     data.update(measure_links(link_repeat))
     return data

@@ -27,7 +27,7 @@ def add_measured_options(p: argparse.ArgumentParser) -> None:
 
 def profile_cost(args: argparse.Namespace, schedule) -> CostModel:
     return cost_from_profile(load_profile(args.profile), schedule, data_parallel=args.data_parallel,
-                             overlap=not args.no_overlap)
+                             overlap=not args.no_overlap, shard_optimizer=args.shard_optimizer)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import os
 from chimera.cli.common import add_schedule_options, nonneg_float, positive_int, schedule_from_args
 from chimera.cli.measured import add_measured_options, cmd_replay, profile_cost
 from chimera.bounds import schedule_bound
+from chimera.errors import UserError
 from chimera.formulas import closed_form
 from chimera.schedules import schemes
 from chimera.sim import CostModel, Timeline, simulate
@@ -64,13 +65,20 @@ def add_cost_options(p: argparse.ArgumentParser) -> None:
                    help="allreduce blocks compute instead of overlapping it")
     g.add_argument("--data-parallel", "-W", type=positive_int, default=1,
                    help="data-parallel width W: replicas in each stage's allreduce (default: 1)")
+    g.add_argument("--optimizer", type=nonneg_float, default=0.0, metavar="T",
+                   help="time of one replica's optimizer step for a D-th of the model; a rank "
+                        "runs one per replica it holds, after its allreduces (default: 0; with "
+                        "--profile, its measured optimizer_s_per_byte)")
+    g.add_argument("--shard-optimizer", action="store_true",
+                   help="ZeRO-1: each replica updates 1/(its stage's replicas x W) of the stage")
 
 
 def cost_from_args(args: argparse.Namespace) -> CostModel:
     base = CostModel.parse(args.cost)
     return CostModel(f=base.f, b=base.b, i=base.i, w=base.w, p2p_time=args.p2p,
                      allreduce_time=args.allreduce, overlap_allreduce=not args.no_overlap,
-                     data_parallel=args.data_parallel)
+                     data_parallel=args.data_parallel, optimizer=(args.optimizer,),
+                     shard_optimizer=args.shard_optimizer)
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:
@@ -95,6 +103,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     if args.from_trace:
         return cmd_replay(args)
+    if args.profile and args.optimizer:
+        raise UserError("--optimizer with --profile: the profile's measured optimizer_s_per_byte "
+                        "prices the step; give one of them")
     schedule = schedule_from_args(args)
     cost = profile_cost(args, schedule) if args.profile else cost_from_args(args)
     timeline = simulate(schedule, cost)

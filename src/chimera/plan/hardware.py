@@ -10,6 +10,11 @@ out as ``rank = w * D + d``, so a pipeline of D <= ``devices_per_node`` ranks st
 node (``intra`` links); a longer one crosses nodes, and its slowest hop sets the pace, so
 every hop is priced at the inter-node link. A stage's allreduce group (its replicas times W)
 spans nodes unless all P ranks fit in one node.
+
+The optimizer step is memory-bound: AdamW reads the weights, gradients and its state and
+writes the weights and state back, ``2 (w + o) + g`` bytes per parameter (``STATE_BYTES``)
+at ``OPTIMIZER_EFFICIENCY`` of the device's memory bandwidth (an assumption; a profile's
+measured ``optimizer_s_per_byte`` replaces it).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import math
 from dataclasses import dataclass, replace
 
 from chimera.errors import UserError
+from chimera.plan.memory import STATE_BYTES
 from chimera.sim.cost import Link
 from chimera.sim.profile import Profile
 
 PRECISIONS = ("fp32", "mixed")
+OPTIMIZER_EFFICIENCY = 0.5  # of the memory bandwidth a fused AdamW step reaches (assumed)
 
 
 class PlanError(UserError):
@@ -45,6 +52,8 @@ class Hardware:
     flash_attention: bool = False  # attention scores are recomputed, not stored (T x T)
     memory_reserve: float = 0.1  # fraction lost to the CUDA context and allocator slack
     source: str = ""
+    memory_bandwidth: float = 0.0  # bytes/s per device (0: the optimizer step is not priced)
+    optimizer_s_per_byte: float | None = None  # measured (a profile); else from the bandwidth
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -68,6 +77,15 @@ class Hardware:
             return self.intra_allreduce
         return self.allreduce
 
+    def optimizer_time(self, params: float) -> float:
+        """Seconds of one optimizer step over ``params`` parameters (module docstring)."""
+        w, g, o = STATE_BYTES[self.precision]
+        if self.optimizer_s_per_byte is not None:
+            return params * g * self.optimizer_s_per_byte
+        if self.memory_bandwidth <= 0:
+            return 0.0
+        return params * (2 * (w + o) + g) / (self.memory_bandwidth * OPTIMIZER_EFFICIENCY)
+
     def layer_time(self, flops: float, tokens: float) -> float:
         """Seconds of one pass over one layer doing ``flops`` on ``tokens`` tokens."""
         eff = self.efficiency * tokens / (tokens + self.half_tokens)
@@ -87,7 +105,7 @@ PRESETS: dict[str, Hardware] = {
     "p100": Hardware(
         "p100", peak_flops=9.3e12, memory_gib=16, precision="fp32", efficiency=0.6,
         half_tokens=256, layer_overhead_s=60e-6, p2p=_link(30, 3.0), allreduce=_link(50, 2.0),
-        source="Piz Daint: P100 16 GB (9.3 TFLOP/s fp32) + Aries; gloo/TCP links assumed"),
+        memory_bandwidth=732e9, source="Piz Daint: P100 16 GB (9.3 TFLOP/s fp32) + Aries; gloo/TCP links assumed"),
     # DGX-1V: 8 x V100 SXM2 32 GB (125 TFLOP/s fp16 tensor cores, V100 datasheet), NVLink 2
     # hybrid cube mesh (~130 GB/s NCCL bus bandwidth), 4 x EDR InfiniBand 100 Gb/s per node
     # (~6 GB/s per GPU). Mixed precision.
@@ -95,7 +113,7 @@ PRESETS: dict[str, Hardware] = {
         "v100", peak_flops=125e12, memory_gib=32, precision="mixed", efficiency=0.45,
         half_tokens=1024, layer_overhead_s=30e-6, p2p=_link(5, 6.0), allreduce=_link(5, 6.0),
         devices_per_node=8, intra_p2p=_link(3, 40.0), intra_allreduce=_link(3, 130.0),
-        source="DGX-1V: V100 SXM2 32 GB (125 TFLOP/s fp16), NVLink 2, 4x EDR IB"),
+        memory_bandwidth=900e9, source="DGX-1V: V100 SXM2 32 GB (125 TFLOP/s fp16), NVLink 2, 4x EDR IB"),
     # DGX A100: 8 x A100 SXM4 80 GB (312 TFLOP/s bf16 dense, A100 datasheet), NVLink 3 /
     # NVSwitch (600 GB/s per GPU, ~230 GB/s NCCL bus bandwidth), 8 x HDR IB 200 Gb/s (one per
     # GPU, ~24 GB/s). Mixed precision; flash attention.
@@ -103,7 +121,7 @@ PRESETS: dict[str, Hardware] = {
         "a100", peak_flops=312e12, memory_gib=80, precision="mixed", efficiency=0.5,
         half_tokens=2048, layer_overhead_s=20e-6, p2p=_link(5, 24.0), allreduce=_link(5, 24.0),
         devices_per_node=8, intra_p2p=_link(3, 200.0), intra_allreduce=_link(3, 230.0),
-        flash_attention=True,
+        flash_attention=True, memory_bandwidth=2039e9,
         source="DGX A100: A100 SXM4 80 GB (312 TFLOP/s bf16), NVLink 3, 8x HDR IB"),
     # DGX H100: 8 x H100 SXM5 80 GB (989 TFLOP/s bf16 dense, H100 datasheet), NVLink 4 /
     # NVSwitch (900 GB/s per GPU, ~360 GB/s NCCL bus bandwidth), 8 x NDR IB 400 Gb/s (~48 GB/s
@@ -112,7 +130,7 @@ PRESETS: dict[str, Hardware] = {
         "h100", peak_flops=989e12, memory_gib=80, precision="mixed", efficiency=0.45,
         half_tokens=4096, layer_overhead_s=15e-6, p2p=_link(5, 48.0), allreduce=_link(5, 48.0),
         devices_per_node=8, intra_p2p=_link(3, 300.0), intra_allreduce=_link(3, 360.0),
-        flash_attention=True,
+        flash_attention=True, memory_bandwidth=3350e9,
         source="DGX H100: H100 SXM5 80 GB (989 TFLOP/s bf16), NVLink 4, 8x NDR IB"),
     # This kind of machine: one process per core, fp32, gloo over loopback. Rough figures
     # (an AVX2 core: 16 fp32 FMA lanes x 2 x ~3 GHz ~ 100 GFLOP/s peak); measure with a
@@ -121,7 +139,7 @@ PRESETS: dict[str, Hardware] = {
         "cpu", peak_flops=1e11, memory_gib=4, precision="fp32", efficiency=0.3, half_tokens=64,
         layer_overhead_s=100e-6, p2p=_link(50, 2.0), allreduce=_link(100, 1.0),
         devices_per_node=64, intra_p2p=_link(50, 2.0), intra_allreduce=_link(100, 1.0),
-        memory_reserve=0.0, source="one CPU core per rank, gloo on loopback (rough; use --profile)"),
+        memory_reserve=0.0, memory_bandwidth=10e9, source="one CPU core per rank, gloo on loopback (rough; use --profile)"),
 }
 ALIASES = {"p100+aries": "p100", "piz-daint": "p100", "daint": "p100", "v100+ib": "v100",
            "a100+ib": "a100", "h100+ib": "h100", "h100+nvlink": "h100"}
@@ -136,7 +154,10 @@ def get_hardware(name: str) -> Hardware:
 
 
 def with_profile(hw: Hardware, profile: Profile) -> Hardware:
-    """The hardware with the profile's links (and memory, if it gives one)."""
+    """The hardware with the profile's links (and memory and optimizer speed, if it gives
+    them)."""
     memory = profile.memory_gib or hw.memory_gib
+    optimizer = profile.optimizer_s_per_byte or hw.optimizer_s_per_byte
     return replace(hw, p2p=profile.p2p, allreduce=profile.allreduce, intra_p2p=None,
-                   intra_allreduce=None, memory_gib=memory, source=f"{hw.source}; profile {profile.source}")
+                   intra_allreduce=None, memory_gib=memory, optimizer_s_per_byte=optimizer,
+                   source=f"{hw.source}; profile {profile.source}")

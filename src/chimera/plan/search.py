@@ -255,23 +255,13 @@ class Planner:
             self.stats.invalid += 1
             return None
         self.stats.simulated += 1
-        cost = self.pricing.cost_model(sc, c.depth, c.width, shape.schedule.micro_scale)
+        cost = self.pricing.cost_model(sc, c.depth, c.width, shape.schedule.micro_scale, c.shard)
         t = compiled.times(cost, eager_sync=True)
-        return self._evaluation(c, t.makespan + self._all_gather(c, shape, sc), t.busy,
-                                t.compute_end, mem)
+        return self._evaluation(c, t.makespan, t.busy, t.compute_end, mem)
 
     def _shards(self, c: Candidate, s) -> int:
         """Replicas the optimizer of a stage is split over (1: not sharded)."""
         return len(s.placement.replicas(0)) * c.width if c.shard else 1
-
-    def _all_gather(self, c: Candidate, shape: Shape, sc: StageCosts) -> float:
-        """Sharded: the exposed part of the parameters' all-gathers after the step: one stage's
-        (half of a ring allreduce), the one a rank runs first; the runtime prefetches the
-        others behind its first forwards. The reduce-scatter takes the allreduce's place."""
-        group = self._shards(c, shape.schedule)
-        if group < 2:
-            return 0.0
-        return max(self._allreduce().allreduce(x, group) for x in sc.grad_bytes) / 2
 
     def _evaluation(self, c: Candidate, total: float, busy: list[float], compute_end: float,
                     mem: float, asynchronous: bool = False) -> Evaluation:

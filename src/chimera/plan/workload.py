@@ -160,15 +160,19 @@ class Pricing:
             return i, w
         return tuple(x / 2 for x in b0), tuple(x / 2 for x in b0)
 
-    def cost_model(self, sc: StageCosts, depth: int, width: int, scale: float) -> CostModel:
+    def cost_model(self, sc: StageCosts, depth: int, width: int, scale: float,
+                   shard: bool = False) -> CostModel:
         """The simulator's cost model. ``scale`` is the schedule's micro_scale: the simulator
-        multiplies times and bytes by it, so times of the smaller micro-batch are divided back."""
+        multiplies times and bytes by it, so times of the smaller micro-batch are divided back.
+        ``shard``: the optimizer of each stage is split over its replica group."""
         hw, t = self.work.hardware, sc.times
         return CostModel(
             f=tuple(x / scale for x in t.f), b=tuple(x / scale for x in t.b),
             i=tuple(x / scale for x in t.i), w=tuple(x / scale for x in t.w),
             p2p=hw.p2p_link(depth), allreduce=hw.allreduce_link(self.work.gpus),
-            act_bytes=tuple(x / scale for x in sc.send_bytes), weight_bytes=sc.grad_bytes, data_parallel=width)
+            act_bytes=tuple(x / scale for x in sc.send_bytes), weight_bytes=sc.grad_bytes,
+            data_parallel=width, optimizer=tuple(hw.optimizer_time(p) for p in sc.params),
+            shard_optimizer=shard)
 
 
 def memory_floor(replicas: list[list[tuple[int, int]]], sc: StageCosts, precision: str,

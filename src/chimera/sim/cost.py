@@ -39,6 +39,13 @@ class CostModel:
     entry for all). ``b`` defaults to ``i + w``; split ops default to half of ``b``.
     ``p2p_time`` is a fixed time per hop added to ``p2p.time(act_bytes)``.
     ``overlap_allreduce``: when False, an allreduce blocks its rank's compute stream.
+    ``optimizer``: per stage, the optimizer step of one replica (a rank runs one for every
+    replica it holds, after its STEP's allreduces: Chimera's second copy of each stage doubles
+    it); one entry is the time for a D-th of the model, as for compute. With
+    ``shard_optimizer`` each replica updates only its 1/group slice (ZeRO-1), so the time
+    is divided by the stage's group (its replicas times W), and a rank then waits for the
+    parameter all-gather of the stage it runs first (the runtime prefetches the others
+    behind its first forwards): the iteration's price for the smaller step.
     """
 
     f: tuple[float, ...] = (1.0,)
@@ -53,9 +60,11 @@ class CostModel:
     weight_bytes: tuple[float, ...] = (0.0,)  # gradient bytes per stage
     overlap_allreduce: bool = True
     data_parallel: int = 1
+    optimizer: tuple[float, ...] = (0.0,)
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "i", "w", "act_bytes", "weight_bytes"):
+        for name in ("f", "b", "i", "w", "act_bytes", "weight_bytes", "optimizer"):
             values = getattr(self, name)
             if any((not isinstance(v, (int, float))) or v < 0 or math.isnan(v) for v in values):
                 raise ScheduleError(f"cost {name} must be non-negative numbers, got {values}")
@@ -106,6 +115,16 @@ class CostModel:
     def hop(self, stage: int, stages: int, scale: float = 1.0) -> float:
         nbytes = self._at(self.act_bytes, stage, stages) * scale
         return self.p2p_time + (self.p2p.time(nbytes) if nbytes or self.p2p.alpha else 0.0)
+
+    def step_time(self, stage: int, stages: int, ranks: int, group: int) -> float:
+        """One replica's optimizer step of ``stage`` (a slice of it when sharded)."""
+        size = ranks / stages if len(self.optimizer) == 1 else 1.0
+        t = self._at(self.optimizer, stage, stages) * size
+        return t / group if self.shard_optimizer and group > 1 else t
+
+    def gather(self, stage: int, stages: int, group: int) -> float:
+        """The parameter all-gather of a sharded stage: half of a ring allreduce."""
+        return self.sync(stage, stages, group) / 2 if self.shard_optimizer else 0.0
 
     def sync(self, stage: int, stages: int, group: int) -> float:
         nbytes = self._at(self.weight_bytes, stage, stages)

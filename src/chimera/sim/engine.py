@@ -170,6 +170,8 @@ class CompiledSchedule:
         makespan = max(end, default=0.0)
         if eager_sync:
             makespan = max([makespan] + sync.after_program(self.last_gradients(), end, clock))
+        if eager_sync or Op.STEP in s.ops:  # the optimizer's work is work, not a bubble
+            busy = [x + sync.optimizer(r) for r, x in enumerate(busy)]
         return Times(start, end, makespan, busy, compute_end, sync.collectives)
 
     def last_gradients(self) -> dict[tuple[int, int], int]:
@@ -346,9 +348,23 @@ class _SyncState:
         return len(self.s.placement.replicas(stage)) * self.cost.data_parallel
 
     def step(self, rank: int, t: float) -> float:
+        """The end of ``rank``'s STEP: its stages' allreduces, then its optimizer updates, and
+        with a sharded optimizer the all-gather its next iteration's first forward waits for."""
         reduced = self.reduce_all()
         held = [reduced[stage] for _, stage in self.s.placement.held(rank) if stage in reduced]
-        return max([t] + held)
+        return max([t] + held) + self.optimizer(rank) + self.first_gather(rank)
+
+    def first_gather(self, rank: int) -> float:
+        first = next((a.stage for a in self.s.programs[rank] if a.op is Op.F), None)
+        if first is None or not self.cost.shard_optimizer:
+            return 0.0
+        return self.cost.gather(first, self.s.stages, self.group(first))
+
+    def optimizer(self, rank: int) -> float:
+        """The optimizer's time on ``rank``: one update per replica it holds."""
+        s = self.s
+        return sum(self.cost.step_time(stage, s.stages, s.ranks, self.group(stage))
+                   for _, stage in s.placement.held(rank))
 
     def reduce_all(self) -> dict[int, float]:
         """Allreduce ends once every SYNC is issued: stages in order of readiness, each rank's

@@ -15,10 +15,13 @@ trace replay with the profile's links (:mod:`chimera.sim.replay`). ``chimera pro
         "param_bytes": 1048576}, ...],                             # param_bytes: optional
      "p2p": {"alpha_s": 5e-05, "beta_bytes_per_s": 2e9},
      "allreduce": {"alpha_s": 1e-4, "beta_bytes_per_s": 1e9},   # per ring step
+     "optimizer_s_per_byte": 2e-10,          # optional: AdamW step per byte of param_bytes
      "memory_gib": 8}                        # optional: per rank
 
 Times are seconds and bytes are per micro-batch of ``micro_batch`` sequences. ``backward_s``
-is the full backward; without the split times, I and W are taken as half of it each. Other
+is the full backward; without the split times, I and W are taken as half of it each.
+``optimizer_s_per_byte`` prices a replica's optimizer step (its stage's ``param_bytes`` times
+it; absent: the step is free, as profiles written before it assumed). Other
 fields (the writer's date, threads, link samples) are kept in the file and ignored here.
 Standard JSON only: ``Infinity`` and ``NaN`` are refused, as is any negative number.
 """
@@ -65,6 +68,7 @@ class Profile:
     memory_gib: float | None = None
     model: str = ""
     source: str = field(default="", compare=False)
+    optimizer_s_per_byte: float = 0.0
 
     @property
     def split(self) -> bool:
@@ -105,8 +109,13 @@ def parse_profile(data, source: str = "") -> Profile:
     memory = data.get("memory_gib")
     if memory is not None and not (nonnegative_number(memory) and memory > 0):
         raise ProfileError(f"{where}: memory_gib must be a positive number, got {memory!r}")
+    optimizer = data.get("optimizer_s_per_byte", 0.0)
+    if not nonnegative_number(optimizer):
+        raise ProfileError(f"{where}: optimizer_s_per_byte must be a finite number >= 0, "
+                           f"got {optimizer!r}")
     return Profile(micro, parsed, _link(data, "p2p", where), _link(data, "allreduce", where),
-                   None if memory is None else float(memory), str(data.get("model", "")), source)
+                   None if memory is None else float(memory), str(data.get("model", "")), source,
+                   float(optimizer))
 
 
 def nonnegative_number(x) -> bool:
@@ -155,8 +164,9 @@ def stage_cut(profile: Profile, stages: int, model: str | None = None) -> list[r
 
 
 def cost_from_profile(profile: Profile, schedule: Schedule, data_parallel: int = 1,
-                      overlap: bool = True) -> CostModel:
-    """The profile priced for ``schedule`` (times per micro-batch of ``profile.micro_batch``)."""
+                      overlap: bool = True, shard_optimizer: bool = False) -> CostModel:
+    """The profile priced for ``schedule`` (times per micro-batch of ``profile.micro_batch``;
+    ``shard_optimizer``: each replica updates its slice only)."""
     layers, ranges = profile.layers, stage_cut(profile, schedule.stages)
 
     def per_stage(key: str) -> tuple[float, ...]:
@@ -169,4 +179,6 @@ def cost_from_profile(profile: Profile, schedule: Schedule, data_parallel: int =
         p2p=profile.p2p, allreduce=profile.allreduce,
         act_bytes=tuple(layers[r.stop - 1].output_bytes for r in ranges),
         weight_bytes=per_stage("param_bytes"), overlap_allreduce=overlap,
-        data_parallel=data_parallel)
+        data_parallel=data_parallel,
+        optimizer=tuple(x * profile.optimizer_s_per_byte for x in per_stage("param_bytes")),
+        shard_optimizer=shard_optimizer)
