@@ -140,15 +140,21 @@ def quick_floor(micro_batches: int, depth: int, model_time: float) -> float:
 
 
 def async_parts(times: OpTimes, grad_bytes: Sequence[float], micro_batches: int, syncs: int,
-                allreduce: Link, width: int) -> tuple[float, float, list[float]]:
+                allreduce: Link, width: int, optimizer: Sequence[float] = ()
+                ) -> tuple[float, float, list[float]]:
     """(iteration, compute part, busy per stage) of PipeDream / 2BW in steady state.
 
     N micro-batches at the pipeline's steady period; ``syncs`` allreduces per iteration of
     each stage (N for PipeDream, 1 for 2BW) on each rank's channel, overlapping the next
     micro-batches entirely (the asynchronous update lets them): the iteration is the longer
-    of the two. An approximation: the two streams do not slow each other down.
+    of the two. Each sync is followed by an optimizer update of the stage (``optimizer[s]``
+    seconds), on the compute stream. An approximation: the two streams do not slow each
+    other down.
     """
+    update = list(optimizer) or [0.0] * len(times.f)
     stage_time = [f + b for f, b in zip(times.f, times.b)]
-    compute = micro_batches * steady_period(stage_time, times.hop[:-1])
+    steps = [syncs * u for u in update]
+    compute = micro_batches * steady_period(stage_time, times.hop[:-1]) + max(steps)
     comm = syncs * max(allreduce.allreduce(x, width) for x in grad_bytes)
-    return max(compute, comm), compute, [micro_batches * t for t in stage_time]
+    return (max(compute, comm), compute,
+            [micro_batches * t + u for t, u in zip(stage_time, steps)])

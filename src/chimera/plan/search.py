@@ -204,8 +204,9 @@ class Planner:
 
     def _async(self, c: Candidate, sc: StageCosts) -> tuple[float, float, list[float]]:
         syncs = c.micro_batches if c.scheme == "pipedream" else 1  # per micro-batch vs per batch
+        optimizer = [self.work.hardware.optimizer_time(p) for p in sc.params]
         return bounds.async_parts(self._times(c, sc), sc.grad_bytes, c.micro_batches, syncs,
-                                  self._allreduce(), c.width)
+                                  self._allreduce(), c.width, optimizer)
 
     def lower_bounds(self, c: Candidate) -> tuple[float, float] | None:
         """(time, memory) no schedule of this candidate can beat; None if it is invalid."""
