@@ -342,7 +342,7 @@ class TrainConfig:
         if self.options is not None and not isinstance(self.options, dict):
             raise ConfigError(f"options must be a dict of scheme options, got {self.options!r}")
         extra = dict(self.options or {})
-        named = {k: getattr(self, k) for k in option_declarations() if k in self.field_names()}
+        named = {k: getattr(self, k) for k in self.option_fields()}
         twice = [k for k in extra if named.get(k) is not None]
         if twice:
             raise ConfigError(f"scheme option(s) {', '.join(twice)} given twice: as a field and in options")
@@ -354,6 +354,11 @@ class TrainConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def option_fields(cls) -> list[str]:
+        """The scheme options that are fields of their own (any other goes in ``options``)."""
+        return [k for k in option_declarations() if k in cls.field_names()]
 
 
 
