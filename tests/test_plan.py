@@ -18,7 +18,7 @@ from chimera.passes import lower
 from chimera.plan import Planner, PlanError, ProfileError, Workload, get_hardware, parse_profile
 from chimera.plan.memory import (HeldActivations, block_activation_bytes, layer_activation_bytes,
                                  state_bytes)
-from chimera.plan.report import why_faster
+from chimera.plan.report import _sweep, why_faster
 from chimera.plan.search import Candidate, Evaluation
 from chimera.schedules import build, get_scheme, schemes
 from chimera.schedules.asynchronous import steady_period
@@ -208,6 +208,23 @@ def test_why_faster_reads_a_split_micro_batch_off_the_schedule():
                                 iteration_s=2.0, compute_s=1.9, micro_scale=0.5)
     assert "parts of 2 sequences" in why_faster(win, other)
     assert "parts of" not in why_faster(win, dataclasses.replace(other, micro_scale=1.0))
+
+
+@pytest.mark.parametrize("error, shown", [(PlanError("nothing fits"), False),
+                                           (ValueError("a bug, not bad input"), True)])
+def test_a_sweep_skips_what_does_not_fit_and_lets_a_bug_through(monkeypatch, error, shown):
+    pl = small_planner(names=["1f1b"])
+
+    def run(**kwargs):
+        raise error
+
+    monkeypatch.setattr(pl, "run", run)
+    c = Candidate("1f1b", (), 4, 2, 4, 8, False)
+    if shown:
+        with pytest.raises(ValueError, match="a bug"):
+            _sweep(pl, c, "D", lambda x: x.depth, lambda x: True)
+    else:
+        assert _sweep(pl, c, "D", lambda x: x.depth, lambda x: True) == []
 
 
 def test_plan_prefers_the_lower_simulated_time():

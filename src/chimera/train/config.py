@@ -171,7 +171,7 @@ class TrainConfig:
 
         try:
             ranges = parse_partition(self.partition, n_layers)
-        except ValueError as exc:
+        except UserError as exc:
             raise ConfigError(f"--partition {self.partition}: {str(exc).splitlines()[0]}") from None
         if len(ranges) != self.stages_total:
             raise ConfigError(f"--partition {self.partition} gives {len(ranges)} stages, the "
@@ -261,7 +261,7 @@ class TrainConfig:
         try:
             return DataSpec(self.data, self.token_dtype, self.vocab_size, self.text_field,
                             self.tokenizer)
-        except ValueError as exc:
+        except UserError as exc:
             raise ConfigError(str(exc)) from None
 
     @cached_property
