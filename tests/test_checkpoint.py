@@ -11,8 +11,6 @@ import shutil
 import time
 
 import pytest
-
-from chimera.models import get_config
 import torch
 
 from chimera.models import build_model, get_config

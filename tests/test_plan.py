@@ -18,7 +18,8 @@ from chimera.passes import lower
 from chimera.plan import Planner, PlanError, ProfileError, Workload, get_hardware, parse_profile
 from chimera.plan.memory import (HeldActivations, block_activation_bytes, layer_activation_bytes,
                                  state_bytes)
-from chimera.plan.search import Candidate
+from chimera.plan.report import _sweep, why_faster
+from chimera.plan.search import Candidate, Evaluation
 from chimera.schedules import build, get_scheme, schemes
 from chimera.schedules.asynchronous import steady_period
 from chimera.sim import CostModel, simulate
@@ -197,6 +198,33 @@ def test_backward_halving_needs_an_even_micro_batch():
     for c in pl.candidates():
         if dict(c.options).get("strategy") == "halving" and c.micro_batch % 2:
             assert pl.lower_bounds(c) is None and pl.evaluate(c) is None
+
+
+def test_why_faster_reads_a_split_micro_batch_off_the_schedule():
+    """The cause is the schedule's micro_scale (backward halving's 0.5), not an option's name."""
+    c = Candidate("chimera", (), 4, 2, 4, 8, False)
+    win = Evaluation(c, 1.0, 32.0, 0.1, 1.0, 0.0, 0.9)
+    other = dataclasses.replace(win, candidate=dataclasses.replace(c, scheme="gems"),
+                                iteration_s=2.0, compute_s=1.9, micro_scale=0.5)
+    assert "parts of 2 sequences" in why_faster(win, other)
+    assert "parts of" not in why_faster(win, dataclasses.replace(other, micro_scale=1.0))
+
+
+@pytest.mark.parametrize("error, shown", [(PlanError("nothing fits"), False),
+                                           (ValueError("a bug, not bad input"), True)])
+def test_a_sweep_skips_what_does_not_fit_and_lets_a_bug_through(monkeypatch, error, shown):
+    pl = small_planner(names=["1f1b"])
+
+    def run(**kwargs):
+        raise error
+
+    monkeypatch.setattr(pl, "run", run)
+    c = Candidate("1f1b", (), 4, 2, 4, 8, False)
+    if shown:
+        with pytest.raises(ValueError, match="a bug"):
+            _sweep(pl, c, "D", lambda x: x.depth, lambda x: True)
+    else:
+        assert _sweep(pl, c, "D", lambda x: x.depth, lambda x: True) == []
 
 
 def test_plan_prefers_the_lower_simulated_time():

@@ -2,6 +2,7 @@
 
 import pytest
 
+from chimera import tables
 from chimera.formulas import closed_form
 from chimera.ir import Action, Op, ScheduleError
 from chimera.passes import lower
@@ -193,3 +194,15 @@ def test_validator_rejects_action_on_wrong_rank():
 def test_closed_forms_cover_the_table():
     assert closed_form("chimera", 8, 8).bubble == pytest.approx(6 / 22)
     assert closed_form("1f1b", 4, 8).activations == (1.0, 4.0)
+
+
+def test_the_scheme_table_marks_a_refused_size_and_lets_a_bug_through(monkeypatch):
+    rows = {r["label"]: r for r in tables.scheme_rows(4, 6)}
+    assert "multiple" in rows["interleaved v=2"]["error"] and "error" not in rows["1f1b"]
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug, not bad input")
+
+    monkeypatch.setattr(tables, "lower", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        tables.scheme_rows(4, 8)

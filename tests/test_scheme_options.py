@@ -1,14 +1,17 @@
 """Scheme options are declared once, with the generator (chimera.schedules.registry): the CLI
-flags, TrainConfig, the planner and the labels follow from the declaration."""
+flags, TrainConfig (and the reference run of equivalence checks), the planner, the labels and
+the closed forms follow from the declaration."""
 
 import pytest
 
 from chimera.cli import main
+from chimera.formulas import closed_form
 from chimera.plan.search import variants
 from chimera.schedules import build, get_scheme, registry
 from chimera.schedules.classic import one_f_one_b
 from chimera.schedules.registry import Option, register
 from chimera.train.config import ConfigError, TrainConfig
+from chimera.train.equivalence import _reference
 
 
 @pytest.fixture
@@ -75,3 +78,34 @@ def test_build_checks_values_against_the_declaration():
         build("chimera", 4, 4, strategy="sideways")
     with pytest.raises(ValueError, match="option exact must be an integer >= 0"):
         build("chimera-zb", 4, 4, exact=-1)
+
+
+@pytest.fixture
+def lagged(monkeypatch):
+    """1F1B given a new option the way a generator would add one: only its declaration."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+    @register("1f1b", get_scheme("1f1b").description,
+              options=(Option("lag", int, "a new option", low=0),))
+    def lagged_1f1b(stages: int, micro_batches: int, lag: int = 0):
+        return one_f_one_b(stages, micro_batches)
+
+
+def test_a_closed_form_does_not_claim_an_option_it_does_not_take(lagged, capsys):
+    assert closed_form("1f1b", 4, 8) == closed_form("1f1b", 4, 8, lag=0) == closed_form("1f1b", 4, 8, lag=None)
+    assert closed_form("1f1b", 4, 8).bubble == pytest.approx(3 / 11)
+    assert closed_form("1f1b", 4, 8, lag=2) is None
+    assert main(["simulate", "-s", "1f1b", "-D", "4", "-N", "8"]) == 0
+    assert "closed form: bubble (D-1)/(N+D-1)" in capsys.readouterr().out
+    assert main(["simulate", "-s", "1f1b", "-D", "4", "-N", "8", "--lag", "2"]) == 0
+    assert "closed form" not in capsys.readouterr().out
+
+
+def test_train_config_passes_a_new_option_and_the_reference_drops_it(lagged):
+    cfg = TrainConfig(schedule="1f1b", stages=2, options={"lag": 2})
+    assert cfg.schedule_options["lag"] == 2 and "lag" not in TrainConfig.option_fields()
+    cfg.preflight()
+    halving = TrainConfig(stages=2, strategy="halving", pipes=2, options={"lag": 2})
+    ref = _reference(halving)
+    assert ref.reference and ref.options is None
+    assert all(getattr(ref, k) is None for k in TrainConfig.option_fields())

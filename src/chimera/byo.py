@@ -16,7 +16,6 @@ then ``init(layer)``, by default every submodule's ``reset_parameters()``, seede
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import warnings
 from typing import Callable, Sequence

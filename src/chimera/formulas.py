@@ -11,7 +11,10 @@ not printed in the paper. Memory is per rank, in Ma (activations) and Mθ
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+
+from chimera.schedules.registry import get_scheme
 
 
 @dataclass(frozen=True)
@@ -25,28 +28,53 @@ class ClosedForm:
     cost: str  # the unit cost the bubble formula assumes
 
 
-def closed_form(name: str, d: int, n: int, pipes: int = 2, chunks: int = 2,
-                strategy: str = "direct") -> ClosedForm | None:
-    if name in ("gpipe", "1f1b"):
-        acts = (float(n), float(n)) if name == "gpipe" else (1.0, float(min(d, n)))
-        return ClosedForm((d - 1) / (n + d - 1), "(D-1)/(N+D-1)", acts,
-                          "N" if name == "gpipe" else "[1, D]", 1.0, "1", "1:1")
-    if name == "interleaved":
-        return ClosedForm((d - 1) / (chunks * n + d - 1), "(D-1)/(vN+D-1)", None, "-", 1.0, "1", "1:1")
-    if name == "zb-h1":
-        return ClosedForm((d - 1) / (3 * n + d - 1), "(D-1)/(3N+D-1)", (float(d), float(d)), "D",
-                          1.0, "1", "1:1:1")
-    if name == "chimera" and pipes == 2 and strategy == "direct" and n % d == 0:
+def closed_form(name: str, d: int, n: int, **options) -> ClosedForm | None:
+    """The paper's form for scheme ``name`` with ``options`` as ``build`` takes them (absent or
+    None: the generator's default). None for a scheme without one, or an option the form does
+    not take (its parameters) set to other than its default: a new option has no form yet."""
+    form = _FORMS.get(name)
+    if form is None:
+        return None
+    scheme = get_scheme(name)
+    given = {o.name: o.default for o in scheme.declared}
+    given.update((k, v) for k, v in options.items() if v is not None)
+    taken = list(inspect.signature(form).parameters)[2:]  # after (d, n)
+    if any(not scheme.is_default(k, v) for k, v in given.items() if k not in taken):
+        return None
+    return form(d, n, **{k: given[k] for k in taken})
+
+
+def _gpipe(d: int, n: int) -> ClosedForm:
+    return _linear(d, n, (float(n), float(n)), "N")
+
+
+def _one_f_one_b(d: int, n: int) -> ClosedForm:
+    return _linear(d, n, (1.0, float(min(d, n))), "[1, D]")
+
+
+def _linear(d: int, n: int, acts: tuple[float, float], acts_text: str) -> ClosedForm:
+    return ClosedForm((d - 1) / (n + d - 1), "(D-1)/(N+D-1)", acts, acts_text, 1.0, "1", "1:1")
+
+
+def _interleaved(d: int, n: int, chunks: int) -> ClosedForm:
+    return ClosedForm((d - 1) / (chunks * n + d - 1), "(D-1)/(vN+D-1)", None, "-", 1.0, "1", "1:1")
+
+
+def _zb_h1(d: int, n: int) -> ClosedForm:
+    return ClosedForm((d - 1) / (3 * n + d - 1), "(D-1)/(3N+D-1)", (float(d), float(d)), "D",
+                      1.0, "1", "1:1:1")
+
+
+def _chimera(d: int, n: int, pipes: int, strategy: str) -> ClosedForm:
+    if pipes == 2 and strategy == "direct" and n % d == 0:
         return ClosedForm((d - 2) / (2 * n + d - 2), "(D-2)/(2N+D-2)", (d / 2 + 1, float(d)),
                           "[D/2+1, D]", 2.0, "2", "1:1")
-    if name == "chimera" and pipes == 2 and strategy != "direct":
+    if pipes == 2 and strategy != "direct":
         return _doubled(d, n, strategy)
-    if name == "chimera":
-        return ClosedForm(None, "-", None, "-", float(pipes), "Q", "1:1")
-    return None
+    return ClosedForm(None, "-", None, "-", float(pipes), "Q", "1:1")
 
 
-def _doubled(d: int, n: int, strategy: str) -> ClosedForm | None:
+def _doubled(d: int, n: int, strategy: str) -> ClosedForm:
     """Two-pipe forward doubling (N a multiple of 2D) or backward halving (N of D), B = 2F."""
     if strategy == "doubling" and n % (2 * d) == 0:
         return ClosedForm((d - 2) / (2 * n + d - 2), "(D-2)/(2N+D-2), B=2F", (1.5 * d + 1, 2.0 * d),
@@ -55,3 +83,7 @@ def _doubled(d: int, n: int, strategy: str) -> ClosedForm | None:
         return ClosedForm((d - 2) / (4 * n + d - 2), "(D-2)/(4N+D-2), B=2F", (0.75 * d + 0.5, float(d)),
                           "[3D/4+1/2, D]", 2.0, "2", "1:2")
     return ClosedForm(None, "-", None, "-", 2.0, "2", "1:1")
+
+
+_FORMS = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zb_h1,
+          "chimera": _chimera}

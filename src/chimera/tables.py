@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from chimera.formulas import closed_form
+from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.schedules import build, get_scheme
 from chimera.sim import CostModel, simulate
@@ -32,7 +33,7 @@ def scheme_rows(d: int, n: int) -> list[dict]:
         label = get_scheme(name).label(opts)
         try:
             schedule = lower(build(name, d, n, **opts))
-        except ValueError as exc:
+        except ScheduleError as exc:  # this D, N is not one the scheme takes
             out.append({"label": label, "error": str(exc)})
             continue
         split = schedule.split_backward

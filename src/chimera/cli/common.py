@@ -67,14 +67,34 @@ def nonneg_int(text: str) -> int:
     return _whole(text, 0, "an integer >= 0")
 
 
-def nonneg_float(text: str) -> float:
+def _real(text: str, ok, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0 or math.isnan(value) or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
+
+
+def nonneg_float(text: str) -> float:
+    return _real(text, lambda v: v >= 0, "a finite number >= 0")
+
+
+def positive_float(text: str) -> float:
+    return _real(text, lambda v: v > 0, "a finite number > 0")
+
+
+def add_checkpoint_input(p: argparse.ArgumentParser) -> None:
+    """``--checkpoint``, as every command that reads a trained model takes it."""
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a run's --checkpoint-dir (its newest step-<n>) or one step-<n> folder")
+
+
+def add_folder_output(p: argparse.ArgumentParser) -> None:
+    """``--out`` of a command that writes a folder atomically (check it with ``check_output``)."""
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="folder to write (must not exist or be empty); it appears complete or not at all")
 
 
 def add_schedule_options(p: argparse.ArgumentParser, default: str = "chimera",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from chimera.cli.common import check_output
+from chimera.cli.common import add_checkpoint_input, add_folder_output, check_output
 
 
 def add_parsers(sub) -> None:
@@ -22,10 +22,8 @@ def add_parsers(sub) -> None:
                     "presets (gpt2-*, bert-*) are refused.",
         epilog="example: chimera train --model hf-llama-tiny --steps 100 --checkpoint-dir ckpt && "
                "chimera export --checkpoint ckpt --out llama-out")
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a run's --checkpoint-dir (its newest step-<n>) or one step-<n> folder")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="folder to write (must not exist or be empty); it appears complete or not at all")
+    add_checkpoint_input(p)
+    add_folder_output(p)
     p.set_defaults(func=cmd_export)
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
-from chimera.cli.common import positive_int
+from chimera.cli.common import add_checkpoint_input, nonneg_float, positive_int
 from chimera.errors import UserError
 
 
@@ -25,12 +24,11 @@ def add_parsers(sub) -> None:
                     "Prints the prompt followed by the continuation.",
         epilog="example: chimera train --steps 200 --checkpoint-dir ckpt && "
                "chimera generate --checkpoint ckpt --prompt 'def main(' --temperature 0")
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a run's --checkpoint-dir (its newest step-<n>) or one step-<n> folder")
+    add_checkpoint_input(p)
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     p.add_argument("--max-new-tokens", type=positive_int, default=200, metavar="N",
                    help="tokens to add (bytes with byte tokens; default: 200)")
-    p.add_argument("--temperature", type=_temperature, default=0.8, metavar="T",
+    p.add_argument("--temperature", type=nonneg_float, default=0.8, metavar="T",
                    help="divide the logits by T before sampling; 0 = greedy, always the most "
                         "likely token (default: 0.8)")
     p.add_argument("--top-k", type=positive_int, metavar="K",
@@ -45,16 +43,6 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object: text, completion, "
                    "token ids, checkpoint, step")
     p.set_defaults(func=cmd_generate)
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0: greedy), got {text!r}")
-    return value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

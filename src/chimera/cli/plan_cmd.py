@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
-from chimera.cli.common import positive_int
+from chimera.cli.common import positive_float, positive_int
 from chimera.modelcfg import PRESETS, get_config
 from chimera.plan import Planner, Workload, get_hardware, load_profile
 from chimera.plan.hardware import PRESETS as HARDWARE
 from chimera.plan.report import explain, table, to_json
 from chimera.plan.search import gc_paused
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
 
 
 def add_parsers(sub) -> None:

@@ -7,7 +7,8 @@ import dataclasses
 import json
 import os
 
-from chimera.cli.common import add_schedule_options, nonneg_float, positive_int, schedule_from_args
+from chimera.cli.common import (add_schedule_options, nonneg_float, positive_int, schedule_from_args,
+                                scheme_options_from_args)
 from chimera.cli.measured import add_measured_options, cmd_replay, profile_cost
 from chimera.bounds import schedule_bound
 from chimera.errors import UserError
@@ -120,7 +121,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for r in result["ranks"]:
         print(f"{r['rank']:>4}  {r['busy']:>8.2f}  {r['peak_activations']:>13.2f}  {r['weights']:>12.2f}")
     n = schedule.params.get("micro_batches", len(schedule.micro_pipe))  # halving runs 2N halves
-    form = closed_form(schedule.name, schedule.ranks, n, **_form_opts(schedule))
+    form = closed_form(schedule.name, schedule.ranks, n, **scheme_options_from_args(args, args.schedule))
     if form and form.bubble is not None and args.cost == form.cost:
         print(f"closed form: bubble {form.bubble_text} = {form.bubble:.4f}")
     if args.bound:
@@ -146,11 +147,6 @@ def timeline_summary(timeline: Timeline) -> dict:
         "ranks": [{"rank": r.rank, "busy": r.busy, "peak_activations": r.peak_activations,
                    "weights": r.weights} for r in timeline.ranks],
     }
-
-
-def _form_opts(schedule) -> dict:
-    p = schedule.params
-    return {k: p[k] for k in ("pipes", "chunks", "strategy") if k in p}
 
 
 def _headline(t: Timeline) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from chimera.cli.common import UsageError, check_output, positive_int
+from chimera.cli.common import UsageError, add_folder_output, check_output, positive_int
 
 
 def add_parsers(sub) -> None:
@@ -21,8 +21,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--vocab-size", type=positive_int, metavar="V", help="ids the tokenizer may "
                    "have: 256 bytes plus up to V - 256 merges (fewer if the text runs out of "
                    "pairs); required unless --tokenizer is given")
-    p.add_argument("--out", metavar="DIR", required=True,
-                   help="folder to write (must not exist or be empty); it appears complete or not at all")
+    add_folder_output(p)
     p.add_argument("--text-field", metavar="NAME", help="the text of each .jsonl object or "
                    "datasets row (default: text)")
     p.add_argument("--tokenizer", metavar="FILE", help="use this tokenizer.json instead of "

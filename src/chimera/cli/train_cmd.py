@@ -119,9 +119,9 @@ def add_parsers(sub) -> None:
 def config_from_args(args: argparse.Namespace):
     from chimera.train.config import TrainConfig
 
-    # scheme options TrainConfig names (pipes, chunks, strategy) as fields, the rest in options
+    # scheme options TrainConfig names as fields (pipes, chunks, strategy), the rest in options
     given = {k: v for k, v in scheme_options_from_args(args).items() if v is not None}
-    named = {k: v for k, v in given.items() if k in TrainConfig.field_names()}
+    named = {k: v for k, v in given.items() if k in TrainConfig.option_fields()}
     others = {k: v for k, v in given.items() if k not in named}
     return TrainConfig(**named, options=others or None,
         model=args.model, schedule=args.schedule, stages=args.stages,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from chimera.modelcfg import param_count
+from chimera.plan.hardware import PlanError
 from chimera.plan.search import Candidate, Evaluation, Planner, PlanResult
 from chimera.plan.workload import divisors
 
@@ -103,21 +104,23 @@ def why_faster(win: Evaluation, other: Evaluation) -> str:
                    "stale weights".format(b[1], a[1]) if other.asynchronous else ""))
     reason = f"{names[k]} {a[k]:.2f} s vs {b[k]:.2f} s"
     if k == 0:
-        reason += _compute_cause(win.candidate, c)
+        reason += _compute_cause(win, other)
     elif k == 1:
         reason += f" (bubble {win.bubble_ratio:.0%} vs {other.bubble_ratio:.0%})"
     return (f"  {other.iteration_s / win.iteration_s:.2f}x over {c.variant} ({_config(c)}, "
             f"{other.iteration_s:.3f} s): {reason}")
 
 
-def _compute_cause(a: Candidate, b: Candidate) -> str:
+def _compute_cause(win: Evaluation, other: Evaluation) -> str:
+    a, b = win.candidate, other.candidate
     causes = []
     if b.recompute and not a.recompute:
         causes.append("it needs recomputation to fit")
     if b.micro_batch < a.micro_batch:
         causes.append(f"its micro-batch B={b.micro_batch} runs less efficiently")
-    if dict(b.options).get("strategy") == "halving":
-        causes.append("backward halving runs half-size micro-batches, less efficiently")
+    if other.micro_scale < win.micro_scale:  # e.g. backward halving's half micro-batches
+        causes.append(f"its schedule runs each micro-batch in parts of "
+                      f"{b.micro_batch * other.micro_scale:g} sequences, less efficiently")
     if b.depth != a.depth:
         causes.append(f"its cut into D={b.depth} stages is less even")
     return f" ({'; '.join(causes)})" if causes else ""
@@ -161,7 +164,7 @@ def _sweep(planner: Planner, c: Candidate, label: str, key, where) -> list[str]:
     """The winner's scheme, best per value of ``key`` (among candidates ``where`` allows)."""
     try:
         res = planner.run(top_k=1, group=key, only=lambda x: x.scheme == c.scheme and where(x))
-    except ValueError:
+    except PlanError:  # nothing of the winner's scheme fits at these values
         return []
     if len(res.best) < 2:
         return []

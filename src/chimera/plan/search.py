@@ -59,6 +59,7 @@ class Evaluation:
     allreduce_share: float  # iteration time after the last compute: unhidden gradient sync
     compute_s: float  # the busiest rank's compute
     asynchronous: bool = False
+    micro_scale: float = 1.0  # the schedule's micro-batch over B (0.5: backward halving)
 
 
 @dataclass
@@ -250,7 +251,7 @@ class Planner:
         if shape.asynchronous:
             self.stats.simulated += 1
             total, compute, busy = self._async(c, sc)
-            return self._evaluation(c, total, busy, compute, mem, asynchronous=True)
+            return self._evaluation(c, shape, total, busy, compute, mem)
         compiled = shape.compiled()
         if compiled is None:
             self.stats.invalid += 1
@@ -258,18 +259,18 @@ class Planner:
         self.stats.simulated += 1
         cost = self.pricing.cost_model(sc, c.depth, c.width, shape.schedule.micro_scale, c.shard)
         t = compiled.times(cost, eager_sync=True)
-        return self._evaluation(c, t.makespan, t.busy, t.compute_end, mem)
+        return self._evaluation(c, shape, t.makespan, t.busy, t.compute_end, mem)
 
     def _shards(self, c: Candidate, s) -> int:
         """Replicas the optimizer of a stage is split over (1: not sharded)."""
         return len(s.placement.replicas(0)) * c.width if c.shard else 1
 
-    def _evaluation(self, c: Candidate, total: float, busy: list[float], compute_end: float,
-                    mem: float, asynchronous: bool = False) -> Evaluation:
+    def _evaluation(self, c: Candidate, shape: Shape, total: float, busy: list[float],
+                    compute_end: float, mem: float) -> Evaluation:
         bubble = 1 - sum(busy) / (c.depth * total) if total > 0 else 0.0
         share = max(0.0, total - compute_end) / total if total > 0 else 0.0
         return Evaluation(c, total, self.work.global_batch / total, bubble, mem, share,
-                          max(busy), asynchronous)
+                          max(busy), shape.asynchronous, shape.schedule.micro_scale)
 
     # -- the search -----------------------------------------------------------------------
     def quick_floor(self, c: Candidate) -> float:

@@ -34,7 +34,6 @@ import pickle
 import re
 import shutil
 import time
-import uuid
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -200,7 +199,7 @@ def owner(path: str | os.PathLike) -> str | None:
         return None
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -218,7 +217,7 @@ def verify(path: str | os.PathLike, model: str | None = None, model_config: dict
     meta = read_meta(path)
     for name, info in meta.get("files", {}).items():
         f = path / name
-        if not f.is_file() or f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
+        if not f.is_file() or f.stat().st_size != info["bytes"] or sha256_of(f) != info["sha256"]:
             raise CheckpointError(f"checkpoint {path} is corrupt: {name} is missing or differs "
                                   "from what was written (move the folder away to resume from "
                                   "the one before)")
@@ -346,7 +345,7 @@ def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
 
 def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, seconds: float) -> None:
     cfg = trainer.cfg
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
              for p in sorted(tmp.iterdir()) if p.is_file()}
     meta = {
         "format": FORMAT, "step": int(final.name[len("step-"):]), "run_id": run_id,
@@ -372,11 +371,7 @@ def tokenizer_record(cfg) -> dict | None:
     if not path:
         return None
     path = Path(path).resolve()
-    return {"path": str(path), "sha256": _sha256(path)}
-
-
-def sha256_of(path: Path) -> str:
-    return _sha256(path)
+    return {"path": str(path), "sha256": sha256_of(path)}
 
 
 def model_fingerprint(model) -> dict:

@@ -171,7 +171,7 @@ class TrainConfig:
 
         try:
             ranges = parse_partition(self.partition, n_layers)
-        except ValueError as exc:
+        except UserError as exc:
             raise ConfigError(f"--partition {self.partition}: {str(exc).splitlines()[0]}") from None
         if len(ranges) != self.stages_total:
             raise ConfigError(f"--partition {self.partition} gives {len(ranges)} stages, the "
@@ -261,7 +261,7 @@ class TrainConfig:
         try:
             return DataSpec(self.data, self.token_dtype, self.vocab_size, self.text_field,
                             self.tokenizer)
-        except ValueError as exc:
+        except UserError as exc:
             raise ConfigError(str(exc)) from None
 
     @cached_property
@@ -342,7 +342,7 @@ class TrainConfig:
         if self.options is not None and not isinstance(self.options, dict):
             raise ConfigError(f"options must be a dict of scheme options, got {self.options!r}")
         extra = dict(self.options or {})
-        named = {k: getattr(self, k) for k in option_declarations() if k in self.field_names()}
+        named = {k: getattr(self, k) for k in self.option_fields()}
         twice = [k for k in extra if named.get(k) is not None]
         if twice:
             raise ConfigError(f"scheme option(s) {', '.join(twice)} given twice: as a field and in options")
@@ -354,6 +354,11 @@ class TrainConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def option_fields(cls) -> list[str]:
+        """The scheme options that are fields of their own (any other goes in ``options``)."""
+        return [k for k in option_declarations() if k in cls.field_names()]
 
 
 

@@ -25,9 +25,10 @@ from chimera.train.loop import Trainer
 
 
 def _reference(cfg: TrainConfig) -> TrainConfig:
-    return dataclasses.replace(cfg, schedule="none", stages=1, data_parallel=1, pipes=None,
-                               chunks=None, strategy=None, micro_batches=1,
-                               micro_batch_size=cfg.global_batch, recompute=False, partition=None)
+    no_options = dict.fromkeys(TrainConfig.option_fields())
+    return dataclasses.replace(cfg, schedule="none", stages=1, data_parallel=1, options=None,
+                               **no_options, micro_batches=1, micro_batch_size=cfg.global_batch,
+                               recompute=False, partition=None)
 
 
 def _grads(trainer: Trainer) -> list[tuple[str, int, torch.Tensor]]:

@@ -131,7 +131,7 @@ def source_from_meta(meta: dict, where: Path):
         return source_from_fingerprint(meta.get("model"), meta.get("model_config"))
     except ImportError as exc:  # an HF model without the hf extra
         raise CheckpointError(f"checkpoint {where} is {meta.get('model')}: {exc}") from None
-    except ValueError as exc:
+    except UserError as exc:
         raise CheckpointError(f"checkpoint {where}: {str(exc).splitlines()[0]}") from None
 
 

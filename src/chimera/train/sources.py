@@ -92,7 +92,7 @@ def open_source(model: str, data_info, seq_len: int | None = None,
 def source_from_fingerprint(model: str, fingerprint: dict,
                             dtype: torch.dtype = torch.float32) -> ModelSource:
     """The source a checkpoint was written by (``meta.json``: ``model``, ``model_config``);
-    ValueError when it does not describe a model this version builds."""
+    UserError when it does not describe a model this version builds."""
     if isinstance(fingerprint, dict) and fingerprint.get("source") == "hf":
         from chimera.hf.source import HFSource  # optional extra (hf): transformers
 
