@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from chimera.ir import Op, OpTimes, Placement, Schedule, ScheduleError
 from chimera.schedules.chimera_slots import slot_programs
 from chimera.schedules.list_play import Dag, Play, Window, build_dag
@@ -78,7 +80,7 @@ def _more_pipes(placement: Placement, micro_pipe: tuple[int, ...], group: int) -
     return _merge(dag, stages, lambda p, s: min(group * (stages - s), per_unit))
 
 
-def _merge(dag: Dag, ranks: int, window) -> list[list]:
+def _merge(dag: Dag, ranks: int, window: Callable[[int, int], int]) -> list[list]:
     """Play the 1F1B pipes with ``window(pipe, stage)`` micro-batches in flight per replica.
     1F1B on each pipe: backwards first (they free memory and unblock the previous stage), then
     the forward nearest to its turn (highest stage), which keeps the merge conflict-free."""

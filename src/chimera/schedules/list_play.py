@@ -6,7 +6,7 @@ the work as a task graph (:func:`build_dag`, from the dependency rule :func:`chi
 and a priority, and :class:`Play` plays it out. The result is only an *order* per rank; timing
 is the simulator's job. What differs between the generators is a parameter of the play:
 
-- admission of a forward (one micro-batch's activations): a per-replica :class:`Window` of
+- admission of a forward (it takes its micro-batches' activations): a per-replica :class:`Window` of
   micro-batches in flight (1F1B's bound), or a per-rank :class:`Cap` that keeps room for each
   replica's reserve; the finishing op (:func:`chimera.ir.finishing_op`) frees them;
 - the hop time of a message between ranks, and forward groups (forward doubling: the
