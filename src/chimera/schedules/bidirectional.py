@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from chimera.ir import Op, OpTimes, Placement, Schedule, ScheduleError
 from chimera.schedules.chimera_slots import slot_programs
-from chimera.schedules.engine import Tasks, build_tasks, list_schedule
+from chimera.schedules.list_play import Dag, Play, Window, build_dag
 from chimera.schedules.registry import Option, register
 
 STRATEGIES = ("direct", "doubling", "halving")
@@ -73,15 +75,17 @@ def _more_pipes(placement: Placement, micro_pipe: tuple[int, ...], group: int) -
     unit's micro-batches, the pipes merged per rank by a greedy play of equal-length slots."""
     stages, per_unit = placement.stages, group * placement.stages // placement.pipes
     groups = [tuple(range(m, m + group)) for m in range(0, len(micro_pipe), group)]
-    tasks = build_tasks(placement, micro_pipe, OpTimes.uniform(stages, 1, group), forward_groups=groups)
-    return list_schedule(tasks, stages, _chimera_priority, lambda p, s: min(group * (stages - s), per_unit))
+    dag = build_dag(placement, micro_pipe, OpTimes.uniform(stages, 1, group), split_backward=False,
+                    groups=groups)
+    return _merge(dag, stages, lambda p, s: min(group * (stages - s), per_unit))
 
 
-def _chimera_priority(tasks: Tasks) -> list[tuple]:
-    # 1F1B on each pipe: backwards first (they free memory and unblock the previous stage),
-    # then the forward nearest to its turn (highest stage), which keeps the merge conflict-free
-    return [(0 if op is Op.B else 1, -stage, micros[0])
-            for op, stage, micros in zip(tasks.op, tasks.stage, tasks.micros)]
+def _merge(dag: Dag, ranks: int, window: Callable[[int, int], int]) -> list[list]:
+    """Play the 1F1B pipes with ``window(pipe, stage)`` micro-batches in flight per replica.
+    1F1B on each pipe: backwards first (they free memory and unblock the previous stage), then
+    the forward nearest to its turn (highest stage), which keeps the merge conflict-free."""
+    prio = [(0 if op is Op.B else 1, -stage, micro) for op, stage, micro in zip(dag.op, dag.stage, dag.micro)]
+    return dag.programs(Play(dag, ranks, (prio, prio), Window(dag, window)).run().order)
 
 
 @register("gems", "GEMS: two model replicas in opposite directions, one micro-batch in flight "
@@ -89,7 +93,7 @@ def _chimera_priority(tasks: Tasks) -> list[tuple]:
 def gems(stages: int, micro_batches: int) -> Schedule:
     placement = Placement.chimera(stages, 2)
     micro_pipe = tuple(m % 2 for m in range(micro_batches))
-    tasks = build_tasks(placement, micro_pipe, OpTimes.uniform(stages, 1, 1))
-    progs = list_schedule(tasks, stages, _chimera_priority, lambda p, s: 1)
+    dag = build_dag(placement, micro_pipe, OpTimes.uniform(stages, 1, 1), split_backward=False)
+    progs = _merge(dag, stages, lambda p, s: 1)
     return Schedule("gems", placement, micro_pipe, tuple(map(tuple, progs)),
                     params={"stages": stages, "micro_batches": micro_batches})

@@ -34,7 +34,7 @@ from functools import partial
 from chimera.ir import Action, Op, OpTimes, Placement, Schedule, ScheduleError
 from chimera.schedules.exact import refine
 from chimera.schedules.bidirectional import PIPES
-from chimera.schedules.list_play import EPS, Dag, Play, Rule, build_dag, first_hop, priorities
+from chimera.schedules.list_play import EPS, Cap, Dag, Play, Rule, build_dag, first_hop, priorities
 from chimera.schedules.registry import Option, register
 
 
@@ -120,7 +120,7 @@ def play(placement: Placement, micro_pipe, times: OpTimes, cap: float, variant: 
     _check(placement, cap, (variant,))
     dag = build_dag(placement, micro_pipe, times)
     game = _play_dag(dag, placement, first_hop(times), cap, variant)
-    return _programs(dag, game.order), game.makespan
+    return dag.programs(game.order), game.makespan
 
 
 def _check(placement: Placement, cap: float, variants) -> None:
@@ -144,14 +144,9 @@ def _play_dag(dag: Dag, placement: Placement, hop: float, cap: float, variant: s
     if rule not in ranked:
         ranked[rule] = priorities(make_rule(rule, dag), dag)
     size = placement.ranks / placement.stages
-    game = Play(dag, placement.ranks, cap, size, hop, ranked[rule])
-    if reserve == "1f1b":
-        game.set_reserve(lambda pipe, stage: placement.stages - stage)
-    return game.run()
-
-
-def _programs(dag: Dag, order: list[list[int]]) -> list[list[Action]]:
-    return [[Action(dag.op[t], dag.pipe[t], dag.stage[t], dag.micro[t]) for t in ts] for ts in order]
+    admit = (Cap(dag, cap, size, lambda pipe, stage: placement.stages - stage) if reserve == "1f1b"
+             else Cap(dag, cap, size))
+    return Play(dag, placement.ranks, ranked[rule], admit, hop).run()
 
 
 @register("chimera-zb", "Chimera placement with B split into I and W, list-scheduled by time under "
@@ -189,7 +184,7 @@ def chimera_zb(stages: int, micro_batches: int, pipes: int = 2, cost: str | None
     ranked: dict = {}
     plays = [(_play_dag(dag, placement, first_hop(times), limit, v, ranked), v) for v in variants]
     game, chosen = min(plays, key=lambda x: x[0].makespan)
-    programs, span = _programs(dag, game.order), game.makespan
+    programs, span = dag.programs(game.order), game.makespan
     if exact > 0:
         refined, refined_span, _ = refine(placement, micro_pipe, times, limit, programs, exact)
         if refined_span < span:
