@@ -1,8 +1,8 @@
 """Golden schedules: generated programs, as text, must not change unless meant to.
 
-chimera-zb's event-driven play (``schedules.list_play``) and the slot engine behind GEMS and
-Chimera with Q > 2 (``schedules.engine``) were rewritten for speed; these programs are the
-ones the plain versions played (rescanning every ready task at every event). Two-pipe Chimera
+The one list scheduler (``schedules.list_play``), behind chimera-zb, GEMS and Chimera with
+Q > 2, was rewritten for speed and merged from two; these programs are the ones the plain
+versions played (rescanning every ready task at every event). Two-pipe Chimera
 follows the official slot rule (``schedules.chimera_slots``, issue 14); its goldens pin that
 rule. Each case is one file in ``tests/golden/``: a header line, then ``Schedule.to_text()``
 (one line per rank: ``rank: action action ...``), so a change shows as a readable diff.
