@@ -157,6 +157,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_output(path, flag)
     if args.data is not None or args.tokenizer is not None or cfg.eval_every:
         _check_data(cfg)
+    _note_mask(cfg)
     try:
         result = launch(cfg)
     except FAILURES + (TrainingFailed,) as exc:  # a hang, a dead peer, a NaN: no traceback
@@ -186,6 +187,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         _write_pictures(timeline, cfg.png, cfg.trace, quiet=args.json)
     return 0
+
+
+def _note_mask(cfg) -> None:
+    """BERT on token ids whose tokenizer has no mask token masks with an id appended after
+    them (as on byte data with 0xFF): a choice the run makes, so it says so, once."""
+    info = cfg.data_info
+    if cfg.mask_id is None or info.is_bytes or info.mask_id is not None:
+        return
+    why = (f"{info.tokenizer} has no [MASK] or <mask> token" if info.tokenizer
+           else "no tokenizer names a mask token")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per process
+        print(f"chimera train: BERT masks with id {cfg.mask_id}, appended after the data's "
+              f"{info.vocab_size} ids ({why})", file=sys.stderr)
 
 
 def _check_data(cfg) -> None:
