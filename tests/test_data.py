@@ -477,3 +477,49 @@ def test_tokenize_records_the_mask_id(fmt, bert_tok, tmp_path, capsys):
     note = [line for line in capsys.readouterr().err.splitlines() if "BERT masks" in line]
     assert note == [f"chimera train: BERT masks with id 300, appended after the data's 300 ids "
                     f"({fmt[0] / 'tok' / 'tokenizer.json'} has no [MASK] or <mask> token)"]
+
+
+# ---------------------------------------------------------------------------------------
+# Text through a tokenizer is tokenized once, by the launcher
+
+def test_spawned_ranks_map_the_launchers_ids(fmt, tmp_path):
+    """A 2-rank run on text with --tokenizer: the launcher tokenizes it and the ranks map
+    those ids (the text is gone before they start, so they cannot read it), and its losses
+    are those of the same run on chimera tokenize's token files: the same ids."""
+    import shutil
+
+    from chimera.train import TrainConfig
+    from chimera.train.launch import launch
+
+    root = fmt[0]
+    shutil.copy(root / "text.txt", tmp_path / "text.txt")
+    common = dict(schedule="1f1b", stages=2, micro_batches=2, micro_batch_size=2, steps=2,
+                  progress=False, trace=None, png=None)
+    cfg = TrainConfig(data=str(tmp_path / "text.txt"), tokenizer=str(root / "tok" / "tokenizer.json"),
+                      **common).preflight()
+    corpus = open_data(cfg.data_spec, seq_len=cfg.model_source.seq_len)
+    (tmp_path / "text.txt").unlink()
+    once = launch(cfg, corpus)
+    files = launch(TrainConfig(data=str(root / "tok"), **common))
+    assert [s["loss"] for s in once["steps"]] == [s["loss"] for s in files["steps"]]
+
+
+def test_a_token_file_of_ids_made_in_memory(fmt, tmp_path):
+    """to_token_file: the same ids and batches, over a read-only file."""
+    import os
+
+    from chimera.data_formats import to_token_file
+    from chimera.data_tokens import TokenFile
+
+    root = fmt[0]
+    made = open_data(DataSpec(str(root / "text.txt"), tokenizer=str(root / "tok" / "tokenizer.json")))
+    mapped = to_token_file(made, tmp_path / "ids.bin")
+    assert isinstance(mapped.train, TokenFile) and isinstance(mapped.val, TokenFile)
+    assert os.stat(tmp_path / "ids.bin").st_mode & 0o222 == 0          # read-only
+    assert (mapped.vocab_size, mapped.tokenizer, mapped.where) == (made.vocab_size, made.tokenizer, made.where)
+    assert np.array_equal(mapped.train[np.arange(len(mapped.train))], made.train)
+    assert np.array_equal(mapped.val[np.arange(len(mapped.val))], made.val)
+    for step in (0, 3):
+        for split in ("train", "val"):
+            a, b = (get_batch(c, step, 6, T, seed=1, split=split) for c in (made, mapped))
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -20,18 +20,23 @@ array, a binary file. Nothing unrecognized is read as bytes.
 
 ``describe(spec)`` finds the format and the vocabulary without reading the tokens (a
 config check); ``open_data(spec)`` reads them into a ``Corpus`` and checks every id.
+Ids it makes in memory (text through a tokenizer, a datasets column) ``to_token_file``
+writes to a file, so a launcher makes them once and its ranks map them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 
 from chimera import data_datasets, data_text
 from chimera.data import BYTE_VOCAB, Corpus, check_corpus_path, load_corpus
-from chimera.data_tokens import TOKEN_DTYPES, bin_file, npy_file
+from chimera.data_tokens import TOKEN_DTYPES, TokenFile, bin_file, npy_file
 from chimera.errors import UserError
 
 MAX_VOCAB = 2**24               # an embedding row per id: beyond this is a typo, not a model
@@ -322,6 +327,24 @@ def _token_arrays(spec: DataSpec, fmt: str, vocab: int | None = None, progress: 
     val = p / "val.bin"  # nanoGPT's layout: train.bin, and val.bin held out
     held = bin_file(val, dtype, vocab, progress) if val.is_file() else None
     return bin_file(p / "train.bin", dtype, vocab, progress), held
+
+
+def ids_in_memory(info: DataInfo) -> bool:
+    """Whether ``open_data`` makes the ids in memory: text through a tokenizer, a datasets
+    folder's column (not bytes, which are the text itself, nor token files, mapped)."""
+    return not info.is_bytes and info.format not in TOKEN_FILES
+
+
+def to_token_file(corpus: Corpus, path: str | os.PathLike) -> Corpus:
+    """The corpus over its ids written to ``path`` (read-only; training ids, then held-out
+    ids): the processes that read it share its pages instead of each making the ids."""
+    train, val = np.asarray(corpus.train), np.asarray(corpus.val)
+    with open(path, "wb") as f:
+        train.tofile(f)
+        val.tofile(f)
+    os.chmod(path, 0o444)
+    return dataclasses.replace(corpus, train=TokenFile(str(path), train.dtype, 0, len(train)),
+                               val=TokenFile(str(path), val.dtype, train.nbytes, len(val)))
 
 
 def _check_length(corpus: Corpus, seq_len: int | None) -> None:

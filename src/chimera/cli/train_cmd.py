@@ -155,11 +155,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args).preflight()  # every check, before any process starts
     for path, flag in ((cfg.trace, "--trace"), (cfg.png, "--png"), (cfg.log_json, "--log-json")):
         check_output(path, flag)
+    corpus = None
     if args.data is not None or args.tokenizer is not None or cfg.eval_every:
-        _check_data(cfg)
+        corpus = _check_data(cfg)  # the ranks take it: text is tokenized once, here
     _note_mask(cfg)
     try:
-        result = launch(cfg)
+        result = launch(cfg, corpus)
     except FAILURES + (TrainingFailed,) as exc:  # a hang, a dead peer, a NaN: no traceback
         if not getattr(exc, "reported", False):
             print(f"chimera train: {exc}", file=sys.stderr)
@@ -202,9 +203,10 @@ def _note_mask(cfg) -> None:
               f"{info.vocab_size} ids ({why})", file=sys.stderr)
 
 
-def _check_data(cfg) -> None:
+def _check_data(cfg):
     """Missing, empty, too-short or malformed data, an id outside the vocabulary, and a
-    held-out split too short for --eval-every, fail here, not inside a spawned process."""
+    held-out split too short for --eval-every, fail here, not inside a spawned process.
+    Returns the data read (a ``Corpus``)."""
     from chimera.data_formats import open_data
     from chimera.train.loop import check_heldout
 
@@ -212,3 +214,4 @@ def _check_data(cfg) -> None:
     corpus = open_data(cfg.data_spec, seq_len=model.seq_len, progress=cfg.progress)
     if cfg.eval_every:
         check_heldout(corpus, model.kind, model.seq_len)
+    return corpus
