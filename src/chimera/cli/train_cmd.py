@@ -45,7 +45,8 @@ def add_parsers(sub) -> None:
                    ".bin token file (nanoGPT writes uint16); read from meta.json if it is there")
     m.add_argument("--vocab-size", type=positive_int, metavar="V", help="token ids are below V; "
                    "the model's vocabulary (default: the data's: meta.json or the tokenizer; "
-                   "needed for token files without either; BERT adds a mask id after it)")
+                   "needed for token files without either; BERT adds a mask id after it unless the "
+                   "tokenizer has a [MASK] or <mask> token)")
     m.add_argument("--text-field", metavar="NAME", help="the text of each .jsonl object, or the "
                    "column of a datasets folder to read as text (default: text; a datasets "
                    "folder's input_ids column is read as ids when there is one)")
