@@ -103,6 +103,18 @@ def test_bert_masking_statistics(corpus):
     assert torch.all(targets[selected] < 255)             # the mask id is not a UTF-8 byte
 
 
+def test_bert_on_bytes_is_unchanged(corpus):
+    """Byte data masks with 0xFF and draws random ids below it, as before tokenizers' mask
+    ids: the batches of these steps, pinned (their SHA-256)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for step in range(3):
+        for t in get_batch(corpus, step, 8, 32, seed=0, kind="bert"):
+            digest.update(t.numpy().tobytes())
+    assert digest.hexdigest()[:16] == "67eb6fe65738b80d"  # from the code before mask ids
+
+
 def test_bert_unselected_positions_are_untouched(corpus):
     inputs, targets = get_batch(corpus, 1, 8, 32, seed=0, kind="bert")
     g = torch.Generator().manual_seed(derive_seed(0, "batch", "train", 1))
@@ -372,3 +384,142 @@ def test_pipeline_on_token_ids_matches_the_reference(fmt, capsys):
         losses.append([s["loss"] for s in json.loads(out.splitlines()[-1])["steps"]])
     assert losses[0] == pytest.approx(losses[1], abs=1e-10, rel=0)
     assert losses[0][0] == pytest.approx(np.log(1000), rel=0.05)   # ids of 1000, uniform-ish
+
+
+# ---------------------------------------------------------------------------------------
+# BERT's mask id: the tokenizer's own mask token where it has one
+
+MASK = 4  # [MASK]'s id in the tokenizer below (its special tokens come first)
+
+
+@pytest.fixture(scope="module")
+def bert_tok(fmt):
+    """A BERT-style WordPiece tokenizer.json with [MASK], trained on the fixture's text."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator([fmt[1]], trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
+    path = fmt[0] / "bert-tokenizer.json"
+    tok.save(str(path))
+    assert tok.token_to_id("[MASK]") == MASK
+    return path, tok.get_vocab_size()
+
+
+def test_mask_token_of_a_tokenizer():
+    """[MASK] and RoBERTa's <mask> as special tokens; a plain vocabulary entry is text."""
+    from tokenizers import Tokenizer, models, trainers
+
+    from chimera.data_text import mask_id_of
+
+    roberta = Tokenizer(models.BPE())
+    roberta.train_from_iterator(["some text"], trainers.BpeTrainer(
+        vocab_size=50, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"]))
+    assert mask_id_of(roberta) == 4
+    assert mask_id_of(Tokenizer(models.WordLevel({"a": 0, "<mask>": 1}, unk_token="a"))) is None
+
+
+def test_bert_masks_with_the_tokenizers_mask_token(fmt, bert_tok, monkeypatch, tmp_path):
+    """Text through a tokenizer with [MASK]: the masked positions hold [MASK]'s id, and the
+    model's vocabulary is the tokenizer's (no id appended)."""
+    path, vocab = bert_tok
+    argv = ["--model", "bert-tiny", "--data", str(fmt[0] / "text.txt"), "--tokenizer", str(path)]
+    seen = train_batches(argv, monkeypatch, tmp_path)
+    for inputs, targets, model_vocab in seen:
+        assert model_vocab == vocab
+        selected = targets != IGNORE_INDEX
+        masked = selected & (inputs == MASK)
+        assert masked.any() and not (inputs[~selected] == MASK).any()
+        assert 0.6 < masked.sum() / selected.sum() < 0.95       # 80% of them, give or take
+        assert int(inputs.max()) < vocab and int(targets[selected].max()) < vocab
+    from chimera.train import TrainConfig
+
+    cfg = TrainConfig(model="bert-tiny", schedule="none", stages=1, data=str(fmt[0] / "text.txt"),
+                      tokenizer=str(path)).preflight()
+    assert (cfg.data_info.mask_id, cfg.mask_id, cfg.model_config.vocab_size) == (MASK, MASK, vocab)
+
+
+def test_tokenize_records_the_mask_id(fmt, bert_tok, tmp_path, capsys):
+    """chimera tokenize --tokenizer writes the mask id to meta.json; token files read it (and
+    from a meta.json written before it was recorded, from the tokenizer beside them); a
+    trained BPE has none, so BERT appends one and says so; --resume refuses another mask id."""
+    path, vocab = bert_tok
+    out = tmp_path / "b"
+    assert main(["tokenize", "--data", str(fmt[0] / "text.txt"), "--tokenizer", str(path),
+                 "--out", str(out), "--no-progress"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["mask_id"] == MASK
+    assert json.loads((fmt[0] / "tok" / "meta.json").read_text())["mask_id"] is None
+    corpus = open_data(DataSpec(str(out)))
+    assert corpus.mask_id == MASK
+    inputs, targets = get_batch(corpus, 0, 16, T, seed=0, kind="bert")
+    assert (inputs == MASK).any() and int(inputs.max()) < vocab
+    del meta["mask_id"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert open_data(DataSpec(str(out))).mask_id == MASK
+    meta["mask_id"] = MASK
+    (out / "meta.json").write_text(json.dumps(meta))
+    common = ["train", "--model", "bert-tiny", "--schedule", "none", "--stages", "1", "-B", "2",
+              "--steps", "1", "--no-progress", "--json", "--trace", "", "--png", "",
+              "--checkpoint-dir", str(tmp_path / "ck")]
+    assert main([*common, "--data", str(out)]) == 0
+    assert json.loads((tmp_path / "ck" / "step-00000001" / "meta.json").read_text())["data"]["mask_id"] == MASK
+    meta["mask_id"] = MASK + 1                            # the same vocabulary, another mask
+    (out / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*common, "--data", str(out), "--resume", "--steps", "2"])
+    err = capsys.readouterr().err.strip()
+    assert "mask id 4" in err and len(err.splitlines()) == 1
+    assert main([*common[:-1], str(tmp_path / "ck2"), "--data", str(fmt[0] / "tok")]) == 0
+    note = [line for line in capsys.readouterr().err.splitlines() if "BERT masks" in line]
+    assert note == [f"chimera train: BERT masks with id 300, appended after the data's 300 ids "
+                    f"({fmt[0] / 'tok' / 'tokenizer.json'} has no [MASK] or <mask> token)"]
+
+
+# ---------------------------------------------------------------------------------------
+# Text through a tokenizer is tokenized once, by the launcher
+
+def test_spawned_ranks_map_the_launchers_ids(fmt, tmp_path):
+    """A 2-rank run on text with --tokenizer: the launcher tokenizes it and the ranks map
+    those ids (the text is gone before they start, so they cannot read it), and its losses
+    are those of the same run on chimera tokenize's token files: the same ids."""
+    import shutil
+
+    from chimera.train import TrainConfig
+    from chimera.train.launch import launch
+
+    root = fmt[0]
+    shutil.copy(root / "text.txt", tmp_path / "text.txt")
+    common = dict(schedule="1f1b", stages=2, micro_batches=2, micro_batch_size=2, steps=2,
+                  progress=False, trace=None, png=None)
+    cfg = TrainConfig(data=str(tmp_path / "text.txt"), tokenizer=str(root / "tok" / "tokenizer.json"),
+                      **common).preflight()
+    corpus = open_data(cfg.data_spec, seq_len=cfg.model_source.seq_len)
+    (tmp_path / "text.txt").unlink()
+    once = launch(cfg, corpus)
+    files = launch(TrainConfig(data=str(root / "tok"), **common))
+    assert [s["loss"] for s in once["steps"]] == [s["loss"] for s in files["steps"]]
+
+
+def test_a_token_file_of_ids_made_in_memory(fmt, tmp_path):
+    """to_token_file: the same ids and batches, over a read-only file."""
+    import os
+
+    from chimera.data_formats import to_token_file
+    from chimera.data_tokens import TokenFile
+
+    root = fmt[0]
+    made = open_data(DataSpec(str(root / "text.txt"), tokenizer=str(root / "tok" / "tokenizer.json")))
+    mapped = to_token_file(made, tmp_path / "ids.bin")
+    assert isinstance(mapped.train, TokenFile) and isinstance(mapped.val, TokenFile)
+    assert os.stat(tmp_path / "ids.bin").st_mode & 0o222 == 0          # read-only
+    assert (mapped.vocab_size, mapped.tokenizer, mapped.where) == (made.vocab_size, made.tokenizer, made.where)
+    assert np.array_equal(mapped.train[np.arange(len(mapped.train))], made.train)
+    assert np.array_equal(mapped.val[np.arange(len(mapped.val))], made.val)
+    for step in (0, 3):
+        for split in ("train", "val"):
+            a, b = (get_batch(c, step, 6, T, seed=1, split=split) for c in (made, mapped))
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

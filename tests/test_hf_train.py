@@ -257,6 +257,67 @@ def test_generate_continues_with_the_runs_tokenizer(demo, capsys):
     assert capsys.readouterr().out.strip() == out.text.strip()
 
 
+# -- BERT with its tokenizer's [MASK] --------------------------------------------------------
+@pytest.fixture(scope="module")
+def bert_tok(root):
+    """A WordPiece tokenizer.json with BERT's special tokens ([MASK] is id 4), and a tiny
+    BertForMaskedLM config of exactly its vocabulary (no room for an appended mask id)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator([(root / "text.txt").read_text()], trainers.WordPieceTrainer(
+        vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
+    (root / "bert-tok").mkdir()
+    tok.save(str(root / "bert-tok" / "tokenizer.json"))
+    BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=16, num_hidden_layers=2,
+               num_attention_heads=4, intermediate_size=32, max_position_embeddings=16,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               ).save_pretrained(root / "bert-tok")
+    return root / "bert-tok", tok.get_vocab_size()
+
+
+def test_bert_pipeline_masks_with_the_tokenizers_mask(root, bert_tok):
+    """hf:BERT with --tokenizer: the model's vocabulary is the tokenizer's (the config has
+    no room for one more id), the masked inputs hold [MASK], and chimera D=2 matches the
+    single-process reference (float64)."""
+    folder, vocab = bert_tok
+    cfg = cfg_of(root, f"hf:{folder}", tokenizer=str(folder / "tokenizer.json"),
+                 schedule="chimera", stages=2, micro_batches=2)
+    assert (cfg.preflight().mask_id, cfg.model_source.vocab_size) == (4, vocab)
+    inputs, targets = Trainer(dataclasses.replace(cfg, schedule="none", stages=1)).batch(0)
+    assert (inputs[targets != -100] == 4).any() and int(inputs.max()) < vocab
+    r = check_virtual(cfg)
+    assert r["max_grad_rel_err"] < 1e-10 and r["max_loss_rel_err"] < 1e-10
+
+
+def test_bert_export_keeps_its_mask_token(root, bert_tok, tmp_path, capsys):
+    """The checkpoint records the mask id; export copies the tokenizer whose [MASK] it is,
+    with no note; a tokenizer without a mask token gets a one-line note."""
+    from chimera.train.export import _mask_note
+
+    folder, _ = bert_tok
+    tok = str(folder / "tokenizer.json")
+    assert main(["train", "--model", f"hf:{folder}", "--tokenizer", tok, "--schedule", "none",
+                 "--stages", "1", "--steps", "1", "-B", "2", "--seq-len", str(T),
+                 "--data", str(root / "text.txt"), "--checkpoint-dir", str(tmp_path / "ck"),
+                 "--no-progress", "--json"]) == 0
+    meta = ckpt.verify(ckpt.latest(tmp_path / "ck"))
+    assert meta["data"]["mask_id"] == 4
+    assert main(["export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "o")]) == 0
+    assert "chimera export:" not in capsys.readouterr().err  # no note
+    assert transformers.BertForMaskedLM.from_pretrained(tmp_path / "o").config.vocab_size == bert_tok[1]
+    assert _mask_note({"data": {"mask_id": 4}}, tok) == []
+    from tokenizers import Tokenizer, models
+
+    plain = tmp_path / "plain.json"
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(plain))
+    assert _mask_note({"data": {"mask_id": 2}}, str(plain)) == [
+        "BERT was trained with mask id 2, tokenizer.json has no mask token: add a mask token "
+        "at id 2 to use them together"]
+
+
 # -- refusals, one line ------------------------------------------------------------------
 def refused(capsys, *argv) -> str:
     with pytest.raises(SystemExit) as exc:

@@ -6,7 +6,9 @@ The folder it writes is what ``chimera train --data DIR`` reads:
   text encodes and the ids decode back to exactly that text;
 - ``train.bin`` and ``val.bin``: the ids (uint16 below 65,536 ids, else uint32), the last
   ``VAL_FRACTION`` of them in ``val.bin``: the same cut a single file gets;
-- ``meta.json``: format, dtype, vocabulary size, token counts, the tokenizer's file name.
+- ``meta.json``: format, dtype, vocabulary size, token counts, the tokenizer's file name
+  and its mask token's id (``mask_id``: BERT masks with it; null for a trained BPE, which
+  has none).
 
 The text is read in the pieces ``chimera.data_text`` makes, so ``chimera train --data TEXT
 --tokenizer DIR/tokenizer.json`` trains on the same ids. The ids stream to disk: only a
@@ -104,7 +106,8 @@ def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress:
     cut = split_corpus_bytes(n)[0].stop
     _move_tail(train, tmp / FILES["val"], cut, dtype)
     meta = {"format": META_FORMAT, "version": 1, "dtype": str(np.dtype(dtype).name),
-            "vocab_size": vocab, "tokenizer": "tokenizer.json", "files": FILES,
+            "vocab_size": vocab, "tokenizer": "tokenizer.json",
+            "mask_id": data_text.mask_id_of(tokenizer), "files": FILES,
             "tokens": {"train": cut, "val": n - cut}, "source": spec.path or "stdlib",
             "text_field": spec.text_field, "split": f"the last {VAL_FRACTION:.0%} of the ids is val.bin",
             "documents": "each document (file, record, row) is followed by a newline"}

@@ -168,7 +168,8 @@ class Corpus:
     ``train`` and ``val`` are 1-D arrays: a uint8 tensor for bytes, a NumPy array or a
     ``data_formats.TokenFile`` (ids in a file, memory-mapped per read) for token ids; every
     id is below ``vocab_size``. ``tokenizer`` is the ``tokenizer.json`` that made (or
-    decodes) the ids, if any.
+    decodes) the ids, if any; ``mask_id`` its mask token (``[MASK]``, ``<mask>``), which
+    BERT masks with, if it has one.
     """
 
     train: torch.Tensor | np.ndarray  # or a TokenFile
@@ -177,6 +178,7 @@ class Corpus:
     where: str
     is_bytes: bool = False
     tokenizer: str | None = None
+    mask_id: int | None = None
 
     @classmethod
     def of_bytes(cls, data: torch.Tensor, where: str) -> "Corpus":
@@ -195,11 +197,18 @@ class Corpus:
 
 def model_vocab(corpus, kind: str) -> int:
     """The model vocabulary a corpus (or ``data_formats.DataInfo``; a bare tensor is bytes)
-    needs: its own, plus BERT's mask id after token ids (byte data keeps 0xFF, which UTF-8
-    never holds, as the mask)."""
+    needs: its own, plus for BERT a mask id after token ids whose tokenizer has no mask
+    token of its own (byte data keeps 0xFF, which UTF-8 never holds, as the mask)."""
     if getattr(corpus, "is_bytes", True):
         return BYTE_VOCAB
-    return corpus.vocab_size + (kind == "bert")
+    return corpus.vocab_size + (kind == "bert" and getattr(corpus, "mask_id", None) is None)
+
+
+def bert_mask_id(corpus, vocab_size: int) -> int:
+    """The id BERT masks with: the tokenizer's mask token where the data has one, else the
+    last id of the model's ``vocab_size`` (byte 0xFF, or the id ``model_vocab`` appends)."""
+    own = getattr(corpus, "mask_id", None)
+    return vocab_size - 1 if own is None else own
 
 
 def split_corpus(corpus: "Corpus | torch.Tensor", split: str) -> torch.Tensor | np.ndarray:
@@ -231,18 +240,21 @@ def _check_batch_args(step: int, global_batch: int, seq_len: int, kind: str,
         raise UserError(f"{what} needs vocab_size >= {need}, got {vocab_size}")
 
 
-def mask_tokens(tokens: torch.Tensor, gen: torch.Generator,
-                vocab_size: int = BYTE_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+def mask_tokens(tokens: torch.Tensor, gen: torch.Generator, vocab_size: int = BYTE_VOCAB,
+                mask_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """BERT masked-LM corruption of ``tokens`` (B, T) -> (inputs, targets).
 
-    The mask token is ``vocab_size - 1`` (byte 0xFF never occurs in UTF-8 text). Each row
-    gets at least one target, so every micro-batch (a slice of rows) has a finite loss.
+    The mask token is ``mask_id``, a tokenizer's own; by default ``vocab_size - 1``, an id
+    no data token has (byte 0xFF never occurs in UTF-8 text), which random replacements
+    then never draw either. Each row gets at least one target, so every micro-batch (a
+    slice of rows) has a finite loss.
     """
-    mask_id = vocab_size - 1
+    appended = mask_id is None
+    mask_id = vocab_size - 1 if appended else mask_id
     r = torch.rand(tokens.shape, generator=gen)                          # (B, T)
     selected = (r < MASK_PROB) | (r == r.min(dim=1, keepdim=True).values)
     action = torch.rand(tokens.shape, generator=gen)                     # (B, T)
-    random_ids = torch.randint(0, mask_id, tokens.shape, generator=gen)  # (B, T)
+    random_ids = torch.randint(0, vocab_size - appended, tokens.shape, generator=gen)  # (B, T)
     replace = selected & (action < MASK_REPLACE)
     randomize = selected & (action >= MASK_REPLACE) & (action < MASK_REPLACE + MASK_RANDOM)
     inputs = torch.where(replace, torch.full_like(tokens, mask_id), tokens)
@@ -266,8 +278,8 @@ def get_batch(corpus: "Corpus | torch.Tensor", step: int, global_batch: int, seq
 
     ``corpus`` is a ``Corpus`` or a bare byte tensor (split 95/5). GPT-2: targets are the
     inputs shifted by one. BERT: masked LM, targets are the original tokens at the selected
-    positions and ``IGNORE_INDEX`` elsewhere; the mask id is ``vocab_size - 1`` (default:
-    ``model_vocab(corpus, kind)``).
+    positions and ``IGNORE_INDEX`` elsewhere; the mask id is the corpus's tokenizer's, else
+    ``vocab_size - 1`` (default: ``model_vocab(corpus, kind)``).
     """
     vocab_size = model_vocab(corpus, kind) if vocab_size is None else vocab_size
     _check_batch_args(step, global_batch, seq_len, kind, vocab_size, corpus)
@@ -281,7 +293,7 @@ def get_batch(corpus: "Corpus | torch.Tensor", step: int, global_batch: int, seq
     windows = _take(data, starts + torch.arange(need))                   # (B, need)
     if kind == "gpt2":
         return windows[:, :-1], windows[:, 1:]                           # (B, T) each
-    return mask_tokens(windows, gen, vocab_size)
+    return mask_tokens(windows, gen, vocab_size, getattr(corpus, "mask_id", None))
 
 
 @dataclass(frozen=True, eq=False)

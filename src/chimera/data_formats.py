@@ -13,24 +13,30 @@ folder with ``train.bin``  train.bin, val.bin held out (memory-mapped)    --voca
 =========================  ============================================  ====================
 
 "meta" is the ``meta.json`` that ``chimera tokenize`` writes beside its token files (dtype,
-vocabulary, tokenizer); ``--tokenizer`` also gives token ids their vocabulary. Anything
+vocabulary, tokenizer, its mask id); ``--tokenizer`` also gives token ids their vocabulary.
+A tokenizer's mask token (``[MASK]``, ``<mask>``) is the id BERT masks with. Anything
 else is refused with one line (``ValueError``): a JSON file, a pickle, an archive, a float
 array, a binary file. Nothing unrecognized is read as bytes.
 
 ``describe(spec)`` finds the format and the vocabulary without reading the tokens (a
 config check); ``open_data(spec)`` reads them into a ``Corpus`` and checks every id.
+Ids it makes in memory (text through a tokenizer, a datasets column) ``to_token_file``
+writes to a file, so a launcher makes them once and its ranks map them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 
 from chimera import data_datasets, data_text
 from chimera.data import BYTE_VOCAB, Corpus, check_corpus_path, load_corpus
-from chimera.data_tokens import TOKEN_DTYPES, bin_file, npy_file
+from chimera.data_tokens import TOKEN_DTYPES, TokenFile, bin_file, npy_file
 from chimera.errors import UserError
 
 MAX_VOCAB = 2**24               # an embedding row per id: beyond this is a typo, not a model
@@ -89,6 +95,7 @@ class DataInfo:
     text: bool           # text (as bytes or through the tokenizer), not token ids
     tokenizer: str | None = None
     column: str | None = None  # datasets: the column read
+    mask_id: int | None = None  # the tokenizer's mask token: BERT masks with it
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,9 +177,11 @@ def describe(spec: DataSpec) -> DataInfo:
     as_text = fmt in ("stdlib", "text", "jsonl") or column == spec.field
     if fmt in TOKEN_FILES:
         _token_arrays(spec, fmt)  # dtype, shape and size: a header and a stat
-    known = {}
+    known, mask_id = {}, None
     if spec.tokenizer is not None:
-        known[f"--tokenizer {spec.tokenizer}"] = data_text.load_tokenizer(spec.tokenizer).get_vocab_size()
+        tokenizer = data_text.load_tokenizer(spec.tokenizer)
+        known[f"--tokenizer {spec.tokenizer}"] = tokenizer.get_vocab_size()
+        mask_id = data_text.mask_id_of(tokenizer)
     meta = _meta_for(spec.path, fmt)
     if meta is not None:
         known[meta["path"]] = meta["vocab_size"]
@@ -182,8 +191,9 @@ def describe(spec: DataSpec) -> DataInfo:
                              f"bytes ({BYTE_VOCAB} ids; give --tokenizer to read it as tokens)")
         return DataInfo(fmt, BYTE_VOCAB, True, True, column=column)
     vocab = _resolve_vocab(spec, known, fmt)
-    tokenizer = spec.tokenizer or (meta or {}).get("tokenizer_path")
-    return DataInfo(fmt, vocab, False, as_text, tokenizer, column)
+    if spec.tokenizer is None and meta is not None:
+        return DataInfo(fmt, vocab, False, as_text, meta["tokenizer_path"], column, _meta_mask(meta))
+    return DataInfo(fmt, vocab, False, as_text, spec.tokenizer, column, mask_id)
 
 
 def _what(spec: DataSpec, fmt: str) -> str:
@@ -238,6 +248,19 @@ def _meta_for(path: str | None, fmt: str) -> dict | None:
     return {**meta, "path": str(meta_path), "tokenizer_path": str(folder / tok) if tok else None}
 
 
+def _meta_mask(meta: dict) -> int | None:
+    """The mask id a ``meta.json`` records; of one written before it recorded one, that of
+    the tokenizer it names (if that file is still there)."""
+    if "mask_id" not in meta:
+        tok = meta["tokenizer_path"]
+        return data_text.mask_id_of(data_text.load_tokenizer(tok)) if tok and Path(tok).is_file() else None
+    mask_id = meta["mask_id"]
+    if mask_id is not None and (not isinstance(mask_id, int) or not 0 <= mask_id < meta["vocab_size"]):
+        raise UserError(f"{meta['path']} is malformed: its mask_id {mask_id!r} is not an id "
+                         f"below its vocab_size {meta['vocab_size']}")
+    return mask_id
+
+
 # ---------------------------------------------------------------------------------------
 # Reading
 
@@ -254,7 +277,8 @@ def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = Fa
         corpus = _text(spec, info, progress)
     elif info.format == "datasets":
         ids = data_datasets.token_ids(spec, info.column, info.vocab_size)
-        corpus = Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=info.tokenizer)
+        corpus = Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=info.tokenizer,
+                                    mask_id=info.mask_id)
     else:
         corpus = _token_files(spec, info, progress, scan)
     _check_length(corpus, seq_len)
@@ -272,14 +296,16 @@ def _text(spec: DataSpec, info: DataInfo, progress: bool) -> Corpus:
                                None if info.format == "stdlib" else data_size(spec))
     if len(ids) == 0:
         raise UserError(f"{where} holds no text")
-    return Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=spec.tokenizer)
+    return Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=spec.tokenizer,
+                              mask_id=info.mask_id)
 
 
 def _token_files(spec: DataSpec, info: DataInfo, progress: bool, scan: bool = True) -> Corpus:
     train, val = _token_arrays(spec, info.format, info.vocab_size if scan else None, progress)
+    facts = dict(tokenizer=info.tokenizer, mask_id=info.mask_id)
     if val is None:
-        return Corpus.from_tokens(train, info.vocab_size, spec.path, tokenizer=info.tokenizer)
-    return Corpus(train, val, info.vocab_size, spec.path, tokenizer=info.tokenizer)
+        return Corpus.from_tokens(train, info.vocab_size, spec.path, **facts)
+    return Corpus(train, val, info.vocab_size, spec.path, **facts)
 
 
 def _token_arrays(spec: DataSpec, fmt: str, vocab: int | None = None, progress: bool = False):
@@ -301,6 +327,24 @@ def _token_arrays(spec: DataSpec, fmt: str, vocab: int | None = None, progress: 
     val = p / "val.bin"  # nanoGPT's layout: train.bin, and val.bin held out
     held = bin_file(val, dtype, vocab, progress) if val.is_file() else None
     return bin_file(p / "train.bin", dtype, vocab, progress), held
+
+
+def ids_in_memory(info: DataInfo) -> bool:
+    """Whether ``open_data`` makes the ids in memory: text through a tokenizer, a datasets
+    folder's column (not bytes, which are the text itself, nor token files, mapped)."""
+    return not info.is_bytes and info.format not in TOKEN_FILES
+
+
+def to_token_file(corpus: Corpus, path: str | os.PathLike) -> Corpus:
+    """The corpus over its ids written to ``path`` (read-only; training ids, then held-out
+    ids): the processes that read it share its pages instead of each making the ids."""
+    train, val = np.asarray(corpus.train), np.asarray(corpus.val)
+    with open(path, "wb") as f:
+        train.tofile(f)
+        val.tofile(f)
+    os.chmod(path, 0o444)
+    return dataclasses.replace(corpus, train=TokenFile(str(path), train.dtype, 0, len(train)),
+                               val=TokenFile(str(path), val.dtype, train.nbytes, len(val)))
 
 
 def _check_length(corpus: Corpus, seq_len: int | None) -> None:

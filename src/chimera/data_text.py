@@ -26,6 +26,7 @@ from chimera.errors import UserError
 PIECE_CHARS = 2**20             # documents are cut after a newline into pieces this long at most
 BATCH_CHARS = 2**23             # characters a tokenizer encodes in one call (in parallel)
 BAR_BYTES = 2**24               # a progress bar over tokenizing from this many bytes on
+MASK_TOKENS = ("[MASK]", "<mask>")  # BERT's and RoBERTa's masked-LM token (and their kin's)
 
 
 def folder_files(p: Path) -> list[Path]:
@@ -49,6 +50,13 @@ def load_tokenizer(path: str):
     except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
         raise UserError(f"--tokenizer {path}: not a tokenizers JSON file "
                          f"({str(exc).splitlines()[0][:120]})") from None
+
+
+def mask_id_of(tokenizer) -> int | None:
+    """The id of the tokenizer's mask token: a special token named as in ``MASK_TOKENS``
+    (a plain vocabulary entry spelled ``<mask>`` is text, not a mask); None if none."""
+    special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    return next((special[name] for name in MASK_TOKENS if name in special), None)
 
 
 # ---------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ def add_parsers(sub) -> None:
                    ".bin token file (nanoGPT writes uint16); read from meta.json if it is there")
     m.add_argument("--vocab-size", type=positive_int, metavar="V", help="token ids are below V; "
                    "the model's vocabulary (default: the data's: meta.json or the tokenizer; "
-                   "needed for token files without either; BERT adds a mask id after it)")
+                   "needed for token files without either; BERT adds a mask id after it unless the "
+                   "tokenizer has a [MASK] or <mask> token)")
     m.add_argument("--text-field", metavar="NAME", help="the text of each .jsonl object, or the "
                    "column of a datasets folder to read as text (default: text; a datasets "
                    "folder's input_ids column is read as ids when there is one)")
@@ -155,10 +156,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args).preflight()  # every check, before any process starts
     for path, flag in ((cfg.trace, "--trace"), (cfg.png, "--png"), (cfg.log_json, "--log-json")):
         check_output(path, flag)
+    corpus = None
     if args.data is not None or args.tokenizer is not None or cfg.eval_every:
-        _check_data(cfg)
+        corpus = _check_data(cfg)  # the ranks take it: text is tokenized once, here
+    _note_mask(cfg)
     try:
-        result = launch(cfg)
+        result = launch(cfg, corpus)
     except FAILURES + (TrainingFailed,) as exc:  # a hang, a dead peer, a NaN: no traceback
         if not getattr(exc, "reported", False):
             print(f"chimera train: {exc}", file=sys.stderr)
@@ -188,9 +191,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_data(cfg) -> None:
+def _note_mask(cfg) -> None:
+    """BERT on token ids whose tokenizer has no mask token masks with an id appended after
+    them (as on byte data with 0xFF): a choice the run makes, so it says so, once."""
+    info = cfg.data_info
+    if cfg.mask_id is None or info.is_bytes or info.mask_id is not None:
+        return
+    why = (f"{info.tokenizer} has no [MASK] or <mask> token" if info.tokenizer
+           else "no tokenizer names a mask token")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per process
+        print(f"chimera train: BERT masks with id {cfg.mask_id}, appended after the data's "
+              f"{info.vocab_size} ids ({why})", file=sys.stderr)
+
+
+def _check_data(cfg):
     """Missing, empty, too-short or malformed data, an id outside the vocabulary, and a
-    held-out split too short for --eval-every, fail here, not inside a spawned process."""
+    held-out split too short for --eval-every, fail here, not inside a spawned process.
+    Returns the data read (a ``Corpus``)."""
     from chimera.data_formats import open_data
     from chimera.train.loop import check_heldout
 
@@ -198,3 +215,4 @@ def _check_data(cfg) -> None:
     corpus = open_data(cfg.data_spec, seq_len=model.seq_len, progress=cfg.progress)
     if cfg.eval_every:
         check_heldout(corpus, model.kind, model.seq_len)
+    return corpus

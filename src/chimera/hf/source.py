@@ -4,7 +4,8 @@
 safetensors beside it, those are the starting weights, each rank reading its stages' tensors);
 ``hf-llama-tiny`` and ``hf-gpt2-small`` are configs built here. Batches come from
 ``chimera.data.get_batch``: causal models get targets that are already the next tokens
-(``labels_shifted=True``), BERT masked tokens with the mask id after the data's ids.
+(``labels_shifted=True``), BERT masked tokens with the tokenizer's mask id (``[MASK]``),
+or, where it has none, one after the data's ids.
 
 Vocabulary: a preset's is the data's (as chimera's own presets); an ``hf:`` config keeps its
 own, which must hold every id of the data (refused otherwise). Checkpoints key parameters by
@@ -65,7 +66,7 @@ class HFSource(ModelSource):
 
     def _check_sizes(self) -> None:
         if self.config.vocab_size < self.vocab_size:
-            what = "with BERT's mask id" if self.kind == "bert" else "ids"
+            what = "ids, BERT's mask id included" if self.kind == "bert" else "ids"
             raise UserError(f"--model {self.name}: its vocab_size {self.config.vocab_size} is smaller "
                              f"than the data's vocabulary ({self.vocab_size} {what}); use a config "
                              f"with vocab_size >= {self.vocab_size}")

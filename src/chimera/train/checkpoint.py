@@ -352,7 +352,7 @@ def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, second
         "model": cfg.model, "model_config": cfg.model_source.fingerprint(),
         "data": {"next_step": int(final.name[len("step-"):]), "seed": cfg.seed,
                  "global_batch": cfg.global_batch, "source": cfg.data,
-                 "tokenizer": tokenizer_record(cfg)},
+                 "tokenizer": tokenizer_record(cfg), "mask_id": cfg.mask_id},
         "layout": {"schedule": cfg.schedule, "stages": cfg.stages,
                    "data_parallel": cfg.data_parallel, "world": world, "dtype": cfg.dtype},
         "files": files, "save_seconds": round(seconds, 4), "written_at": time.time(),

@@ -236,9 +236,14 @@ class TrainConfig:
         if path is None:
             return  # nothing yet: --resume starts from scratch (the same command restarts)
         try:
-            checkpoint.verify(path, self.model, self.model_source.fingerprint())
+            meta = checkpoint.verify(path, self.model, self.model_source.fingerprint())
         except checkpoint.CheckpointError as exc:
             raise ConfigError(f"--resume: {exc}") from None
+        data = meta.get("data") or {}
+        if "mask_id" in data and data["mask_id"] != self.mask_id:  # older checkpoints: no record
+            raise ConfigError(f"--resume: checkpoint {path} was trained with mask id "
+                              f"{data['mask_id']}, this run's data masks with {self.mask_id}: "
+                              "resume on the run's data and tokenizer")
 
     # -- derived ------------------------------------------------------------------
     @property
@@ -293,6 +298,15 @@ class TrainConfig:
             if not line.startswith("--"):
                 line = f"--model {self.model}: {line}" if is_hf(self.model) else f"--model: {line}"
             raise ConfigError(line) from None
+
+    @property
+    def mask_id(self) -> int | None:
+        """The id BERT masks with (``chimera.data.bert_mask_id``: the tokenizer's mask token,
+        else the model vocabulary's last id); None for a causal model."""
+        from chimera.data import bert_mask_id
+
+        source = self.model_source
+        return bert_mask_id(self.data_info, source.vocab_size) if source.kind == "bert" else None
 
     @property
     def model_config(self):

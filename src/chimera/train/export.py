@@ -5,7 +5,8 @@ D, W or schedule wrote it, so one process reads it, and ``HFModel.save_pretraine
 is the whole model and writes ``config.json`` (the run's config, vocabulary included) and
 ``model.safetensors``: ``AutoModelForCausalLM.from_pretrained(folder)`` gives the run's logits.
 The run's tokenizer (``tokenizer.json``), if it recorded one that is still the same file,
-goes beside them. The folder appears complete or not at all.
+goes beside them (with a note where BERT masked with an id that is not its mask token).
+The folder appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from chimera.data_text import load_tokenizer, mask_id_of
 from chimera.errors import UserError
 from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError
@@ -71,4 +73,18 @@ def _copy_tokenizer(meta: dict, folder: Path) -> list[str]:
     if not os.path.isfile(path) or checkpoint.sha256_of(Path(path)) != record.get("sha256"):
         return [f"the run's tokenizer {path} is gone or changed since the run: not copied"]
     shutil.copyfile(path, folder / "tokenizer.json")
-    return []
+    return _mask_note(meta, path)
+
+
+def _mask_note(meta: dict, tokenizer: str) -> list[str]:
+    """A BERT run masks with the tokenizer's mask token, or one appended after its ids:
+    then the copied tokenizer lacks it, which a fill-mask user must know."""
+    trained = (meta.get("data") or {}).get("mask_id")
+    if trained is None:  # a causal model, or a checkpoint from before mask ids were recorded
+        return []
+    own = mask_id_of(load_tokenizer(tokenizer))
+    if own == trained:
+        return []
+    has = "no mask token" if own is None else f"its mask token at id {own}"
+    return [f"BERT was trained with mask id {trained}, tokenizer.json has {has}: add a mask "
+            f"token at id {trained} to use them together"]

@@ -2,6 +2,8 @@
 
 Rank 0 collects every rank's measured action times of the traced step and the final
 figures, and hands them back to the launching process through a JSON file (no pickles).
+Ids the data makes in memory (text through ``--tokenizer``) are made once, here, and the
+spawned ranks map them from a token file in the launcher's temporary folder.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from chimera.data import Corpus
+from chimera.data_formats import ids_in_memory, open_data, to_token_file
 from chimera.errors import UserError
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
@@ -56,17 +60,18 @@ def pick_device(cfg: TrainConfig) -> tuple[torch.device, str]:
 
 
 def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
-             hooks=None) -> dict | None:
-    """Body of one rank: init the group, train, gather results on rank 0."""
+             hooks=None, corpus: Corpus | None = None) -> dict | None:
+    """Body of one rank: init the group, train, gather results on rank 0. ``corpus``: the
+    data the launcher opened (None: the rank reads --data)."""
     torch.set_num_threads(cfg.threads)
     keep_freed_memory()
     device, backend = pick_device(cfg)
     if cfg.reference:
-        trainer = Trainer(cfg, 0, device)
+        trainer = Trainer(cfg, 0, device, corpus)
         return _train(trainer, cfg, result_path, hooks)
     _init_group(backend, rank, world, datetime.timedelta(seconds=cfg.comm_timeout), device)
     try:
-        trainer = Trainer(cfg, rank, device)
+        trainer = Trainer(cfg, rank, device, corpus)
         result = _train(trainer, cfg, result_path, hooks)
     except FAILURES as exc:  # say why now: a launcher may SIGTERM us once any rank has exited
         if not getattr(exc, "reported", False):  # (set where another rank says why)
@@ -208,23 +213,36 @@ def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> d
     return result
 
 
-def _spawn_entry(rank: int, world: int, cfg: TrainConfig, port: int, result_path: str) -> None:
+def _spawn_entry(rank: int, world: int, cfg: TrainConfig, port: int, result_path: str,
+                 corpus: Corpus | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
-        run_rank(rank, world, cfg, result_path)
+        run_rank(rank, world, cfg, result_path, corpus=corpus)
     except FAILURES as exc:
         if not getattr(exc, "reported", False):
             print(f"chimera train: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
-def launch(cfg: TrainConfig) -> dict:
+def _shared_ids(cfg: TrainConfig, corpus: Corpus | None, path: str) -> Corpus | None:
+    """The corpus the spawned ranks read when its ids are made in memory (text through a
+    tokenizer): made once, here (or taken from ``corpus``), written to ``path`` for every
+    rank to map. None for bytes and token files, which each rank reads for itself."""
+    if not ids_in_memory(cfg.data_info):
+        return None
+    if corpus is None:
+        corpus = open_data(cfg.data_spec, seq_len=cfg.model_source.seq_len, progress=cfg.progress)
+    return to_token_file(corpus, path)
+
+
+def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     """Run ``cfg`` to the end and return rank 0's result dict.
 
     Under torchrun (RANK and WORLD_SIZE set) this process is one rank; otherwise it spawns
     ``cfg.world`` local processes that rendezvous on the loopback address. ``cfg.preflight()``
-    runs first, so bad input is refused before any process starts.
+    runs first, so bad input is refused before any process starts. ``corpus``: cfg's data,
+    opened already (``chimera train`` checks it first), so it is not read again.
     """
     cfg.preflight()  # data, model, schedule, checkpoints: refused before any process starts
     faults.active()  # a malformed CHIMERA_FAULT fails here, before any process starts
@@ -235,14 +253,15 @@ def launch(cfg: TrainConfig) -> dict:
                              f"W·D = {cfg.data_parallel}·{cfg.stages} = {cfg.world}")
         if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: die with it
             workers.bind_to_parent(os.getppid(), ignore_sigint=False)
-        return run_rank(int(os.environ["RANK"]), world, cfg, None) or {}
+        return run_rank(int(os.environ["RANK"]), world, cfg, None, corpus=corpus) or {}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         if cfg.reference:
-            run_rank(0, 1, cfg, path)
+            run_rank(0, 1, cfg, path, corpus=corpus)
         else:
-            codes = workers.run(_spawn_entry, (cfg.world, cfg, free_port(), path), cfg.world,
-                                grace=FAILURE_GRACE_S)
+            shared = _shared_ids(cfg, corpus, os.path.join(tmp, "ids.bin"))
+            codes = workers.run(_spawn_entry, (cfg.world, cfg, free_port(), path, shared),
+                                cfg.world, grace=FAILURE_GRACE_S)
             failed = workers.first_failure(codes)
             if failed is not None:
                 raise TrainingFailed(f"rank {failed} failed (exit code {codes[failed]}); "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from chimera.data import VAL_FRACTION, get_batch, split_corpus
+from chimera.data import VAL_FRACTION, Corpus, get_batch, split_corpus
 from chimera.data_formats import open_data
 from chimera.errors import UserError
 from chimera.models import parse_partition, partition
@@ -124,13 +124,16 @@ def peak_rss_mb() -> float:
 class Trainer:
     """One rank of a pipelined run (or the single-process reference)."""
 
-    def __init__(self, cfg: TrainConfig, rank: int = 0, device: torch.device | None = None):
+    def __init__(self, cfg: TrainConfig, rank: int = 0, device: torch.device | None = None,
+                 corpus: Corpus | None = None):
+        """``corpus``: cfg's data as the launcher opened it (``launch``), else read here."""
         self.cfg, self.rank = cfg, rank
         self.device = device or torch.device("cpu")
         self.source = cfg.model_source  # the model, its vocabulary the data's (train/sources.py)
         # rank 0 reads every id of a token file through (the others trust its check: one
         # scan of a 2 GiB file took 2.2 s, once per rank before)
-        self.corpus = open_data(cfg.data_spec, seq_len=self.source.seq_len, scan=rank == 0)
+        self.corpus = corpus if corpus is not None else open_data(
+            cfg.data_spec, seq_len=self.source.seq_len, scan=rank == 0)
         if cfg.eval_every:
             check_heldout(self.corpus, self.source.kind, self.source.seq_len)
         self.dtype = DTYPE[cfg.dtype]
