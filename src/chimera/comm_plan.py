@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from chimera.ir import Action, Op, Schedule, ScheduleError
+from chimera.ir import Action, Op, Schedule, ScheduleError, finishing_op, other_end
 from chimera.sim.cost import CostModel
 from chimera.sim.engine import compile_schedule
 
@@ -55,23 +55,24 @@ class Message:
     micro: int
 
     @classmethod
-    def of(cls, a: Action) -> "Message":
+    def of(cls, a: Action, stages: int) -> "Message":
         """The message a SEND or RECV action moves."""
-        if a.op is Op.SEND_F:
-            return cls(Op.RECV_F, a.pipe, a.stage + 1, a.micro)
-        if a.op is Op.SEND_B:
-            return cls(Op.RECV_B, a.pipe, a.stage - 1, a.micro)
-        if a.op in (Op.RECV_F, Op.RECV_B):
-            return cls(a.op, a.pipe, a.stage, a.micro)
-        raise ScheduleError(f"{a} moves no message")
+        recv = other_end(a, stages) if a.op in (Op.SEND_F, Op.SEND_B) else a
+        if recv is None or recv.op not in (Op.RECV_F, Op.RECV_B):
+            raise ScheduleError(f"{a} moves no message")
+        return cls(recv.op, recv.pipe, recv.stage, recv.micro)
 
-    def source_stage(self) -> int:
-        return self.stage - 1 if self.kind is Op.RECV_F else self.stage + 1
+    def source_stage(self, stages: int) -> int:
+        send = other_end(Action(self.kind, self.pipe, self.stage, self.micro), stages)
+        if send is None:
+            raise ScheduleError(f"message {self} has no sender")
+        return send.stage
 
     def ranks(self, schedule: Schedule) -> tuple[int, int]:
         """(sending rank, receiving rank) within one pipeline copy."""
         place = schedule.placement
-        return place.rank_of(self.pipe, self.source_stage()), place.rank_of(self.pipe, self.stage)
+        return (place.rank_of(self.pipe, self.source_stage(schedule.stages)),
+                place.rank_of(self.pipe, self.stage))
 
     def tag(self, schedule: Schedule) -> int:
         """A tag unique within an iteration (gloo checks it; NCCL ignores tags)."""
@@ -152,7 +153,7 @@ def _global_order(schedule: Schedule) -> tuple[dict[Message, int], dict[int, lis
     sends, syncs = [], {}
     for i, (_, a) in enumerate(compiled.order):
         if a.op in (Op.SEND_F, Op.SEND_B):
-            sends.append((times.start[i], i, Message.of(a)))
+            sends.append((times.start[i], i, Message.of(a, schedule.stages)))
         elif a.op is Op.SYNC:
             syncs.setdefault(a.stage, []).append(times.start[i])
     sends.sort()
@@ -161,15 +162,16 @@ def _global_order(schedule: Schedule) -> tuple[dict[Message, int], dict[int, lis
 
 def _place_posts(schedule: Schedule, rank: int, prog, order: dict[Message, int]) -> list[Step]:
     """``prog`` with a Post before the first point where it may go (see module docstring)."""
-    incoming = sorted((order[Message.of(a)], Message.of(a)) for a in prog
+    stages = schedule.stages
+    incoming = sorted((order[Message.of(a, stages)], Message.of(a, stages)) for a in prog
                       if a.op in (Op.RECV_F, Op.RECV_B))
     out: list[Step] = []
     k = 0
     for a in prog:
         if a.op in (Op.SEND_F, Op.SEND_B):
-            limit = order[Message.of(a)]  # receives earlier than this send go before it
+            limit = order[Message.of(a, stages)]  # receives earlier than this send go before it
         elif a.op in (Op.RECV_F, Op.RECV_B):
-            limit = order[Message.of(a)] + 1  # at the latest, right before its wait
+            limit = order[Message.of(a, stages)] + 1  # at the latest, right before its wait
         else:
             limit = -1
         while k < len(incoming) and incoming[k][0] < limit:
@@ -234,8 +236,9 @@ class _LaunchQueue:
 
 def _last_gradient_actions(schedule: Schedule, steps: list[Step]) -> set[Action]:
     """The B actions after which a replica's gradients are final (buckets may reduce inside)."""
+    grad = finishing_op(schedule.split_backward)
     last: dict[tuple[int, int], Action] = {}
     for a in steps:
-        if isinstance(a, Action) and a.op in (Op.B, Op.W):
+        if isinstance(a, Action) and a.op is grad:
             last[(a.pipe, a.stage)] = a
     return {a for a in last.values() if a.op is Op.B}

@@ -129,7 +129,7 @@ def _pipeline_calls(plan: CommPlan, d: int, data_parallel: int, buckets: bool) -
             if (step.pipe, step.stage) not in early:
                 _all_reduce(calls, reduces, s, i, step.stage, data_parallel)
         elif step.op in (Op.SEND_F, Op.SEND_B):
-            msg = Message.of(step)
+            msg = Message.of(step, s.stages)
             sends.append(len(calls))
             calls.append(Issued(ISEND, i, msg.ranks(s)[1], msg))
         elif step.op in (Op.RECV_F, Op.RECV_B):
@@ -151,7 +151,7 @@ def _all_reduce(calls: list[Issued], reduces: list[int], s: Schedule, i: int, st
 
 
 def _posted(plan: CommPlan, d: int, i: int, step: Action, posted: dict[Message, int]) -> int:
-    msg = Message.of(step)
+    msg = Message.of(step, plan.schedule.stages)
     if msg not in posted:
         raise ValidationError(f"rank {d}: {step} waits for a receive that was never posted",
                               plan.schedule, d, _action_index(plan.steps[d], i))
