@@ -3,7 +3,7 @@ import json
 import pytest
 
 from chimera.ir import (Action, Op, Placement, Schedule, ScheduleError, finishing_op, input_stage,
-                        needs, other_end, output_stage, recv_of, send_of)
+                        needs, other_end, output_stage, peer_stage, recv_of, send_of)
 from chimera.passes import lower
 from chimera.schedules import build
 
@@ -95,5 +95,6 @@ def test_messages_follow_the_dependency_rule():
     pairs = [("p0s1SEND_F2", "p0s2RECV_F2"), ("p0s1SEND_B2", "p0s0RECV_B2")]
     for send, recv in pairs:
         assert other_end(a(send), 3) == a(recv) and other_end(a(recv), 3) == a(send)
+        assert peer_stage(a(send), 3) == a(recv).stage and peer_stage(a(recv), 3) == a(send).stage
     ends = ("p0s0RECV_F1", "p0s2RECV_B1", "p0s2SEND_F1", "p0s0SEND_B1")  # past the pipe's ends
-    assert [other_end(a(t), 3) for t in ends] == [None] * 4
+    assert [other_end(a(t), 3) for t in ends] == [peer_stage(a(t), 3) for t in ends] == [None] * 4

@@ -36,10 +36,10 @@ plan's :attr:`CommPlan.steps` item by item; nothing about the order is decided a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
-from chimera.ir import Action, Op, Schedule, ScheduleError, finishing_op, other_end
+from chimera.ir import Action, Op, Schedule, ScheduleError, finishing_op, other_end, peer_stage
 from chimera.sim.cost import CostModel
 from chimera.sim.engine import compile_schedule
 
@@ -47,32 +47,28 @@ from chimera.sim.engine import compile_schedule
 @dataclass(frozen=True, order=True)
 class Message:
     """One p2p message, named by its receiving side: an activation (RECV_F) or a gradient
-    (RECV_B) into ``stage`` of ``pipe`` for micro-batch ``micro``."""
+    (RECV_B) into ``stage`` of ``pipe`` for micro-batch ``micro``, sent by ``source_stage``
+    (which the name already implies, so it is not compared)."""
 
     kind: Op
     pipe: int
     stage: int
     micro: int
+    source_stage: int = field(compare=False)
 
     @classmethod
     def of(cls, a: Action, stages: int) -> "Message":
         """The message a SEND or RECV action moves."""
-        recv = other_end(a, stages) if a.op in (Op.SEND_F, Op.SEND_B) else a
-        if recv is None or recv.op not in (Op.RECV_F, Op.RECV_B):
-            raise ScheduleError(f"{a} moves no message")
-        return cls(recv.op, recv.pipe, recv.stage, recv.micro)
-
-    def source_stage(self, stages: int) -> int:
-        send = other_end(Action(self.kind, self.pipe, self.stage, self.micro), stages)
-        if send is None:
-            raise ScheduleError(f"message {self} has no sender")
-        return send.stage
+        if a.op in (Op.RECV_F, Op.RECV_B) and (source := peer_stage(a, stages)) is not None:
+            return cls(a.op, a.pipe, a.stage, a.micro, source)
+        if a.op in (Op.SEND_F, Op.SEND_B) and (recv := other_end(a, stages)) is not None:
+            return cls(recv.op, recv.pipe, recv.stage, recv.micro, a.stage)
+        raise ScheduleError(f"{a} moves no message")
 
     def ranks(self, schedule: Schedule) -> tuple[int, int]:
         """(sending rank, receiving rank) within one pipeline copy."""
         place = schedule.placement
-        return (place.rank_of(self.pipe, self.source_stage(schedule.stages)),
-                place.rank_of(self.pipe, self.stage))
+        return place.rank_of(self.pipe, self.source_stage), place.rank_of(self.pipe, self.stage)
 
     def tag(self, schedule: Schedule) -> int:
         """A tag unique within an iteration (gloo checks it; NCCL ignores tags)."""
@@ -163,8 +159,8 @@ def _global_order(schedule: Schedule) -> tuple[dict[Message, int], dict[int, lis
 def _place_posts(schedule: Schedule, rank: int, prog, order: dict[Message, int]) -> list[Step]:
     """``prog`` with a Post before the first point where it may go (see module docstring)."""
     stages = schedule.stages
-    incoming = sorted((order[Message.of(a, stages)], Message.of(a, stages)) for a in prog
-                      if a.op in (Op.RECV_F, Op.RECV_B))
+    received = [Message.of(a, stages) for a in prog if a.op in (Op.RECV_F, Op.RECV_B)]
+    incoming = sorted((order[msg], msg) for msg in received)
     out: list[Step] = []
     k = 0
     for a in prog:

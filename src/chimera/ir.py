@@ -173,15 +173,19 @@ def send_of(action: Action) -> Action:
     return Action(op, action.pipe, action.stage, action.micro)
 
 
-def other_end(comm: Action, stages: int) -> Action | None:
-    """The other end of a SEND or RECV: the RECV on the stage that consumes what a SEND
-    carries, or the SEND on the stage that produced what a RECV waits for; None where the
-    pipe ends (no such message exists)."""
+def peer_stage(comm: Action, stages: int) -> int | None:
+    """The stage at the other end of a SEND or RECV: the one that consumes what a SEND
+    carries, or the one that produced what a RECV waits for; None where the pipe ends (no
+    such message exists)."""
     carried = _CARRIES[comm.op]
     if comm.op in (Op.RECV_F, Op.RECV_B):
-        stage = _input_stage(carried, comm.stage, stages)
-    else:
-        stage = _output_stage(carried, comm.stage, stages)
+        return _input_stage(carried, comm.stage, stages)
+    return _output_stage(carried, comm.stage, stages)
+
+
+def other_end(comm: Action, stages: int) -> Action | None:
+    """The RECV that matches a SEND, or the SEND that matches a RECV (see :func:`peer_stage`)."""
+    stage = peer_stage(comm, stages)
     return None if stage is None else Action(_OTHER_END[comm.op], comm.pipe, stage, comm.micro)
 
 

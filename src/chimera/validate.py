@@ -68,11 +68,11 @@ def _check_counts(s: Schedule) -> None:
 def _check_order(s: Schedule) -> None:
     """What an action needs from its own stage (always on its rank) comes before it; inputs
     from other stages are the dry run's to check."""
-    split = s.split_backward
+    stages, split = s.stages, s.split_backward
     for rank, prog in enumerate(s.programs):
         done: set[Action] = set()
         for i, a in enumerate(prog):
-            for need in needs(a, s.stages, split):
+            for need in needs(a, stages, split):
                 if need.stage == a.stage and need not in done:
                     raise ValidationError(f"rank {rank}: {a} comes before its {need.op.value}",
                                           s, rank, i)
@@ -84,9 +84,10 @@ def _check_comm(s: Schedule) -> None:
     sends = Counter(a for _, _, a in s.actions() if a.op in (Op.SEND_F, Op.SEND_B))
     recvs = Counter(a for _, _, a in s.actions() if a.op in (Op.RECV_F, Op.RECV_B))
     awaited: Counter[Action | None] = Counter()  # the sends the receives wait for
+    stages = s.stages
     for rank, i, a in s.actions():
         if a.op in (Op.RECV_F, Op.RECV_B):
-            src = other_end(a, s.stages)
+            src = other_end(a, stages)
             if recvs[a] != 1 or sends.get(src, 0) != 1:
                 raise ValidationError(f"rank {rank}: {a} has no matching send (or is duplicated)",
                                       s, rank, i)
@@ -98,13 +99,13 @@ def _check_comm(s: Schedule) -> None:
 
 
 def _check_received_before_use(s: Schedule) -> None:
-    place = s.placement
+    place, stages = s.placement, s.stages
     for rank, prog in enumerate(s.programs):
         got: set[Action] = set()
         for i, a in enumerate(prog):
             if a.op in (Op.RECV_F, Op.RECV_B):
                 got.add(a)
-            src = input_stage(a, s.stages)
+            src = input_stage(a, stages)
             if src is not None and place.rank_of(a.pipe, src) != rank and recv_of(a) not in got:
                 raise ValidationError(f"rank {rank}: {a} runs before its {recv_of(a).op.value} input "
                                       f"arrives", s, rank, i)

@@ -168,8 +168,8 @@ class Executor:
                 y = module(x)
             if a.stage == self.last:
                 y = self._loss(y, a.micro)
-        if a.stage > 0 and not self.forward_only:
-            self.inp[a.key] = grad_leaves
+        if input_stage(a, self.schedule.stages) is not None and not self.forward_only:
+            self.inp[a.key] = grad_leaves  # SEND_B or the previous stage (same rank) reads their .grad
         self.out[a.key] = y
 
     def _loss(self, y, micro: int):

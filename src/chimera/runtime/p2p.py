@@ -93,12 +93,12 @@ class Mailbox:
         self.sends: deque[tuple[object, torch.Tensor | None, Action, int]] = deque()
 
     def post(self, msg: Message) -> None:
-        src = self.grid.peer(msg.pipe, msg.source_stage(self.schedule.stages))
+        src = self.grid.peer(msg.pipe, msg.source_stage)
         self.pending[msg] = self.transport.irecv(self.buffers[msg], src, msg.tag(self.schedule))
 
     def receive(self, action: Action) -> torch.Tensor:
         msg = Message.of(action, self.schedule.stages)
-        src = self.grid.peer(msg.pipe, msg.source_stage(self.schedule.stages))
+        src = self.grid.peer(msg.pipe, msg.source_stage)
         wait_work(self.pending.pop(msg), self.timeout, self.grid.rank,
                   f"{action} with peer rank {src}", src, action)
         return self.buffers[msg]

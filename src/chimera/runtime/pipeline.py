@@ -265,15 +265,14 @@ class PipelineRuntime:
         self.executor.boundaries, self.executor.mailbox = self._probed[sig][:2]
 
     def _mailbox(self, plan, bounds: list) -> Mailbox:
-        shape_of = functools.partial(self._message_shape, bounds, plan.schedule.stages)
-        return Mailbox(plan, self.grid, shape_of, torch.uint8, self.device, self.timeout,
-                       transport_from_env(self.grid.rank))
+        return Mailbox(plan, self.grid, functools.partial(self._message_shape, bounds),
+                       torch.uint8, self.device, self.timeout, transport_from_env(self.grid.rank))
 
     @staticmethod
-    def _message_shape(bounds: list, stages: int, msg: Message) -> tuple:
+    def _message_shape(bounds: list, msg: Message) -> tuple:
         # an activation is its sender's output; a gradient into stage s is s's output's
         if msg.kind.name == "RECV_F":
-            return (bounds[msg.source_stage(stages)].nbytes(backward=False),)
+            return (bounds[msg.source_stage].nbytes(backward=False),)
         return (bounds[msg.stage].nbytes(backward=True),)
 
     def parameters(self) -> list[nn.Parameter]:
