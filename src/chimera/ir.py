@@ -138,6 +138,7 @@ def output_stage(action: Action, stages: int) -> int | None:
     return _output_stage(action.op, action.stage, stages)
 
 
+# The same, given the op and stage alone: peer_stage asks them without building an Action.
 def _input_stage(op: Op, stage: int, stages: int) -> int | None:
     if op is Op.F:
         return stage - 1 if stage > 0 else None
@@ -154,7 +155,8 @@ def _output_stage(op: Op, stage: int, stages: int) -> int | None:
     return None
 
 
-# What a message carries (the compute op whose input it is), and how the two ends pair up.
+# The compute op on either end of a message (its output is sent, its input received), and
+# how the two ends pair up.
 _CARRIES = {Op.RECV_F: Op.F, Op.SEND_F: Op.F, Op.RECV_B: Op.B, Op.SEND_B: Op.B}
 _OTHER_END = {Op.RECV_F: Op.SEND_F, Op.SEND_F: Op.RECV_F, Op.RECV_B: Op.SEND_B, Op.SEND_B: Op.RECV_B}
 

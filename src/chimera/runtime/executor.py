@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from chimera.comm_plan import Launch, Post
-from chimera.ir import Action, Op, Schedule, input_stage, other_end, recv_of
+from chimera.ir import Action, Op, Schedule, input_stage, peer_stage, recv_of
 from chimera.runtime.boundary import call_loss, detach_input
 from chimera.runtime.split_backward import PendingWeightGrad, backward_input, backward_weight
 
@@ -232,7 +232,7 @@ class Executor:
 
     def _send_b(self, a: Action) -> None:
         xs = self.inp.pop(a.key)
-        receiver = other_end(a, self.schedule.stages).stage  # its output's boundary is our input's
+        receiver = peer_stage(a, self.schedule.stages)  # its output's boundary is our input's
         self.mailbox.send(a, self.boundaries[receiver].pack_grads([x.grad for x in xs], self.device))
 
     def _recv(self, a: Action) -> None:
