@@ -3,7 +3,7 @@ import json
 import pytest
 
 from chimera.ir import (Action, Op, Placement, Schedule, ScheduleError, finishing_op, input_stage,
-                        needs, output_stage)
+                        needs, other_end, output_stage, peer_stage, recv_of, send_of)
 from chimera.passes import lower
 from chimera.schedules import build
 
@@ -85,3 +85,16 @@ def test_the_dependency_rule():
     assert [output_stage(a(t), 3) for t in ("p0s2F0", "p0s1F0", "p0s1I0", "p0s0B0", "p0s1W0")] \
         == [None, 2, 0, None, None]
     assert finishing_op(True) is Op.W and finishing_op(False) is Op.B
+
+
+def test_messages_follow_the_dependency_rule():
+    a = Action.parse
+    computes = [a(t) for t in ("p0s1F2", "p1s0B2", "p0s1I2")]
+    assert [str(recv_of(c)) for c in computes] == ["p0s1RECV_F2", "p1s0RECV_B2", "p0s1RECV_B2"]
+    assert [str(send_of(c)) for c in computes] == ["p0s1SEND_F2", "p1s0SEND_B2", "p0s1SEND_B2"]
+    pairs = [("p0s1SEND_F2", "p0s2RECV_F2"), ("p0s1SEND_B2", "p0s0RECV_B2")]
+    for send, recv in pairs:
+        assert other_end(a(send), 3) == a(recv) and other_end(a(recv), 3) == a(send)
+        assert peer_stage(a(send), 3) == a(recv).stage and peer_stage(a(recv), 3) == a(send).stage
+    ends = ("p0s0RECV_F1", "p0s2RECV_B1", "p0s2SEND_F1", "p0s0SEND_B1")  # past the pipe's ends
+    assert [other_end(a(t), 3) for t in ends] == [peer_stage(a(t), 3) for t in ends] == [None] * 4

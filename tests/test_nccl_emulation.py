@@ -125,14 +125,14 @@ def _compare(name, opts, stages, n, dp) -> dict:
     return out
 
 
-def _late_posts(program) -> list:
+def _late_posts(program, stages: int) -> list:
     """The old order: every receive posted right before its wait (what crossed on NCCL)."""
     out = []
     for step in program:
         if isinstance(step, Post):
             continue
         if isinstance(step, Action) and step.op in (Op.RECV_F, Op.RECV_B):
-            out.append(Post(Message.of(step)))
+            out.append(Post(Message.of(step, stages)))
         out.append(step)
     return out
 
@@ -140,7 +140,7 @@ def _late_posts(program) -> list:
 def _late_order(mode: str) -> dict:
     """chimera D=2 N=4 with late posts: gloo completes it, the emulation times out."""
     rt = _runtime("chimera", {}, 2, 4, 1, timeout_s=3.0)
-    rt.program = _late_posts(rt.program)
+    rt.program = _late_posts(rt.program, rt.schedule.stages)
     plain, _ = _train(rt, Transport())
     emulation = NcclEmulation(dist.get_rank(), mode)
     _use(rt, emulation)

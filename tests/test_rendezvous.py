@@ -74,7 +74,7 @@ def _posts_before_recv(plan: CommPlan) -> CommPlan:
         out = []
         for a in prog:
             if a.op in (Op.RECV_F, Op.RECV_B):
-                out.append(Post(Message.of(a)))
+                out.append(Post(Message.of(a, plan.schedule.stages)))
             out.append(a)
         steps.append(tuple(out))
     return CommPlan(plan.schedule, tuple(steps), plan.early, plan.order, plan.collective_order)

@@ -36,10 +36,10 @@ plan's :attr:`CommPlan.steps` item by item; nothing about the order is decided a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
-from chimera.ir import Action, Op, Schedule, ScheduleError
+from chimera.ir import Action, Op, Schedule, ScheduleError, finishing_op, other_end, peer_stage
 from chimera.sim.cost import CostModel
 from chimera.sim.engine import compile_schedule
 
@@ -47,31 +47,28 @@ from chimera.sim.engine import compile_schedule
 @dataclass(frozen=True, order=True)
 class Message:
     """One p2p message, named by its receiving side: an activation (RECV_F) or a gradient
-    (RECV_B) into ``stage`` of ``pipe`` for micro-batch ``micro``."""
+    (RECV_B) into ``stage`` of ``pipe`` for micro-batch ``micro``, sent by ``source_stage``
+    (which the name already implies, so it is not compared)."""
 
     kind: Op
     pipe: int
     stage: int
     micro: int
+    source_stage: int = field(compare=False)
 
     @classmethod
-    def of(cls, a: Action) -> "Message":
+    def of(cls, a: Action, stages: int) -> "Message":
         """The message a SEND or RECV action moves."""
-        if a.op is Op.SEND_F:
-            return cls(Op.RECV_F, a.pipe, a.stage + 1, a.micro)
-        if a.op is Op.SEND_B:
-            return cls(Op.RECV_B, a.pipe, a.stage - 1, a.micro)
-        if a.op in (Op.RECV_F, Op.RECV_B):
-            return cls(a.op, a.pipe, a.stage, a.micro)
+        if a.op in (Op.RECV_F, Op.RECV_B) and (source := peer_stage(a, stages)) is not None:
+            return cls(a.op, a.pipe, a.stage, a.micro, source)
+        if a.op in (Op.SEND_F, Op.SEND_B) and (recv := other_end(a, stages)) is not None:
+            return cls(recv.op, recv.pipe, recv.stage, recv.micro, a.stage)
         raise ScheduleError(f"{a} moves no message")
-
-    def source_stage(self) -> int:
-        return self.stage - 1 if self.kind is Op.RECV_F else self.stage + 1
 
     def ranks(self, schedule: Schedule) -> tuple[int, int]:
         """(sending rank, receiving rank) within one pipeline copy."""
         place = schedule.placement
-        return place.rank_of(self.pipe, self.source_stage()), place.rank_of(self.pipe, self.stage)
+        return place.rank_of(self.pipe, self.source_stage), place.rank_of(self.pipe, self.stage)
 
     def tag(self, schedule: Schedule) -> int:
         """A tag unique within an iteration (gloo checks it; NCCL ignores tags)."""
@@ -152,7 +149,7 @@ def _global_order(schedule: Schedule) -> tuple[dict[Message, int], dict[int, lis
     sends, syncs = [], {}
     for i, (_, a) in enumerate(compiled.order):
         if a.op in (Op.SEND_F, Op.SEND_B):
-            sends.append((times.start[i], i, Message.of(a)))
+            sends.append((times.start[i], i, Message.of(a, schedule.stages)))
         elif a.op is Op.SYNC:
             syncs.setdefault(a.stage, []).append(times.start[i])
     sends.sort()
@@ -161,15 +158,16 @@ def _global_order(schedule: Schedule) -> tuple[dict[Message, int], dict[int, lis
 
 def _place_posts(schedule: Schedule, rank: int, prog, order: dict[Message, int]) -> list[Step]:
     """``prog`` with a Post before the first point where it may go (see module docstring)."""
-    incoming = sorted((order[Message.of(a)], Message.of(a)) for a in prog
-                      if a.op in (Op.RECV_F, Op.RECV_B))
+    stages = schedule.stages
+    received = [Message.of(a, stages) for a in prog if a.op in (Op.RECV_F, Op.RECV_B)]
+    incoming = sorted((order[msg], msg) for msg in received)
     out: list[Step] = []
     k = 0
     for a in prog:
         if a.op in (Op.SEND_F, Op.SEND_B):
-            limit = order[Message.of(a)]  # receives earlier than this send go before it
+            limit = order[Message.of(a, stages)]  # receives earlier than this send go before it
         elif a.op in (Op.RECV_F, Op.RECV_B):
-            limit = order[Message.of(a)] + 1  # at the latest, right before its wait
+            limit = order[Message.of(a, stages)] + 1  # at the latest, right before its wait
         else:
             limit = -1
         while k < len(incoming) and incoming[k][0] < limit:
@@ -234,8 +232,9 @@ class _LaunchQueue:
 
 def _last_gradient_actions(schedule: Schedule, steps: list[Step]) -> set[Action]:
     """The B actions after which a replica's gradients are final (buckets may reduce inside)."""
+    grad = finishing_op(schedule.split_backward)
     last: dict[tuple[int, int], Action] = {}
     for a in steps:
-        if isinstance(a, Action) and a.op in (Op.B, Op.W):
+        if isinstance(a, Action) and a.op is grad:
             last[(a.pipe, a.stage)] = a
     return {a for a in last.values() if a.op is Op.B}

@@ -129,21 +129,66 @@ def input_stage(action: Action, stages: int) -> int | None:
     gradient for B and I), or None when it consumes none: the first forward, the last stage's
     backward, W, communication, SYNC and STEP. A message crosses ranks exactly when that
     stage lives on another rank of the pipe."""
-    if action.op is Op.F:
-        return action.stage - 1 if action.stage > 0 else None
-    if action.op in BACKWARD_OPS:
-        return action.stage + 1 if action.stage < stages - 1 else None
-    return None
+    return _input_stage(action.op, action.stage, stages)
 
 
 def output_stage(action: Action, stages: int) -> int | None:
     """The neighbouring stage that consumes ``action``'s output (the mirror of
     :func:`input_stage`): F(s) feeds s+1, B(s) and I(s) feed s-1."""
-    if action.op is Op.F:
-        return action.stage + 1 if action.stage < stages - 1 else None
-    if action.op in BACKWARD_OPS:
-        return action.stage - 1 if action.stage > 0 else None
+    return _output_stage(action.op, action.stage, stages)
+
+
+# The same, given the op and stage alone: peer_stage asks them without building an Action.
+def _input_stage(op: Op, stage: int, stages: int) -> int | None:
+    if op is Op.F:
+        return stage - 1 if stage > 0 else None
+    if op in BACKWARD_OPS:
+        return stage + 1 if stage < stages - 1 else None
     return None
+
+
+def _output_stage(op: Op, stage: int, stages: int) -> int | None:
+    if op is Op.F:
+        return stage + 1 if stage < stages - 1 else None
+    if op in BACKWARD_OPS:
+        return stage - 1 if stage > 0 else None
+    return None
+
+
+# The compute op on either end of a message (its output is sent, its input received), and
+# how the two ends pair up.
+_CARRIES = {Op.RECV_F: Op.F, Op.SEND_F: Op.F, Op.RECV_B: Op.B, Op.SEND_B: Op.B}
+_OTHER_END = {Op.RECV_F: Op.SEND_F, Op.SEND_F: Op.RECV_F, Op.RECV_B: Op.SEND_B, Op.SEND_B: Op.RECV_B}
+
+
+def recv_of(action: Action) -> Action:
+    """The RECV that brings F, B or I ``action`` its input from :func:`input_stage` when that
+    stage lives on another rank: RECV_F for an activation, RECV_B for an input gradient."""
+    op = Op.RECV_F if action.op is Op.F else Op.RECV_B
+    return Action(op, action.pipe, action.stage, action.micro)
+
+
+def send_of(action: Action) -> Action:
+    """The SEND that carries F, B or I ``action``'s output to :func:`output_stage` when that
+    stage lives on another rank."""
+    op = Op.SEND_F if action.op is Op.F else Op.SEND_B
+    return Action(op, action.pipe, action.stage, action.micro)
+
+
+def peer_stage(comm: Action, stages: int) -> int | None:
+    """The stage at the other end of a SEND or RECV: the one that consumes what a SEND
+    carries, or the one that produced what a RECV waits for; None where the pipe ends (no
+    such message exists)."""
+    carried = _CARRIES[comm.op]
+    if comm.op in (Op.RECV_F, Op.RECV_B):
+        return _input_stage(carried, comm.stage, stages)
+    return _output_stage(carried, comm.stage, stages)
+
+
+def other_end(comm: Action, stages: int) -> Action | None:
+    """The RECV that matches a SEND, or the SEND that matches a RECV (see :func:`peer_stage`)."""
+    stage = peer_stage(comm, stages)
+    return None if stage is None else Action(_OTHER_END[comm.op], comm.pipe, stage, comm.micro)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from chimera.ir import Action, Op, Schedule, ScheduleError
+from chimera.ir import (Action, Op, Schedule, ScheduleError, finishing_op, input_stage, output_stage,
+                        recv_of, send_of)
 
 SYNC_MODES = ("eager", "end")
 
@@ -13,22 +14,17 @@ def add_communication(schedule: Schedule) -> Schedule:
     A producer's SEND follows it immediately (sends are asynchronous); a consumer's RECV goes
     right before it, so the runtime can post the receive early and wait only there.
     """
-    place = schedule.placement
-    last = place.stages - 1
+    stages, table = schedule.stages, schedule.placement.table
     programs = []
     for rank, prog in enumerate(schedule.programs):
         out: list[Action] = []
         for a in prog:
-            p, s, m = a.key
-            if a.op is Op.F and s > 0 and place.rank_of(p, s - 1) != rank:
-                out.append(Action(Op.RECV_F, p, s, m))
-            if a.op in (Op.B, Op.I) and s < last and place.rank_of(p, s + 1) != rank:
-                out.append(Action(Op.RECV_B, p, s, m))
+            src, dst = input_stage(a, stages), output_stage(a, stages)
+            if src is not None and table[a.pipe][src] != rank:
+                out.append(recv_of(a))
             out.append(a)
-            if a.op is Op.F and s < last and place.rank_of(p, s + 1) != rank:
-                out.append(Action(Op.SEND_F, p, s, m))
-            if a.op in (Op.B, Op.I) and s > 0 and place.rank_of(p, s - 1) != rank:
-                out.append(Action(Op.SEND_B, p, s, m))
+            if dst is not None and table[a.pipe][dst] != rank:
+                out.append(send_of(a))
         programs.append(out)
     return schedule.with_programs(programs)
 
@@ -42,7 +38,7 @@ def add_sync(schedule: Schedule, mode: str = "eager") -> Schedule:
     """
     if mode not in SYNC_MODES:
         raise ScheduleError(f"unknown sync mode {mode!r}; choose one of {', '.join(SYNC_MODES)}")
-    grad_op = Op.W if schedule.split_backward else Op.B
+    grad_op = finishing_op(schedule.split_backward)
     programs = []
     for rank, prog in enumerate(schedule.programs):
         last_grad: dict[tuple[int, int], int] = {}

@@ -154,7 +154,7 @@ def _iteration(calls: list[Issued], gathers: dict[tuple[int, int], int], plan: C
             if (step.pipe, step.stage) not in early:
                 _collective(calls, reduces, reduce, s, i, step.stage, data_parallel)
         elif step.op in (Op.SEND_F, Op.SEND_B):
-            msg = Message.of(step)
+            msg = Message.of(step, s.stages)
             sends.append(len(calls))
             calls.append(Issued(ISEND, i, msg.ranks(s)[1], msg))
         elif step.op in (Op.RECV_F, Op.RECV_B):
@@ -188,7 +188,7 @@ def _collective(calls: list[Issued], issued: list[int], kind: str, s: Schedule, 
 
 
 def _posted(plan: CommPlan, d: int, i: int, step: Action, posted: dict[Message, int]) -> int:
-    msg = Message.of(step)
+    msg = Message.of(step, plan.schedule.stages)
     if msg not in posted:
         raise ValidationError(f"rank {d}: {step} waits for a receive that was never posted",
                               plan.schedule, d, _action_index(plan.steps[d], i))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from chimera import comm_plan, rendezvous
-from chimera.ir import Action, Op, Schedule
+from chimera.ir import Action, Op, Schedule, input_stage, needs, other_end, recv_of
 from chimera.sim.engine import Deadlock, simulate
 from chimera.validation_error import ValidationError
 
@@ -66,51 +66,49 @@ def _check_counts(s: Schedule) -> None:
 
 
 def _check_order(s: Schedule) -> None:
+    """What an action needs from its own stage (always on its rank) comes before it; inputs
+    from other stages are the dry run's to check."""
+    stages, split = s.stages, s.split_backward
     for rank, prog in enumerate(s.programs):
-        done: set[tuple] = set()
+        done: set[Action] = set()
         for i, a in enumerate(prog):
-            need = {Op.B: Op.F, Op.I: Op.F, Op.W: Op.I}.get(a.op)
-            if need is not None and (need, a.key) not in done:
-                raise ValidationError(f"rank {rank}: {a} comes before its {need.value}", s, rank, i)
-            done.add((a.op, a.key))
+            for need in needs(a, stages, split):
+                if need.stage == a.stage and need not in done:
+                    raise ValidationError(f"rank {rank}: {a} comes before its {need.op.value}",
+                                          s, rank, i)
+            done.add(a)
 
 
 def _check_comm(s: Schedule) -> None:
     """Every SEND has exactly one RECV on the peer, and every cross-rank input is received."""
-    sends = Counter((a.op, a.key) for _, _, a in s.actions() if a.op in (Op.SEND_F, Op.SEND_B))
-    recvs = Counter((a.op, a.key) for _, _, a in s.actions() if a.op in (Op.RECV_F, Op.RECV_B))
+    sends = Counter(a for _, _, a in s.actions() if a.op in (Op.SEND_F, Op.SEND_B))
+    recvs = Counter(a for _, _, a in s.actions() if a.op in (Op.RECV_F, Op.RECV_B))
+    awaited: Counter[Action | None] = Counter()  # the sends the receives wait for
+    stages = s.stages
     for rank, i, a in s.actions():
-        if a.op is Op.RECV_F:
-            src = (Op.SEND_F, (a.pipe, a.stage - 1, a.micro))
-        elif a.op is Op.RECV_B:
-            src = (Op.SEND_B, (a.pipe, a.stage + 1, a.micro))
-        else:
-            continue
-        if sends.get(src, 0) != 1 or recvs[(a.op, a.key)] != 1:
-            raise ValidationError(f"rank {rank}: {a} has no matching send (or is duplicated)", s, rank, i)
-    for (op, key), n in sends.items():
-        want = (Op.RECV_F, (key[0], key[1] + 1, key[2])) if op is Op.SEND_F \
-            else (Op.RECV_B, (key[0], key[1] - 1, key[2]))
-        if recvs.get(want, 0) != n:
-            raise ValidationError(f"{Action(op, *key)} is never received", s)
+        if a.op in (Op.RECV_F, Op.RECV_B):
+            src = other_end(a, stages)
+            if recvs[a] != 1 or sends.get(src, 0) != 1:
+                raise ValidationError(f"rank {rank}: {a} has no matching send (or is duplicated)",
+                                      s, rank, i)
+            awaited[src] += 1
+    for send, n in sends.items():
+        if awaited[send] != n:
+            raise ValidationError(f"{send} is never received", s)
     _check_received_before_use(s)
 
 
 def _check_received_before_use(s: Schedule) -> None:
-    place, last = s.placement, s.stages - 1
+    place, stages = s.placement, s.stages
     for rank, prog in enumerate(s.programs):
-        got: set[tuple] = set()
+        got: set[Action] = set()
         for i, a in enumerate(prog):
             if a.op in (Op.RECV_F, Op.RECV_B):
-                got.add((a.op, a.key))
-            need = None
-            if a.op is Op.F and a.stage > 0 and place.rank_of(a.pipe, a.stage - 1) != rank:
-                need = Op.RECV_F
-            if a.op in (Op.B, Op.I) and a.stage < last and place.rank_of(a.pipe, a.stage + 1) != rank:
-                need = Op.RECV_B
-            if need is not None and (need, a.key) not in got:
-                raise ValidationError(f"rank {rank}: {a} runs before its {need.value} input arrives",
-                                      s, rank, i)
+                got.add(a)
+            src = input_stage(a, stages)
+            if src is not None and place.rank_of(a.pipe, src) != rank and recv_of(a) not in got:
+                raise ValidationError(f"rank {rank}: {a} runs before its {recv_of(a).op.value} input "
+                                      f"arrives", s, rank, i)
 
 
 def _dry_run(s: Schedule) -> None:

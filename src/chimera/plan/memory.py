@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chimera.ir import Op, Schedule
+from chimera.ir import Op, Schedule, finishing_op
 from chimera.modelcfg import ModelConfig, layer_param_counts
 
 ACT_BYTES = {"fp32": 4, "mixed": 2}
@@ -85,7 +85,7 @@ class HeldActivations:
 
     @classmethod
     def of(cls, schedule: Schedule) -> "HeldActivations":
-        frees = Op.W if schedule.split_backward else Op.B
+        frees = finishing_op(schedule.split_backward)
         states, stages = [], []
         for prog in schedule.programs:
             held: dict[int, int] = {}

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from chimera.comm_plan import Launch, Post
-from chimera.ir import Action, Op, Schedule
+from chimera.ir import Action, Op, Schedule, input_stage, peer_stage, recv_of
 from chimera.runtime.boundary import call_loss, detach_input
 from chimera.runtime.split_backward import PendingWeightGrad, backward_input, backward_weight
 
@@ -103,7 +103,7 @@ class Executor:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.inp: dict[tuple, torch.Tensor] = {}
         self.out: dict[tuple, torch.Tensor] = {}
-        self.recv: dict[tuple, torch.Tensor] = {}
+        self.recv: dict[Action, torch.Tensor] = {}  # by RECV action
         if record is None:
             for call, step in self._calls(program):
                 call(step)
@@ -144,14 +144,14 @@ class Executor:
 
     def _stage_input(self, a: Action) -> tuple[object, list[torch.Tensor]]:
         """(input pytree, its leaves that get a gradient) of the forward ``a``."""
-        p, s, m = a.key
-        if s == 0:
-            return self.data.inputs[m], []
-        spec = self.boundaries[s - 1]
-        if (Op.RECV_F, p, s, m) in self.recv:
-            x = spec.unpack(self.recv.pop((Op.RECV_F, p, s, m)))
+        src = input_stage(a, self.schedule.stages)
+        if src is None:
+            return self.data.inputs[a.micro], []
+        spec = self.boundaries[src]
+        if recv_of(a) in self.recv:
+            x = spec.unpack(self.recv.pop(recv_of(a)))
         else:  # previous stage on this rank (V placement): hand the output over directly
-            x = self.out[(p, s - 1, m)]
+            x = self.out[(a.pipe, src, a.micro)]
         if self.forward_only:
             return x, []
         return detach_input(x, spec)
@@ -168,8 +168,8 @@ class Executor:
                 y = module(x)
             if a.stage == self.last:
                 y = self._loss(y, a.micro)
-        if a.stage > 0 and not self.forward_only:
-            self.inp[a.key] = grad_leaves
+        if input_stage(a, self.schedule.stages) is not None and not self.forward_only:
+            self.inp[a.key] = grad_leaves  # SEND_B or the previous stage (same rank) reads their .grad
         self.out[a.key] = y
 
     def _loss(self, y, micro: int):
@@ -185,15 +185,15 @@ class Executor:
 
     def _output_grad(self, a: Action) -> tuple[list[torch.Tensor], list]:
         """(outputs, their gradients) that backward starts from; only outputs that require grad."""
-        p, s, m = a.key
         y = self.out.pop(a.key)
-        if s == self.last:
+        src = input_stage(a, self.schedule.stages)
+        if src is None:  # the last stage: backward starts from the loss
             return ([y], [None]) if y is not None and y.requires_grad else ([], [])
-        spec = self.boundaries[s]
-        if (Op.RECV_B, p, s, m) in self.recv:
-            grads = spec.unpack_grads(self.recv.pop((Op.RECV_B, p, s, m)))
+        spec = self.boundaries[a.stage]
+        if recv_of(a) in self.recv:
+            grads = spec.unpack_grads(self.recv.pop(recv_of(a)))
         else:  # next stage on this rank
-            grads = [x.grad for x in self.inp.pop((p, s + 1, m))]
+            grads = [x.grad for x in self.inp.pop((a.pipe, src, a.micro))]
         pairs = [(t, g) for t, g in zip(spec.grad_leaves(y), grads)
                  if t.requires_grad and g is not None]
         return [t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs]
@@ -232,10 +232,11 @@ class Executor:
 
     def _send_b(self, a: Action) -> None:
         xs = self.inp.pop(a.key)
-        self.mailbox.send(a, self.boundaries[a.stage - 1].pack_grads([x.grad for x in xs], self.device))
+        receiver = peer_stage(a, self.schedule.stages)  # its output's boundary is our input's
+        self.mailbox.send(a, self.boundaries[receiver].pack_grads([x.grad for x in xs], self.device))
 
     def _recv(self, a: Action) -> None:
-        self.recv[(a.op, a.pipe, a.stage, a.micro)] = self.mailbox.receive(a)
+        self.recv[a] = self.mailbox.receive(a)
 
     def _post(self, post: Post) -> None:
         self.mailbox.post(post.message)

@@ -93,18 +93,18 @@ class Mailbox:
         self.sends: deque[tuple[object, torch.Tensor | None, Action, int]] = deque()
 
     def post(self, msg: Message) -> None:
-        src = self.grid.peer(msg.pipe, msg.source_stage())
+        src = self.grid.peer(msg.pipe, msg.source_stage)
         self.pending[msg] = self.transport.irecv(self.buffers[msg], src, msg.tag(self.schedule))
 
     def receive(self, action: Action) -> torch.Tensor:
-        msg = Message.of(action)
-        src = self.grid.peer(msg.pipe, msg.source_stage())
+        msg = Message.of(action, self.schedule.stages)
+        src = self.grid.peer(msg.pipe, msg.source_stage)
         wait_work(self.pending.pop(msg), self.timeout, self.grid.rank,
                   f"{action} with peer rank {src}", src, action)
         return self.buffers[msg]
 
     def send(self, action: Action, tensor: torch.Tensor) -> None:
-        msg = Message.of(action)
+        msg = Message.of(action, self.schedule.stages)
         peer = self.grid.peer(msg.pipe, msg.stage)
         tensor = tensor.detach().to(self.dtype).contiguous()  # bf16 autocast may change it
         work = self.transport.isend(tensor, peer, msg.tag(self.schedule))

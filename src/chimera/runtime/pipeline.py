@@ -270,9 +270,9 @@ class PipelineRuntime:
 
     @staticmethod
     def _message_shape(bounds: list, msg: Message) -> tuple:
-        # an activation into stage s is stage s-1's output; a gradient into s is s's output's
+        # an activation is its sender's output; a gradient into stage s is s's output's
         if msg.kind.name == "RECV_F":
-            return (bounds[msg.stage - 1].nbytes(backward=False),)
+            return (bounds[msg.source_stage].nbytes(backward=False),)
         return (bounds[msg.stage].nbytes(backward=True),)
 
     def parameters(self) -> list[nn.Parameter]:

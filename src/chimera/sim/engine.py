@@ -1,13 +1,11 @@
 """Event simulator: executes per-rank programs with the dependency rules the runtime obeys.
 
 Each rank runs its program in order on one compute stream. A compute action starts when the
-previous action of its rank has ended and its inputs exist: a forward needs the forward of
-the previous stage of the same (pipe, micro-batch), a backward (or I) needs the backward of
-the next stage and its own forward, W needs its I. A cross-rank input arrives one p2p hop
-after its producer ended. In a lowered program the hop is paid by the RECV action (the
-runtime waits there); SEND is asynchronous. SYNC starts the allreduce of one replica's
-gradients once every replica of that stage has issued it; STEP waits for all of the rank's
-allreduces.
+previous action of its rank has ended and what it needs (:func:`chimera.ir.needs`) has run.
+A cross-rank input arrives one p2p hop after its producer ended. In a lowered program the
+hop is paid by the RECV action (the runtime waits there); SEND is asynchronous. SYNC starts
+the allreduce of one replica's gradients once every replica of that stage has issued it;
+STEP waits for all of the rank's allreduces.
 
 Because programs are fixed, the simulation is a longest-path computation in two parts.
 Whether an action may run depends only on *which* actions ran before, never on *when*, so
@@ -21,9 +19,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
-from chimera.ir import Action, Op, Schedule, ScheduleError
+from chimera.ir import (COMPUTE_OPS, Action, Op, Schedule, ScheduleError, finishing_op, needs,
+                        other_end)
 from chimera.sim.cost import CostModel
 from chimera.sim.timeline import Event, RankStats, Timeline
 
@@ -35,8 +34,6 @@ _KIND = {Op.F: _COMPUTE, Op.B: _COMPUTE, Op.I: _COMPUTE, Op.W: _COMPUTE,
 _CODE = {id(op): i for i, op in enumerate(Op)}
 _KIND_OF = [_KIND[op] for op in Op]  # by code
 _DONE_CODE = [_CODE[id({Op.I: Op.B}.get(op, op))] for op in Op]  # I finishes what B would
-_F, _B = _CODE[id(Op.F)], _CODE[id(Op.B)]
-_SEND_F, _SEND_B = _CODE[id(Op.SEND_F)], _CODE[id(Op.SEND_B)]
 
 
 class Deadlock(ScheduleError):
@@ -177,7 +174,7 @@ class CompiledSchedule:
     def last_gradients(self) -> dict[tuple[int, int], int]:
         """(pipe, stage) replica -> index of its last gradient action (B, or W if split)."""
         if self._last_grad is None:
-            grad = Op.W if self.schedule.split_backward else Op.B
+            grad = finishing_op(self.schedule.split_backward)
             self._last_grad = {(a.pipe, a.stage): i for i, (_, a) in enumerate(self.order) if a.op is grad}
         return self._last_grad
 
@@ -198,7 +195,8 @@ class _Sweep:
     def __init__(self, c: CompiledSchedule):
         self.c, self.s = c, c.schedule
         self.lowered = self.s.lowered
-        self.stages, self.table = self.s.stages, self.s.placement.table
+        self.table = self.s.placement.table
+        self.waits = _waits_table(self.s.stages, self.s.split_backward)
         # (code, pipe, stage, micro) -> index: F/B/W done (I counts as B), or a SEND's
         self.produced: dict[tuple, int] = {}
         self.waiters: dict[object, list[int]] = {}
@@ -226,7 +224,7 @@ class _Sweep:
             a = prog[self.pos[rank]]
             code = _CODE[id(a.op)]
             if _KIND_OF[code] == _COMPUTE:  # most actions: placed here, without step()
-                deps, missing = self.inputs(rank, a)
+                deps, missing = self.inputs(rank, a, code)
                 if missing is None:
                     self.place(rank, a, deps, (_DONE_CODE[code], a.pipe, a.stage, a.micro))
                     continue
@@ -260,9 +258,8 @@ class _Sweep:
         if kind == _SEND:
             self.place(rank, a, (), (code, a.pipe, a.stage, a.micro))
         elif kind == _RECV:
-            forward = a.op is Op.RECV_F
-            src = a.stage - 1 if forward else a.stage + 1
-            key = (_SEND_F if forward else _SEND_B, a.pipe, src, a.micro)
+            send, src = self.waits[code][a.stage][0]
+            key = (send, a.pipe, src, a.micro)
             index = self.produced.get(key)
             if index is None:
                 return key
@@ -296,25 +293,42 @@ class _Sweep:
         self.wake(("sync", a.stage))
         return None
 
-    def inputs(self, rank: int, a: Action) -> tuple[tuple, tuple | None]:
+    def inputs(self, rank: int, a: Action, code: int) -> tuple[tuple, tuple | None]:
         """(producers of a compute action's inputs, None), or ((), key of one not run yet)."""
-        op, pipe, at, micro = a.op, a.pipe, a.stage, a.micro
-        if op is Op.F:
-            needs = ((_F, at - 1),) if at > 0 else ()
-        elif op is Op.W:
-            needs = ((_B, at),)
-        else:  # B or I
-            needs = ((_F, at), (_B, at + 1)) if at < self.stages - 1 else ((_F, at),)
+        pipe, at, micro = a.pipe, a.stage, a.micro
         deps = []
         produced, row = self.produced, self.table[pipe]
-        for code, stage in needs:
-            key = (code, pipe, stage, micro)
+        for need, stage in self.waits[code][at]:
+            key = (need, pipe, stage, micro)
             index = produced.get(key)
             if index is None:
                 return (), key
             remote = not self.lowered and row[stage] != rank
             deps.append((index, (stage if stage < at else at) if remote else -1))
         return tuple(deps), None
+
+
+_Keys = tuple[tuple[int, int], ...]  # (code, stage) of keys in _Sweep.produced
+
+
+@cache
+def _waits_table(stages: int, split_backward: bool) -> tuple[tuple[_Keys, ...], ...]:
+    """``table[code][stage]``: what an action of that op and stage waits for, derived once per
+    pipe shape from the rule in :mod:`chimera.ir` (the sweep looks it up per action instead of
+    building the actions it needs)."""
+    waits = COMPUTE_OPS | {Op.RECV_F, Op.RECV_B}
+    return tuple(tuple(_wait_keys(Action(op, 0, s, 0), stages, split_backward) for s in range(stages))
+                 if op in waits else () for op in Op)
+
+
+def _wait_keys(action: Action, stages: int, split_backward: bool) -> _Keys:
+    """A compute action waits for what it :func:`~chimera.ir.needs` (I done counts as B done),
+    a RECV for the SEND at its :func:`~chimera.ir.other_end`."""
+    if action.op.is_compute:
+        needed = needs(action, stages, split_backward)
+        return tuple((_DONE_CODE[_CODE[id(n.op)]], n.stage) for n in needed)
+    end = other_end(action, stages)
+    return ((_CODE[id(end.op)], end.stage),) if end else ((-1, -1),)  # no sender: a deadlock
 
 
 class _SyncState:
@@ -387,7 +401,7 @@ class _SyncState:
 def _memory(s: Schedule, rank: int) -> tuple[float, float]:
     """(peak activations in Ma, weights in Mθ) for one rank."""
     size = s.ranks / s.stages  # a stage is this many D-ths of the model
-    frees = Op.W if s.split_backward else Op.B
+    frees = finishing_op(s.split_backward)
     held, peak = 0.0, 0.0
     for action in s.programs[rank]:
         if action.op is Op.F:

@@ -16,7 +16,7 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 
-from chimera.ir import COMPUTE_OPS, Op, OpTimes, Schedule, ScheduleError
+from chimera.ir import COMPUTE_OPS, Op, OpTimes, Schedule, ScheduleError, other_end
 from chimera.sim.cost import CostModel
 from chimera.sim.engine import simulate
 from chimera.sim.profile import Profile, cost_from_profile, nonnegative_number
@@ -95,7 +95,7 @@ def cost_from_trace(schedule: Schedule, events: list[Event], other: dict, clock:
         base = cost_from_profile(profile, schedule, data_parallel=int(other.get("data_parallel", 1)))
         sources["p2p"] = sources["allreduce"] = "alpha-beta links of the profile"
         return replace(base, **times), sources
-    hop, sources["p2p"] = _p2p_latency(per_rank, aligned)
+    hop, sources["p2p"] = _p2p_latency(per_rank, aligned, schedule.stages)
     reduce_s, sources["allreduce"] = _allreduce_time(schedule, per_rank, other, aligned)
     return CostModel(**times, p2p_time=hop, allreduce_time=reduce_s), sources
 
@@ -159,11 +159,10 @@ def _folded(prog: list[Event], clock: str):
 
 
 def _sent(per_rank: list[list[Event]]) -> dict:
-    return {(e.action.op, e.action.pipe, e.action.stage, e.action.micro): e
-            for prog in per_rank for e in prog if e.action.op in (Op.SEND_F, Op.SEND_B)}
+    return {e.action: e for prog in per_rank for e in prog if e.action.op in (Op.SEND_F, Op.SEND_B)}
 
 
-def _p2p_latency(per_rank: list[list[Event]], aligned: bool) -> tuple[float, str]:
+def _p2p_latency(per_rank: list[list[Event]], aligned: bool, stages: int) -> tuple[float, str]:
     """Median of (receive end - send end) over the receives that waited for their message."""
     if not aligned:
         return 0.0, "none: the ranks' clocks of this trace are not aligned (p2p taken as free)"
@@ -173,11 +172,10 @@ def _p2p_latency(per_rank: list[list[Event]], aligned: bool) -> tuple[float, str
             a = e.action
             if a.op not in (Op.RECV_F, Op.RECV_B):
                 continue
-            key = (Op.SEND_F, a.pipe, a.stage - 1, a.micro) if a.op is Op.RECV_F \
-                else (Op.SEND_B, a.pipe, a.stage + 1, a.micro)
+            send = other_end(a, stages)
             waited = (e.end - e.start) - (e.cpu or 0.0) > (_WAITED_S if e.cpu is not None else 0.0)
-            if key in sent and waited:
-                lat.append(max(0.0, e.end - sent[key].end))
+            if send in sent and waited:
+                lat.append(max(0.0, e.end - sent[send].end))
     if not lat:
         return 0.0, "none: no receive waited for its message (p2p hidden)"
     return statistics.median(lat), f"median latency of the {len(lat)} receives that waited"

@@ -91,7 +91,7 @@ def program_for(program: tuple, schedule: Schedule, rank: int) -> tuple:
     if not recvs:
         return program
     wait = program[recvs[-1]]
-    post = next(s for s in program if isinstance(s, Post) and s.message == Message.of(wait))
+    post = next(s for s in program if isinstance(s, Post) and s.message == Message.of(wait, schedule.stages))
     rest = [s for s in program if s is not wait and s is not post]
     return (post, wait, *rest)
 
