@@ -12,6 +12,12 @@ import time
 import pytest
 import torch
 
+from chimera.comm_plan import plan_comm
+from chimera.ir import Op
+from chimera.passes import lower
+from chimera.runtime.grid import ProcessGrid
+from chimera.runtime.p2p import CommTimeout, Mailbox
+from chimera.schedules import build
 from chimera.train import TrainConfig
 from chimera.train.checkpoint import latest, load_model_state
 from chimera.runtime.workers import free_port
@@ -146,3 +152,27 @@ def test_a_failed_collective_names_its_peers(monkeypatch, rank, world, want):
         raise RuntimeError("Connection reset by peer")
     with pytest.raises(faults.CommTimeout, match=re.escape(f"rank {rank}: the loss with {want} failed")):
         faults.collective("the loss", broken)
+
+
+class _ClosedTransport:
+    """gloo's isend when the peer's socket is already closed: it raises at the call."""
+
+    def isend(self, tensor, dst, tag):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:1234")
+
+    def irecv(self, tensor, src, tag):
+        raise AssertionError("not reached")
+
+
+def test_a_send_refused_at_once_names_the_peer():
+    """A dead peer can make ``isend`` itself fail (not its wait): that is the same one-line
+    peer error as a failed wait, which the launcher reports without a traceback."""
+    plan = plan_comm(lower(build("1f1b", 2, 2)))
+    grid = ProcessGrid(plan.schedule.placement, 1, 0)
+    box = Mailbox(plan, grid, lambda m: (4,), torch.float32, torch.device("cpu"), None,
+                  _ClosedTransport())
+    send = next(a for a in plan.schedule.programs[0] if a.op is Op.SEND_F)
+    with pytest.raises(CommTimeout, match=r"rank 0: p0s0SEND_F0 with peer rank 1 failed: "
+                                          r"\[gloo.*Connection closed by peer") as info:
+        box.send(send, torch.zeros(4))
+    assert info.value.peer == 1 and info.value.action == send

@@ -107,7 +107,12 @@ class Mailbox:
         msg = Message.of(action, self.schedule.stages)
         peer = self.grid.peer(msg.pipe, msg.stage)
         tensor = tensor.detach().to(self.dtype).contiguous()  # bf16 autocast may change it
-        work = self.transport.isend(tensor, peer, msg.tag(self.schedule))
+        try:
+            work = self.transport.isend(tensor, peer, msg.tag(self.schedule))
+        except RuntimeError as exc:  # gloo may refuse at once when the peer's socket closed
+            what = f"{action} with peer rank {peer}"
+            raise CommTimeout(f"rank {self.grid.rank}: {what} failed: {str(exc).splitlines()[0]}",
+                              self.grid.rank, action, peer, what) from exc
         self.sends.append((work, tensor, action, peer))
         self._release_sent()
 
