@@ -144,8 +144,7 @@ class PipelineRuntime:
         self.plan = plan_comm(schedule)
         grid.warm_up(self.plan, self.device)
         self._equalize_replicas()
-        collectives = collectives_from_env(grid.rank)
-        self.shards = self._shards(collectives) if shard_optimizer else {}
+        self.shards = self._shards() if shard_optimizer else {}
         # NCCL: no timed (CPU-blocking, polling) waits; its timeout and watchdog catch hangs
         self.timeout = None if dist.get_backend() == "nccl" else comm_timeout
         # Buckets reduced inside the last backward pay off where the allreduce runs beside the
@@ -154,7 +153,7 @@ class PipelineRuntime:
         # (benchmarks/RESULTS.md, "Making the runtime fast").
         buckets = BUCKET_BYTES if self.device.type == "cuda" else 0
         self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout, buckets,
-                             collectives, self.shards)
+                             collectives_from_env(grid.rank), self.shards)
         self.executor = Executor(schedule, self.modules, loss_fn, None, self.sync,
                                  recompute, autocast, self.device, early=self.plan.early[grid.d])
         self.eval_schedule = forward_only(schedule)
@@ -190,17 +189,14 @@ class PipelineRuntime:
                 torch._foreach_copy_(same, [v.view_as(t) for v, t in
                                             zip(flat.split([t.numel() for t in same]), same)])
 
-    def _shards(self, collectives) -> dict:
-        """ZeRO-1 (chimera.runtime.shard): per replica with a group, this rank's slice; off
-        NCCL (real or emulated) reduced by an allreduce of the whole flat gradient."""
-        whole = collectives is None and dist.get_backend() != "nccl"
+    def _shards(self) -> dict:
+        """ZeRO-1 (chimera.runtime.shard): per replica with a group, this rank's slice."""
         out = {}
         for key, g in self.grads.items():
             group = self.grid.stage_groups.get(key[1])
             if group is not None:
                 out[key] = StageShard.build(g.params, g.offsets, g.flat.numel(),
-                                            self.grid.stage_ranks[key[1]], self.grid.rank, group,
-                                            g.flat if whole else None)
+                                            self.grid.stage_ranks[key[1]], self.grid.rank, group)
         return out
 
     def optimizer_parameters(self) -> list[tuple[torch.Tensor, bool]]:

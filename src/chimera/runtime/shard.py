@@ -11,11 +11,11 @@ issued right after the optimizer step and each is waited for just before its rep
 first forward of the next iteration (``PipelineRuntime.gather_parameters``): the gathers of
 the stages a rank runs later overlap the forwards it runs first, as FSDP's prefetch.
 
-Where the collectives are gloo's (CPU), the reduction is an allreduce of the whole flat
-gradient instead, and the owned slice's gradient views its part: gloo's reduce-scatter took
-more than its allreduce of the same buffer (two processes here, 12.8 MB: 19 ms wall and 14 ms
-of CPU against 12 and 7), and with two replicas both sum each element once, so the values
-are the same. NCCL (and its emulation) keep the reduce-scatter, which moves half the bytes.
+Off NCCL (gloo, the virtual ranks) the reduction is an allreduce of the whole flat gradient,
+whose owned slice is then copied out: gloo's reduce-scatter took more than its allreduce of
+the same buffer (two processes here, 12.8 MB: 19 ms wall and 14 ms of CPU against 12 and 7),
+and with two replicas both add each element once, so the values are the same. NCCL (and
+its emulation) keep the reduce-scatter, which moves half the bytes.
 
 The slicing is the one ``PipelineRuntime.owned_sq_norm`` already uses (slice k of size
 ceil(numel / n)), so the global norm reads each owned slice once. Parameters become views
@@ -47,6 +47,19 @@ class Piece:
     offset: int
 
 
+class _SliceOfAllreduce:
+    """An allreduce of a whole flat gradient; waiting for it also copies the owned slice out."""
+
+    def __init__(self, work, reduced: torch.Tensor, grad: torch.Tensor):
+        self.work, self.reduced, self.grad = work, reduced, grad
+
+    def wait(self, timeout=None):
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if ok is not False:
+            self.grad.copy_(self.reduced)
+        return ok
+
+
 @dataclass
 class StageShard:
     """One replica's flat parameters and this rank's slice of them."""
@@ -56,24 +69,19 @@ class StageShard:
     lo: int
     hi: int
     group: object
-    whole: bool = False  # reduced by an allreduce of the whole flat gradient ``grad`` views
     params: list[nn.Parameter] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
 
     @classmethod
     def build(cls, params: list[nn.Parameter], offsets: list[int], padded: int, ranks: list[int],
-              rank: int, group, flat_grad: torch.Tensor | None = None) -> "StageShard":
-        """``flat_grad``: the replica's flat gradient, when an allreduce of it (not a
-        reduce-scatter) reduces the slice."""
+              rank: int, group) -> "StageShard":
         n, k = len(ranks), ranks.index(rank)
         size = padded // n
         ref = params[0] if params else torch.zeros(())
         flat = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
-        lo, hi = k * size, (k + 1) * size
-        grad = (torch.zeros(size, dtype=ref.dtype, device=ref.device) if flat_grad is None
-                else flat_grad[lo:hi])
-        shard = cls(flat, grad, lo, hi, group, flat_grad is not None, list(params), list(offsets))
+        shard = cls(flat, torch.zeros(size, dtype=ref.dtype, device=ref.device), k * size,
+                    (k + 1) * size, group, list(params), list(offsets))
         for p, off in zip(params, offsets):
             view = flat[off:off + p.numel()]
             view.copy_(p.detach().reshape(-1))
@@ -101,8 +109,9 @@ class StageShard:
     def reduce(self, flat_grad: torch.Tensor, collectives=None):
         """Async: the group's sum of slice k of ``flat_grad`` into ``self.grad`` (through the
         NCCL emulation's collective stream when ``collectives`` is given)."""
-        if self.whole:
-            return dist.all_reduce(flat_grad, group=self.group, async_op=True)
+        if collectives is None and dist.get_backend(self.group) != "nccl":
+            work = dist.all_reduce(flat_grad, group=self.group, async_op=True)
+            return _SliceOfAllreduce(work, flat_grad[self.lo:self.hi], self.grad)
         if collectives is not None:
             return collectives.reduce_scatter(self.grad, flat_grad, self.group)
         return dist.reduce_scatter_single(self.grad, flat_grad, group=self.group, async_op=True)
