@@ -155,6 +155,10 @@ class BoundarySpec:
     def _pack(self, tensors: list, idx: list[int], device) -> torch.Tensor:
         specs = [self.leaves[i] for i in idx]
         offsets, total = _layout(specs, self.wire)
+        if len(specs) == 1 and _sendable_as_is(tensors[0], specs[0], self.wire, total, device):
+            # the message is the leaf's own bytes: send them, as torch's pipelining does, not a
+            # copy (the sender keeps the leaf alive and unchanged until the send completes)
+            return tensors[0].detach().reshape(-1).view(torch.uint8)
         buf = torch.empty(total, dtype=torch.uint8, device=device)
         for t, s, off in zip(tensors, specs, offsets):
             dst = buf[off:off + s.nbytes(self.wire)].view(s.on_wire(self.wire)).view(s.shape)
@@ -191,6 +195,15 @@ class BoundarySpec:
         """The leaves of ``x`` (this boundary's structure) that carry gradients."""
         leaves = pytree.tree_leaves(x)
         return [leaves[i] for i in self.grads]
+
+
+def _sendable_as_is(t, spec: LeafSpec, wire: torch.dtype | None, total: int, device) -> bool:
+    """Whether the one leaf ``t`` already is its message: the spec's shape in the wire's
+    dtype, contiguous, on the device, and no alignment padding after it."""
+    device = torch.device(device)
+    return (t is not None and tuple(t.shape) == spec.shape and t.dtype == spec.on_wire(wire)
+            and t.is_contiguous() and spec.nbytes(wire) == total and t.device.type == device.type
+            and (device.index is None or t.device.index == device.index))
 
 
 def signature(x) -> tuple:

@@ -126,7 +126,7 @@ class GradSync:
             return
         shard = self.shards.get((pipe, stage))
         if shard is not None:
-            work = shard.reduce_scatter(self.grads[(pipe, stage)].flat, self.collectives)
+            work = shard.reduce(self.grads[(pipe, stage)].flat, self.collectives)
             self.inflight.append((work, (pipe, stage)))
             return
         self.launch(pipe, stage, self.grads[(pipe, stage)].flat, group)
