@@ -224,6 +224,9 @@ class _RecordingDist:
     def get_process_group_ranks(self, group):
         return group.ranks
 
+    def get_backend(self, group=None):
+        return "nccl"  # the calls NCCL gets (off NCCL a sharded replica reduces by allreduce)
+
 
 def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int,
             sharded: bool = False) -> list[tuple]:

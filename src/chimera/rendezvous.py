@@ -26,7 +26,8 @@ order; a test records the real runtime's calls and compares) under these rules:
   buckets are consecutive in every member's FIFO, so they count as one collective. A group
   of one rank issues nothing.
 - **Sharded optimizer** (``sharded=True``, ZeRO-1, :mod:`chimera.runtime.shard`): a replica's
-  collective at its Launch is a reduce-scatter (never bucketed); after STEP the rank issues
+  collective at its Launch is a reduce-scatter on NCCL (never bucketed; off NCCL the runtime
+  runs an allreduce in that slot, gloo's reduce-scatter being slower); after STEP the rank issues
   one parameter all-gather per replica, stages in order, and waits for each right before
   its replica's first forward of the next iteration (prefetch). Those gathers are what
   makes iterations interact, so a sharded replay runs two iterations, each ending as
