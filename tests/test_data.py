@@ -163,7 +163,7 @@ import numpy as np  # noqa: E402
 
 from chimera.cli import main  # noqa: E402
 from chimera.data import Corpus  # noqa: E402
-from chimera.data_formats import DataSpec, open_data  # noqa: E402
+from chimera.data_formats import DataSpec, _meta_mask, open_data  # noqa: E402
 from chimera.train.loop import Trainer  # noqa: E402
 
 T = 32  # gpt2-tiny's sequence length
@@ -523,3 +523,12 @@ def test_a_token_file_of_ids_made_in_memory(fmt, tmp_path):
         for split in ("train", "val"):
             a, b = (get_batch(c, step, 6, T, seed=1, split=split) for c in (made, mapped))
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_an_old_meta_whose_tokenizer_cannot_be_read_still_gives_its_ids(tmp_path):
+    """A meta.json written before mask ids were recorded names a tokenizer; if that file cannot
+    be read (no tokenizers package, or a broken file), the ids are still the data: no mask."""
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text("{not json")
+    meta = {"tokenizer_path": str(broken), "vocab_size": 300, "path": str(tmp_path / "meta.json")}
+    assert _meta_mask(meta) is None

@@ -18,7 +18,7 @@ from chimera.passes import lower
 from chimera.plan import Planner, PlanError, ProfileError, Workload, get_hardware, parse_profile
 from chimera.plan.memory import (HeldActivations, block_activation_bytes, layer_activation_bytes,
                                  state_bytes)
-from chimera.plan.report import _sweep, why_faster
+from chimera.plan.report import _sweep, parts, why_faster
 from chimera.plan.search import Candidate, Evaluation
 from chimera.schedules import build, get_scheme, schemes
 from chimera.schedules.asynchronous import steady_period
@@ -392,3 +392,16 @@ def test_sharding_trades_optimizer_work_for_an_all_gather(bandwidth):
         assert min(steps) / 2 > max(gathers) and sharded.iteration_s < plain.iteration_s
     diff = sharded.iteration_s - plain.iteration_s
     assert min(gathers) - max(steps) / 2 - 1e-12 <= diff <= max(gathers) - min(steps) / 2 + 1e-12
+
+
+def test_the_explanation_parts_add_up_with_the_optimizer_priced():
+    """compute (the optimizer step included), waits and unhidden sync sum to the iteration."""
+    work = Workload(get_config("gpt2-small"), 4, 16, dataclasses.replace(get_hardware("a100"),
+                    memory_bandwidth=1e10), name="gpt2-small")
+    pl = Planner(work, ["chimera", "1f1b"], shard=(False, True))
+    for c in [Candidate("chimera", (("pipes", 2), ("strategy", "direct")), 4, 1, 1, 16, False),
+              Candidate("1f1b", (), 4, 1, 1, 16, False)]:
+        for e in (pl.evaluate(c), pl.evaluate(dataclasses.replace(c, shard=True))):
+            compute, waits, sync = parts(e)
+            assert min(compute, waits, sync) >= 0
+            assert compute + waits + sync == pytest.approx(e.iteration_s)

@@ -250,10 +250,16 @@ def _meta_for(path: str | None, fmt: str) -> dict | None:
 
 def _meta_mask(meta: dict) -> int | None:
     """The mask id a ``meta.json`` records; of one written before it recorded one, that of
-    the tokenizer it names (if that file is still there)."""
+    the tokenizer it names (if that file is still there and the optional tokenizers package
+    reads it: the ids themselves never needed it, so its absence is no reason to refuse them)."""
     if "mask_id" not in meta:
         tok = meta["tokenizer_path"]
-        return data_text.mask_id_of(data_text.load_tokenizer(tok)) if tok and Path(tok).is_file() else None
+        if not tok or not Path(tok).is_file():
+            return None
+        try:
+            return data_text.mask_id_of(data_text.load_tokenizer(tok))
+        except UserError:
+            return None
     mask_id = meta["mask_id"]
     if mask_id is not None and (not isinstance(mask_id, int) or not 0 <= mask_id < meta["vocab_size"]):
         raise UserError(f"{meta['path']} is malformed: its mask_id {mask_id!r} is not an id "

@@ -156,12 +156,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args).preflight()  # every check, before any process starts
     for path, flag in ((cfg.trace, "--trace"), (cfg.png, "--png"), (cfg.log_json, "--log-json")):
         check_output(path, flag)
-    corpus = None
-    if args.data is not None or args.tokenizer is not None or cfg.eval_every:
-        corpus = _check_data(cfg)  # the ranks take it: text is tokenized once, here
+    checked = args.data is not None or args.tokenizer is not None or cfg.eval_every
+    # the ranks take the checked data (text is tokenized once, here); popped, so no name here
+    # keeps it alive for the whole run (launch drops it once the ranks have their own)
+    data = [_check_data(cfg) if checked else None]
     _note_mask(cfg)
     try:
-        result = launch(cfg, corpus)
+        result = launch(cfg, data.pop())
     except FAILURES + (TrainingFailed,) as exc:  # a hang, a dead peer, a NaN: no traceback
         if not getattr(exc, "reported", False):
             print(f"chimera train: {exc}", file=sys.stderr)
@@ -200,8 +201,9 @@ def _note_mask(cfg) -> None:
     why = (f"{info.tokenizer} has no [MASK] or <mask> token" if info.tokenizer
            else "no tokenizer names a mask token")
     if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per process
-        print(f"chimera train: BERT masks with id {cfg.mask_id}, appended after the data's "
-              f"{info.vocab_size} ids ({why})", file=sys.stderr)
+        where = (f"appended after the data's {info.vocab_size} ids" if cfg.mask_id == info.vocab_size
+                 else "the model vocabulary's last id")
+        print(f"chimera train: BERT masks with id {cfg.mask_id}, {where} ({why})", file=sys.stderr)
 
 
 def _check_data(cfg):

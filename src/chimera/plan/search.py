@@ -56,8 +56,9 @@ class Evaluation:
     throughput: float  # sequences per second
     bubble_ratio: float  # 1 - busy / (D * iteration), compute only
     memory_bytes: float  # the fullest rank
-    allreduce_share: float  # iteration time after the last compute: unhidden gradient sync
-    compute_s: float  # the busiest rank's compute
+    allreduce_share: float  # iteration time after the last compute and the optimizer step:
+    # unhidden gradient sync (and a sharded optimizer's all-gather)
+    compute_s: float  # the busiest rank's compute, its optimizer step included
     asynchronous: bool = False
     micro_scale: float = 1.0  # the schedule's micro-batch over B (0.5: backward halving)
 
@@ -259,7 +260,7 @@ class Planner:
         self.stats.simulated += 1
         cost = self.pricing.cost_model(sc, c.depth, c.width, shape.schedule.micro_scale, c.shard)
         t = compiled.times(cost, eager_sync=True)
-        return self._evaluation(c, shape, t.makespan, t.busy, t.compute_end, mem)
+        return self._evaluation(c, shape, t.makespan, t.busy, t.compute_end + max(t.optimizer), mem)
 
     def _shards(self, c: Candidate, s) -> int:
         """Replicas the optimizer of a stage is split over (1: not sharded)."""

@@ -17,6 +17,7 @@ emulation of NCCL's rendezvous semantics on gloo (:mod:`chimera.runtime.nccl_emu
 from __future__ import annotations
 
 import datetime
+import re
 from collections import deque
 
 import torch
@@ -39,6 +40,9 @@ class CommTimeout(RuntimeError):
                  peer=None, what: str | None = None):
         super().__init__(message)
         self.rank, self.action, self.peer, self.what = rank, action, peer, what
+
+
+_PEER_GONE = re.compile(r"connection|closed|reset by peer|broken pipe", re.IGNORECASE)
 
 
 class Transport:
@@ -110,6 +114,8 @@ class Mailbox:
         try:
             work = self.transport.isend(tensor, peer, msg.tag(self.schedule))
         except RuntimeError as exc:  # gloo may refuse at once when the peer's socket closed
+            if not _PEER_GONE.search(str(exc)):
+                raise
             what = f"{action} with peer rank {peer}"
             raise CommTimeout(f"rank {self.grid.rank}: {what} failed: {str(exc).splitlines()[0]}",
                               self.grid.rank, action, peer, what) from exc

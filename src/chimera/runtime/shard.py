@@ -65,7 +65,7 @@ class StageShard:
     """One replica's flat parameters and this rank's slice of them."""
 
     flat: torch.Tensor  # every parameter of the replica, padded to n * size
-    grad: torch.Tensor  # the reduce-scatter output: the summed gradient of the owned slice
+    grad: torch.Tensor  # the group's summed gradient of the owned slice (see ``reduce``)
     lo: int
     hi: int
     group: object
@@ -108,7 +108,10 @@ class StageShard:
 
     def reduce(self, flat_grad: torch.Tensor, collectives=None):
         """Async: the group's sum of slice k of ``flat_grad`` into ``self.grad`` (through the
-        NCCL emulation's collective stream when ``collectives`` is given)."""
+        NCCL emulation's collective stream when ``collectives`` is given). A reduce-scatter on
+        NCCL; off NCCL an allreduce of the whole ``flat_grad`` in place (gloo's reduce-scatter
+        is slower), whose owned slice is then copied out: ``flat_grad`` then holds the whole
+        sum, which nothing reads."""
         if collectives is None and dist.get_backend(self.group) != "nccl":
             work = dist.all_reduce(flat_grad, group=self.group, async_op=True)
             return _SliceOfAllreduce(work, flat_grad[self.lo:self.hi], self.grad)

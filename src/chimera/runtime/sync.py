@@ -95,7 +95,7 @@ class GradSync:
                  rank: int, timeout_s: float | None, bucket_bytes: int = BUCKET_BYTES,
                  collectives=None, shards: dict | None = None):
         self.grads, self.groups, self.rank = grads, groups, rank
-        self.shards = shards or {}  # (pipe, stage) -> StageShard: reduce-scatter, not allreduce
+        self.shards = shards or {}  # (pipe, stage) -> StageShard: its slice of the group's sum (ZeRO-1)
         self.collectives = collectives  # NCCL emulation's collective stream (None: dist)
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.bucket_bytes = bucket_bytes

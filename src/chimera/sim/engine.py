@@ -18,7 +18,7 @@ under many cost models compiles it once.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, cached_property
 
 from chimera.ir import (COMPUTE_OPS, Action, Op, Schedule, ScheduleError, finishing_op, needs,
@@ -54,9 +54,10 @@ class Times:
     start: list[float]
     end: list[float]
     makespan: float
-    busy: list[float]  # compute time per rank
+    busy: list[float]  # compute time per rank, its optimizer step included
     compute_end: float  # end of the last compute action (what follows is gradient sync)
     collectives: list[tuple[int, int, float, float]]
+    optimizer: list[float] = field(default_factory=list)  # per rank: its optimizer step
 
 
 def simulate(schedule: Schedule, cost: CostModel | None = None) -> Timeline:
@@ -167,9 +168,10 @@ class CompiledSchedule:
         makespan = max(end, default=0.0)
         if eager_sync:
             makespan = max([makespan] + sync.after_program(self.last_gradients(), end, clock))
-        if eager_sync or Op.STEP in s.ops:  # the optimizer's work is work, not a bubble
-            busy = [x + sync.optimizer(r) for r, x in enumerate(busy)]
-        return Times(start, end, makespan, busy, compute_end, sync.collectives)
+        optimizer = [sync.optimizer(r) if eager_sync or Op.STEP in s.ops else 0.0
+                     for r in range(s.ranks)]
+        busy = [x + y for x, y in zip(busy, optimizer)]  # the optimizer's work is not a bubble
+        return Times(start, end, makespan, busy, compute_end, sync.collectives, optimizer)
 
     def last_gradients(self) -> dict[tuple[int, int], int]:
         """(pipe, stage) replica -> index of its last gradient action (B, or W if split)."""

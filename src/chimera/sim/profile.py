@@ -21,7 +21,8 @@ trace replay with the profile's links (:mod:`chimera.sim.replay`). ``chimera pro
 Times are seconds and bytes are per micro-batch of ``micro_batch`` sequences. ``backward_s``
 is the full backward; without the split times, I and W are taken as half of it each.
 ``optimizer_s_per_byte`` prices a replica's optimizer step (its stage's ``param_bytes`` times
-it; absent: the step is free, as profiles written before it assumed). Other
+it; absent: the simulator takes the step as free, as profiles written before it assumed, and
+the planner estimates it from the hardware's memory bandwidth). Other
 fields (the writer's date, threads, link samples) are kept in the file and ignored here.
 Standard JSON only: ``Infinity`` and ``NaN`` are refused, as is any negative number.
 """

@@ -233,7 +233,11 @@ def _shared_ids(cfg: TrainConfig, corpus: Corpus | None, path: str) -> Corpus | 
         return None
     if corpus is None:
         corpus = open_data(cfg.data_spec, seq_len=cfg.model_source.seq_len, progress=cfg.progress)
-    return to_token_file(corpus, path)
+    try:
+        return to_token_file(corpus, path)
+    except OSError as exc:
+        raise UserError(f"cannot write the tokenized ids to {os.path.dirname(path)}: "
+                        f"{exc.strerror} (set TMPDIR to a folder with room)") from None
 
 
 def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
@@ -260,6 +264,7 @@ def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
             run_rank(0, 1, cfg, path, corpus=corpus)
         else:
             shared = _shared_ids(cfg, corpus, os.path.join(tmp, "ids.bin"))
+            corpus = None  # the ranks read their own (or ``shared``): not a copy held all run
             codes = workers.run(_spawn_entry, (cfg.world, cfg, free_port(), path, shared),
                                 cfg.world, grace=FAILURE_GRACE_S)
             failed = workers.first_failure(codes)
