@@ -5,7 +5,8 @@ Every row is built in one spawned gloo group (as `chimera bench`), then each rou
 step of every row (rotating the order). Per step and rank: wall seconds, the main thread's
 CPU seconds and the whole process's (gloo's threads too). Medians over the measured rounds.
 ``--profile ROW --rank R`` also runs cProfile over rank R's steps of ROW and prints the top
-functions by internal time.
+functions by internal time. ``--out FILE`` also writes the table there (and the medians as
+JSON beside it, ``FILE.json``).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--ops", action="store_true", help="torch.profiler op table of --rank")
     ap.add_argument("--save", help="copy the cProfile stats file here")
+    ap.add_argument("--out", help="also write the table to this file (and FILE.json)")
     a = ap.parse_args(argv)
     cfg = BenchConfig(rows=tuple(a.rows), steps=a.steps, warmup=a.warmup, memory=False)
     rows = select_rows(cfg)
@@ -114,11 +116,22 @@ def main(argv=None) -> None:
         if any(codes):
             sys.exit(f"failed: {codes}")
         per_rank = [json.load(open(f"{out}.{r}")) for r in range(cfg.stages)]
-        print(f"{'row':40s} rank  wall ms  proc-cpu ms  main-cpu ms  (medians of {a.steps})")
+        lines = [f"{'row':40s} rank  wall ms  proc-cpu ms  main-cpu ms  (medians of {a.steps})"]
+        medians = {}
         for row in rows:
             for r, res in enumerate(per_rank):
                 cols = [statistics.median(x[i] for x in res[row.id]) * 1e3 for i in range(3)]
-                print(f"{row.id:40s} {r:4d} {cols[0]:8.1f} {cols[1]:12.1f} {cols[2]:12.1f}")
+                medians.setdefault(row.id, []).append(dict(zip(("wall_ms", "proc_cpu_ms",
+                                                                "main_cpu_ms"), cols)))
+                lines.append(f"{row.id:40s} {r:4d} {cols[0]:8.1f} {cols[1]:12.1f} {cols[2]:12.1f}")
+        print("\n".join(lines))
+        if a.out:
+            head = (f"python benchmarks/step_cpu.py {' '.join(a.rows)} --steps {a.steps} "
+                    f"({time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f})")
+            with open(a.out, "w") as f:
+                f.write(head + "\n" + "\n".join(lines) + "\n")
+            with open(a.out + ".json", "w") as f:
+                json.dump({"command": head, "steps": a.steps, "per_rank": medians}, f, indent=1)
         if a.ops:
             _print_ops(json.load(open(f"{out}.ops")), a.top)
         if a.profile:

@@ -260,16 +260,17 @@ class Planner:
         self.stats.simulated += 1
         cost = self.pricing.cost_model(sc, c.depth, c.width, shape.schedule.micro_scale, c.shard)
         t = compiled.times(cost, eager_sync=True)
-        return self._evaluation(c, shape, t.makespan, t.busy, t.compute_end + max(t.optimizer), mem)
+        work_end = t.compute_end + max(t.optimizer)  # then come unhidden sync and all-gather
+        return self._evaluation(c, shape, t.makespan, t.busy, work_end, mem)
 
     def _shards(self, c: Candidate, s) -> int:
         """Replicas the optimizer of a stage is split over (1: not sharded)."""
         return len(s.placement.replicas(0)) * c.width if c.shard else 1
 
     def _evaluation(self, c: Candidate, shape: Shape, total: float, busy: list[float],
-                    compute_end: float, mem: float) -> Evaluation:
+                    work_end: float, mem: float) -> Evaluation:
         bubble = 1 - sum(busy) / (c.depth * total) if total > 0 else 0.0
-        share = max(0.0, total - compute_end) / total if total > 0 else 0.0
+        share = max(0.0, total - work_end) / total if total > 0 else 0.0
         return Evaluation(c, total, self.work.global_batch / total, bubble, mem, share,
                           max(busy), shape.asynchronous, shape.schedule.micro_scale)
 

@@ -18,7 +18,7 @@ under many cost models compiles it once.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache, cached_property
 
 from chimera.ir import (COMPUTE_OPS, Action, Op, Schedule, ScheduleError, finishing_op, needs,
@@ -57,7 +57,7 @@ class Times:
     busy: list[float]  # compute time per rank, its optimizer step included
     compute_end: float  # end of the last compute action (what follows is gradient sync)
     collectives: list[tuple[int, int, float, float]]
-    optimizer: list[float] = field(default_factory=list)  # per rank: its optimizer step
+    optimizer: list[float]  # per rank: its optimizer step (0 without a STEP)
 
 
 def simulate(schedule: Schedule, cost: CostModel | None = None) -> Timeline:
@@ -168,8 +168,7 @@ class CompiledSchedule:
         makespan = max(end, default=0.0)
         if eager_sync:
             makespan = max([makespan] + sync.after_program(self.last_gradients(), end, clock))
-        optimizer = [sync.optimizer(r) if eager_sync or Op.STEP in s.ops else 0.0
-                     for r in range(s.ranks)]
+        optimizer = sync.updates if eager_sync or Op.STEP in s.ops else [0.0] * s.ranks
         busy = [x + y for x, y in zip(busy, optimizer)]  # the optimizer's work is not a bubble
         return Times(start, end, makespan, busy, compute_end, sync.collectives, optimizer)
 
@@ -368,9 +367,10 @@ class _SyncState:
         with a sharded optimizer the all-gather its next iteration's first forward waits for."""
         reduced = self.reduce_all()
         held = [reduced[stage] for _, stage in self.s.placement.held(rank) if stage in reduced]
-        return max([t] + held) + self.optimizer(rank) + self.first_gather(rank)
+        return max([t] + held) + self.updates[rank] + self.first_gather(rank)
 
     def first_gather(self, rank: int) -> float:
+        """Sharded: the all-gather of the stage ``rank`` runs first, waited for before it."""
         if not self.cost.shard_optimizer:  # (the planner times thousands of unsharded runs)
             return 0.0
         first = next((a.stage for a in self.s.programs[rank] if a.op is Op.F), None)
@@ -378,11 +378,14 @@ class _SyncState:
             return 0.0
         return self.cost.gather(first, self.s.stages, self.group(first))
 
-    def optimizer(self, rank: int) -> float:
-        """The optimizer's time on ``rank``: one update per replica it holds."""
-        s = self.s
-        return sum(self.cost.step_time(stage, s.stages, s.ranks, self.group(stage))
-                   for _, stage in s.placement.held(rank))
+    @cached_property
+    def updates(self) -> list[float]:
+        """Per rank, its optimizer's time: one update per replica it holds."""
+        s, cost = self.s, self.cost
+        if not any(cost.optimizer):
+            return [0.0] * s.ranks
+        return [sum(cost.step_time(stage, s.stages, s.ranks, self.group(stage))
+                    for _, stage in s.placement.held(rank)) for rank in range(s.ranks)]
 
     def reduce_all(self) -> dict[int, float]:
         """Allreduce ends once every SYNC is issued: stages in order of readiness, each rank's

@@ -1,6 +1,9 @@
 """TrainConfig: every knob of a training run. Its values are checked when it is made; what
 needs files or building (data, model, schedule, checkpoints) by ``preflight()``, which
-``chimera train`` and ``launch`` call before any process starts."""
+``chimera train`` and ``launch`` call before any process starts.
+
+The module imports without torch (the CLI parses and checks flags before torch loads), so
+what needs torch is imported inside the function that uses it."""
 
 from __future__ import annotations
 
@@ -8,10 +11,14 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
+from pathlib import Path
 
 from chimera.errors import UserError
 from chimera.ir import Schedule, ScheduleError
+from chimera.passes import lower
+from chimera.schedules import build, require_runnable
 from chimera.schedules.registry import option_declarations
+from chimera.validate import validate
 
 WIRE_DTYPES = {None: None, "bf16": "bfloat16", "float16": "float16"}  # name -> torch attribute
 DTYPES = ("float32", "float64", "bf16")
@@ -142,9 +149,7 @@ class TrainConfig:
                               f"{MAX_COMM_TIMEOUT_S:g} seconds, got {self.comm_timeout!r}")
 
     def _check_data_path(self) -> None:
-        from pathlib import Path
-
-        from chimera.data import special_kind
+        from chimera.data import special_kind  # lazy: it imports torch
 
         if not os.path.exists(self.data):
             raise ConfigError(f"--data {self.data}: no such file or directory")
@@ -167,7 +172,7 @@ class TrainConfig:
                               "sharded replica holds a slice; train without --shard-optimizer")
 
     def _check_partition(self, n_layers: int) -> None:
-        from chimera.models.partition import parse_partition
+        from chimera.models.partition import parse_partition  # lazy: it imports torch
 
         try:
             ranges = parse_partition(self.partition, n_layers)
@@ -179,7 +184,7 @@ class TrainConfig:
 
     def _check_gpus(self) -> None:
         if self.device == "cuda":
-            import torch
+            import torch  # lazy: the module imports without torch
 
             if not torch.cuda.is_available():
                 raise ConfigError("--device cuda: this torch build has no CUDA or no GPU is "
@@ -223,14 +228,14 @@ class TrainConfig:
 
     def _check_unowned(self) -> None:
         """A directory holding checkpoints belongs to their run: only --resume continues it."""
-        from chimera.train import checkpoint, lease
+        from chimera.train import checkpoint, lease  # lazy: it imports torch
 
         newest = checkpoint.latest(self.checkpoint_dir)
         if newest is not None:
             raise ConfigError(lease.foreign_message(self.checkpoint_dir, newest))
 
     def _check_resumable(self) -> None:
-        from chimera.train import checkpoint
+        from chimera.train import checkpoint  # lazy: it imports torch
 
         path = checkpoint.latest(self.checkpoint_dir)
         if path is None:
@@ -261,7 +266,7 @@ class TrainConfig:
     @cached_property
     def data_spec(self):
         """--data and the flags that say how to read it (``chimera.data_formats.DataSpec``)."""
-        from chimera.data_formats import DataSpec
+        from chimera.data_formats import DataSpec  # lazy: it imports torch
 
         try:
             return DataSpec(self.data, self.token_dtype, self.vocab_size, self.text_field,
@@ -273,7 +278,7 @@ class TrainConfig:
     def data_info(self):
         """The format of --data and its vocabulary, found without reading the ids (those are
         read and checked by ``open_data``: in ``chimera train`` before any process starts)."""
-        from chimera.data_formats import describe
+        from chimera.data_formats import describe  # lazy: it imports torch
 
         try:
             return describe(self.data_spec)
@@ -284,9 +289,9 @@ class TrainConfig:
     def model_source(self):
         """What ``--model`` builds (``chimera.train.sources``), its vocabulary the data's: a
         chimera preset (plus BERT's mask id on ids) or a Hugging Face model."""
-        import torch
+        import torch  # lazy: the module imports without torch
 
-        from chimera.train.sources import is_hf, open_source
+        from chimera.train.sources import is_hf, open_source  # lazy: it imports torch
 
         dtype = torch.float64 if self.dtype == "float64" else torch.float32  # bf16: autocast
         try:
@@ -303,7 +308,7 @@ class TrainConfig:
     def mask_id(self) -> int | None:
         """The id BERT masks with (``chimera.data.bert_mask_id``: the tokenizer's mask token,
         else the model vocabulary's last id); None for a causal model."""
-        from chimera.data import bert_mask_id
+        from chimera.data import bert_mask_id  # lazy: it imports torch
 
         source = self.model_source
         return bert_mask_id(self.data_info, source.vocab_size) if source.kind == "bert" else None
@@ -312,7 +317,7 @@ class TrainConfig:
     def model_config(self):
         """A chimera preset's ``ModelConfig`` with the data's vocabulary (``chimera bench``
         reads it; the trainer reads ``model_source``, which any model has)."""
-        from chimera.train.sources import PresetSource
+        from chimera.train.sources import PresetSource  # lazy: it imports torch
 
         if not isinstance(self.model_source, PresetSource):
             raise ConfigError(f"{self.model} is not a chimera preset: it has no ModelConfig")
@@ -339,9 +344,6 @@ class TrainConfig:
 
     @cached_property
     def _schedule(self) -> Schedule:
-        from chimera.passes import lower
-        from chimera.schedules import build
-        from chimera.validate import validate
 
         try:
             s = build(self.schedule, self.stages, self.n_micro, **self.schedule_options)
@@ -377,7 +379,6 @@ class TrainConfig:
 
 
 def _check_runnable(name: str) -> None:
-    from chimera.schedules import require_runnable
 
     try:
         require_runnable(name)
