@@ -149,6 +149,8 @@ def test_bench_emulate_rows(run_cli, tmp_path):
         assert x["stages"] == 2 and x["micro_batches"] == 4
         assert x["simulated_free_s"] > 0 and x["simulated_step_s"] >= x["simulated_free_s"]
         assert x["realized_vs_simulated"] == pytest.approx(x["median_step_s"] / x["simulated_step_s"])
+        assert set(x["wait_stretch"]) == {"F", "I", "W"} and min(x["wait_stretch"].values()) >= 1.0
+        assert x["simulated_measured_waits_s"] >= x["simulated_step_s"]
         assert len(x["peak_activations"]) == 2
     for key in (("chimera", "chimera"), ("chimera", "zb-v"), ("chimera", "1f1b"), ("torch", "1f1b")):
         # activations live exactly as long as the simulator counts them (in Ma per rank)

@@ -192,10 +192,14 @@ def link_latency(cfg: BenchConfig, rank: int, reps: int = 30) -> dict:
 
 
 # -- simulation --------------------------------------------------------------------------------
-def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None) -> dict:
+def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None,
+              stretch: dict[str, float] | None = None) -> dict:
     """Step time of ``schedule`` at the emulated costs: with the measured p2p and allreduce
     times, and with free communication (the schedule's own makespan); peak activations per
-    rank (in Ma) from the same simulation."""
+    rank (in Ma) from the same simulation. With ``stretch`` (per op kind F/I/W, how much
+    longer the waits actually took than asked, from a traced step), also the step at those
+    measured compute times: realized over it is the runtime's own cost alone, without the
+    emulator's sleep overshoot."""
     from chimera.passes import lower
     from chimera.sim import CostModel, simulate
 
@@ -205,12 +209,28 @@ def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None) -> dic
     free = simulate(lowered, CostModel.unit(**times))
     out = {"simulated_free_s": free.makespan,
            "simulated_peak_activations": [r.peak_activations for r in free.ranks]}
-    if latency is not None:
-        priced = simulate(lowered, CostModel.unit(**times, p2p_time=latency["p2p_s"],
-                                                  allreduce_time=latency["allreduce_s"]))
-        out["simulated_step_s"] = priced.makespan
-        out["timeline"] = priced
+    if latency is None:
+        return out
+    links = dict(p2p_time=latency["p2p_s"], allreduce_time=latency["allreduce_s"])
+    priced = simulate(lowered, CostModel.unit(**times, **links))
+    out["simulated_step_s"], out["timeline"] = priced.makespan, priced
+    if stretch:
+        at = {k: v * stretch.get(k.upper(), 1.0) for k, v in times.items()}
+        out["simulated_measured_waits_s"] = simulate(lowered, CostModel.unit(**at, **links)).makespan
     return out
+
+
+def stretch_of(traced: list | None) -> dict[str, float] | None:
+    """Per op kind (F, I, W): measured / asked wait time over every rank's traced step."""
+    if not traced:
+        return None
+    took: dict[str, list[float]] = {}
+    for waits, _ in traced:
+        for label, start, end, asked in waits:
+            t = took.setdefault(label.split()[0], [0.0, 0.0])
+            t[0] += end - start
+            t[1] += asked
+    return {k: a / b for k, (a, b) in took.items() if b > 0}
 
 
 # -- traces ------------------------------------------------------------------------------------
@@ -224,7 +244,7 @@ def trace_events(waits: list[list[tuple]], timeline, starts: list[float]) -> dic
     ranks = len(waits)
     for r in range(ranks):
         events += [_meta(r, f"rank {r} measured"), _meta(1000 + r, f"rank {r} simulated")]
-        for label, start, end in waits[r]:
+        for label, start, end, _ in waits[r]:
             events.append({"name": label, "ph": "X", "pid": r, "tid": 0,
                            "ts": (start - base) * 1e6, "dur": (end - start) * 1e6})
     if timeline is not None:

@@ -13,7 +13,7 @@ import os
 import re
 import statistics
 
-from chimera.bench.emulated import ratio, simulated, trace_events
+from chimera.bench.emulated import ratio, simulated, stretch_of, trace_events
 from chimera.bench.rows import BenchConfig, Row
 from chimera.ir import Schedule
 from chimera.schedules import get_scheme
@@ -31,7 +31,8 @@ def result_rows(cfg: BenchConfig, rows: list[Row], raw: dict) -> list[dict]:
         steps = raw["times"][k][cfg.warmup:]
         median = statistics.median(steps)
         order = raw["orders"][k]
-        sim = simulated(Schedule.from_json(order), cfg, lat) if order else {}
+        stretch = stretch_of(raw["traces"][k])
+        sim = simulated(Schedule.from_json(order), cfg, lat, stretch) if order else {}
         peaks = raw["activation_bytes"][k]
         out.append({
             "impl": row.impl, "schedule": row.schedule, "name": _name(row),
@@ -41,6 +42,9 @@ def result_rows(cfg: BenchConfig, rows: list[Row], raw: dict) -> list[dict]:
             "simulated_step_s": sim.get("simulated_step_s"),
             "simulated_free_s": sim.get("simulated_free_s"),
             "realized_vs_simulated": ratio(median, sim.get("simulated_step_s")),
+            "wait_stretch": stretch,
+            "simulated_measured_waits_s": sim.get("simulated_measured_waits_s"),
+            "realized_vs_measured_waits": ratio(median, sim.get("simulated_measured_waits_s")),
             "peak_activations": None if peaks is None else [round(p / act, 2) for p in peaks],
             "simulated_peak_activations": sim.get("simulated_peak_activations"),
             "first_loss": raw["first_loss"][k],
@@ -93,6 +97,10 @@ def _acts(values) -> str:
     return "-" if not values else f"{min(values):g} .. {max(values):g}"
 
 
+def _stretch(values) -> str:
+    return "-" if not values else "/".join(f"{values[k]:.3f}" for k in "FIW" if k in values)
+
+
 def markdown(data: dict) -> str:
     c, res = data["config"], data["results"]
     lat = data.get("latency") or {}
@@ -100,13 +108,21 @@ def markdown(data: dict) -> str:
              f"D={c['stages']}, N={c['micro_batches']}; measured p2p {1e3 * lat.get('p2p_s', 0):.2f} ms, "
              f"allreduce {1e3 * lat.get('allreduce_s', 0):.2f} ms ({lat.get('how', '')}).", "",
              "| impl | schedule | median step (s) | min .. max (s) | simulated (s) | free p2p (s) "
-             "| realized / simulated | peak activations / rank, measured (Ma) | simulated (Ma) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| realized / simulated | waits took (F/I/W) | realized / simulated at those "
+             "| peak activations / rank, measured (Ma) | simulated (Ma) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res:
         lines.append(f"| {r['impl']} | {r['name']} | {r['median_step_s']:.3f} | "
                      f"{r['min_step_s']:.3f} .. {r['max_step_s']:.3f} | {_fmt(r['simulated_step_s'])} | "
                      f"{_fmt(r['simulated_free_s'])} | {_fmt(r['realized_vs_simulated'], 2, 'x')} | "
+                     f"{_stretch(r['wait_stretch'])} | {_fmt(r['realized_vs_measured_waits'], 2, 'x')} | "
                      f"{_acts(r['peak_activations'])} | {_acts(r['simulated_peak_activations'])} |")
+    lines += ["", "Simulated: the row's own order (ours: the lowered schedule the runtime ran; "
+              "torch's: the order its schedule object runs) at the nominal waits and the measured "
+              "p2p and allreduce times; free p2p: the same with free communication. Waits took: "
+              "how much longer each kind of wait ran than asked (sleep overshoot, an artifact of "
+              "the emulation, larger on a loaded machine); realized / simulated at those: the "
+              "simulation redone with those wait times, so what is left is the runtime's own cost."]
     s = data["summary"]
     met = {k: "met" if v else "missed" if v is not None else "n/a" for k, v in s["met"].items()}
     over = ", ".join(f"{k} {_fmt(v, 2, 'x')}" for k, v in s["ours_over_1.05x_simulated"].items())

@@ -80,8 +80,10 @@ class EmulatedCost:
 
 
 class WaitLog:
-    """Where the waits of a set of layers went: ``(label, start, end)`` in host seconds
-    (``time.perf_counter``), while ``on``; for traces of what a runtime actually ran."""
+    """Where the waits of a set of layers went: ``(label, start, end, asked)`` in host
+    seconds (``time.perf_counter``; ``asked``: the wait's nominal length, which the sleep
+    overshoots by the kernel's wake-up latency), while ``on``; for traces of what a runtime
+    actually ran."""
 
     def __init__(self):
         self.on = False
@@ -95,7 +97,7 @@ def wait(seconds: float, log: WaitLog | None = None, label: str = "") -> None:
     start = time.perf_counter()
     time.sleep(seconds)
     if log is not None and log.on:
-        log.events.append((label, start, time.perf_counter()))
+        log.events.append((label, start, time.perf_counter(), seconds))
 
 
 class _InputPath(torch.autograd.Function):
