@@ -220,17 +220,18 @@ def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None,
     return out
 
 
-def stretch_of(traced: list | None) -> dict[str, float] | None:
-    """Per op kind (F, I, W): measured / asked wait time over every rank's traced step."""
-    if not traced:
+def stretch_of(totals: list[dict] | None) -> dict[str, float] | None:
+    """Per op kind (F, I, W): seconds the waits took / seconds asked, over every rank's
+    steps (``WaitLog.totals`` of each rank)."""
+    if not totals:
         return None
     took: dict[str, list[float]] = {}
-    for waits, _ in traced:
-        for label, start, end, asked in waits:
-            t = took.setdefault(label.split()[0], [0.0, 0.0])
-            t[0] += end - start
-            t[1] += asked
-    return {k: a / b for k, (a, b) in took.items() if b > 0}
+    for rank_totals in totals:
+        for kind, (t, asked) in rank_totals.items():
+            acc = took.setdefault(kind, [0.0, 0.0])
+            acc[0] += t
+            acc[1] += asked
+    return {k: a / b for k, (a, b) in sorted(took.items()) if b > 0}
 
 
 # -- traces ------------------------------------------------------------------------------------

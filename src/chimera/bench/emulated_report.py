@@ -31,7 +31,7 @@ def result_rows(cfg: BenchConfig, rows: list[Row], raw: dict) -> list[dict]:
         steps = raw["times"][k][cfg.warmup:]
         median = statistics.median(steps)
         order = raw["orders"][k]
-        stretch = stretch_of(raw["traces"][k])
+        stretch = stretch_of(raw["wait_totals"][k])
         sim = simulated(Schedule.from_json(order), cfg, lat, stretch) if order else {}
         peaks = raw["activation_bytes"][k]
         out.append({
@@ -121,7 +121,7 @@ def markdown(data: dict) -> str:
               "torch's: the order its schedule object runs) at the nominal waits and the measured "
               "p2p and allreduce times; free p2p: the same with free communication. Waits took: "
               "how much longer each kind of wait ran than asked (sleep overshoot, an artifact of "
-              "the emulation, larger on a loaded machine); realized / simulated at those: the "
+              "the emulation, larger on a loaded machine; over all of the row's steps); realized / simulated at those: the "
               "simulation redone with those wait times, so what is left is the runtime's own cost."]
     s = data["summary"]
     met = {k: "met" if v else "missed" if v is not None else "n/a" for k, v in s["met"].items()}

@@ -133,8 +133,9 @@ def _from_every_rank(value) -> list:
 
 def _emulated_extras(cfg: BenchConfig, runners: list, rank: int) -> dict:
     """Per row: peak activation bytes of every rank, the order that ran (ours: the lowered
-    schedule; torch's: its pipeline_order), and one traced step's waits on every rank."""
-    peaks, orders, traces = [], [], []
+    schedule; torch's: its pipeline_order), one traced step's waits on every rank, and every
+    rank's wait totals (asked and taken, per kind, over all its steps)."""
+    peaks, orders, traces, totals = [], [], [], []
     for k, r in enumerate(runners):
         dist.barrier()
         peak = 0 if r is None else peak_activation_bytes(r, cfg.rounds + 1)
@@ -143,7 +144,8 @@ def _emulated_extras(cfg: BenchConfig, runners: list, rank: int) -> dict:
         orders.append(None if order is None else order.to_json())
         waits = None if r is None else emulated.traced_step(r, cfg.rounds + 2)
         traces.append(None if r is None else _from_every_rank(waits))
-    return {"activation_bytes": peaks, "orders": orders, "traces": traces}
+        totals.append(None if r is None else _from_every_rank(r.log.totals))
+    return {"activation_bytes": peaks, "orders": orders, "traces": traces, "wait_totals": totals}
 
 
 def _memory_worker(rank: int, world: int, cfg: BenchConfig, row: Row, port: int, out: str) -> None:

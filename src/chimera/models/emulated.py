@@ -82,12 +82,13 @@ class EmulatedCost:
 class WaitLog:
     """Where the waits of a set of layers went: ``(label, start, end, asked)`` in host
     seconds (``time.perf_counter``; ``asked``: the wait's nominal length, which the sleep
-    overshoots by the kernel's wake-up latency), while ``on``; for traces of what a runtime
-    actually ran."""
+    overshoots by the kernel's wake-up latency), while ``on``, for traces of what a runtime
+    actually ran; and always, per kind (F, I, W), the seconds taken and asked in all."""
 
     def __init__(self):
         self.on = False
-        self.events: list[tuple[str, float, float]] = []
+        self.events: list[tuple[str, float, float, float]] = []
+        self.totals: dict[str, list[float]] = {}  # F/I/W -> [seconds taken, seconds asked], always
 
 
 def wait(seconds: float, log: WaitLog | None = None, label: str = "") -> None:
@@ -96,8 +97,14 @@ def wait(seconds: float, log: WaitLog | None = None, label: str = "") -> None:
         return
     start = time.perf_counter()
     time.sleep(seconds)
-    if log is not None and log.on:
-        log.events.append((label, start, time.perf_counter(), seconds))
+    if log is None:
+        return
+    end = time.perf_counter()
+    total = log.totals.setdefault(label[0], [0.0, 0.0])
+    total[0] += end - start
+    total[1] += seconds
+    if log.on:
+        log.events.append((label, start, end, seconds))
 
 
 class _InputPath(torch.autograd.Function):
