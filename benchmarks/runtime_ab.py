@@ -58,6 +58,8 @@ def _worker(rank: int, world: int, args, out: str) -> None:
     with gloo_group(rank, world, args.port, 1, 300.0):
         torch.set_num_threads(1)
         runners = {s: EmulatedOurs(cfg, Row("chimera", s), rank) for s in args.schedules}
+        for r in runners.values():  # the first step probes the boundaries (makes the mailbox)
+            r.step(0)
         times = {(s, v): [] for s in args.schedules for v in VARIANTS}
         cells = list(times)
         for rnd in range(args.warmup + args.rounds):

@@ -136,7 +136,7 @@ def test_pipelined_gradients_equal_one_process_without_waits(spawn_world):
 
 
 def test_bench_emulate_rows(run_cli, tmp_path):
-    rows = "chimera:chimera,chimera:zb-v,chimera:1f1b,torch:1f1b,torch:zbv"
+    rows = "chimera:chimera,chimera:zb-v,chimera:1f1b,torch:1f1b,torch:zbv,torch:dualpipev"
     r = run_cli("bench", "--emulate", "2:2:2", "-D", "2", "-N", "4", "--steps", "1",
                 "--warmup", "0", "--rows", rows, "--activation-mb", "0.25", "--out", tmp_path)
     assert r.returncode == 0, r.stderr
@@ -144,7 +144,7 @@ def test_bench_emulate_rows(run_cli, tmp_path):
     assert data["config"]["emulate_ms"] == "2:2:2" and data["latency"]["p2p_s"] > 0
     got = {(x["impl"], x["schedule"]): x for x in data["results"]}
     assert set(got) == {("chimera", "chimera"), ("chimera", "zb-v"), ("chimera", "1f1b"),
-                        ("torch", "1f1b"), ("torch", "zbv")}
+                        ("torch", "1f1b"), ("torch", "zbv"), ("torch", "dualpipev")}
     for x in data["results"]:
         assert x["stages"] == 2 and x["micro_batches"] == 4
         assert x["simulated_free_s"] > 0 and x["simulated_step_s"] >= x["simulated_free_s"]
@@ -152,7 +152,8 @@ def test_bench_emulate_rows(run_cli, tmp_path):
         assert set(x["wait_stretch"]) == {"F", "I", "W"} and min(x["wait_stretch"].values()) >= 1.0
         assert x["simulated_measured_waits_s"] >= x["simulated_step_s"]
         assert len(x["peak_activations"]) == 2
-    for key in (("chimera", "chimera"), ("chimera", "zb-v"), ("chimera", "1f1b"), ("torch", "1f1b")):
+    for key in (("chimera", "chimera"), ("chimera", "zb-v"), ("chimera", "1f1b"), ("torch", "1f1b"),
+                ("torch", "dualpipev")):  # (its order mixes B with I/W)
         # activations live exactly as long as the simulator counts them (in Ma per rank)
         assert got[key]["peak_activations"] == got[key]["simulated_peak_activations"], key
     assert got[("chimera", "1f1b")]["peak_activations"] == [2, 1]  # 1F1B: D Ma on rank 0
