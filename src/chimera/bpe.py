@@ -136,10 +136,11 @@ def _stream_ids(tokenizer, pieces, vocab: int, f, progress: bool = False,
 
 
 def _move_tail(train: Path, val: Path, cut: int, dtype: np.dtype) -> None:
-    """Ids ``cut ..`` of ``train`` go to ``val``; ``train`` is truncated to ``cut``."""
-    ids = np.memmap(train, dtype=dtype, mode="r")
-    with open(val, "wb") as f:
-        for lo in range(cut, len(ids), COPY_CHUNK):
-            np.asarray(ids[lo:min(lo + COPY_CHUNK, len(ids))]).tofile(f)
-    del ids
-    os.truncate(train, cut * np.dtype(dtype).itemsize)
+    """Ids ``cut ..`` of ``train`` go to ``val``; ``train`` is truncated to ``cut``. Plain
+    reads, not a memory map, whose pages would count in this process's memory."""
+    width = np.dtype(dtype).itemsize
+    with open(train, "rb") as src, open(val, "wb") as dst:
+        src.seek(cut * width)
+        while len(ids := np.fromfile(src, dtype=dtype, count=COPY_CHUNK)):
+            ids.tofile(dst)
+    os.truncate(train, cut * width)
