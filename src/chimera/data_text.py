@@ -27,9 +27,9 @@ from chimera.data import (MAX_CORPUS_BYTES, check_total_size, stdlib_documents, 
 from chimera.data_tokens import id_dtype
 from chimera.errors import UserError
 
-PIECE_CHARS = 2**20             # documents are cut after a newline into pieces this long at most
-BATCH_CHARS = 2**21             # characters a tokenizer encodes in one call (in parallel): its
-                                # encodings take about 40 bytes a character while they live
+PIECE_CHARS = 2**16             # documents are cut after a newline into pieces this long at most
+BATCH_CHARS = 2**18             # characters a tokenizer encodes in one call (in parallel): its
+                                # encodings take about 100 bytes a character while they live
 BAR_BYTES = 2**24               # a progress bar over tokenizing from this many bytes on
 MASK_TOKENS = ("[MASK]", "<mask>")  # BERT's and RoBERTa's masked-LM token (and their kin's)
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # GPT-2's, Llama's and RoBERTa's, Gemma's
