@@ -20,7 +20,7 @@ from chimera.errors import UserError
 
 def positions(mask: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
     """(B, t) positions of the new columns: each row's count of real tokens before them."""
-    before = torch.zeros(mask.shape[0], 1, dtype=torch.long) if past is None else past
+    before = torch.zeros(mask.shape[0], 1, dtype=torch.long, device=mask.device) if past is None else past
     return (before + mask.long().cumsum(1) - 1).clamp(min=0)
 
 
@@ -28,8 +28,8 @@ def attention_mask(keys: torch.Tensor, new: int) -> torch.Tensor:
     """(B, 1, new, L) bool: a query sees real keys up to its own column, and always itself
     (a padding query must see something: softmax over nothing is NaN)."""
     length = keys.shape[1]
-    col = torch.arange(length)
-    row = torch.arange(length - new, length)[:, None]                   # (new, 1)
+    col = torch.arange(length, device=keys.device)
+    row = torch.arange(length - new, length, device=keys.device)[:, None]  # (new, 1)
     causal = col[None, :] <= row                                        # (new, L)
     return ((causal[None] & keys[:, None, :].bool()) | (col[None, :] == row)[None])[:, None]
 
@@ -93,18 +93,17 @@ class HFDecoder:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos,
-                         past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+                         cache=self.cache, use_cache=True)  # the cache grows in place
         return out.logits[:, -1]                                          # (B, V)
 
 
 def hf_model(source, state: dict[str, torch.Tensor], dtype: torch.dtype):
     """The HF model class of an HF source, with a checkpoint's weights (HF's names, a tie
-    once under its source)."""
+    once under its source), sharing their memory (``assign``: not a second copy)."""
     import transformers  # start-up time: only for HF checkpoints
 
     model = getattr(transformers, source.arch)(source.config).to(dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = set(model.all_tied_weights_keys)
     if unexpected or set(missing) - tied:
         raise UserError(f"the checkpoint does not fit {source.arch}: missing "

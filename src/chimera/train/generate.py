@@ -123,8 +123,8 @@ class Loaded:
         if not hasattr(self.source, "export"):  # chimera's GPT-2
             return decode.PresetDecoder(self.model)
         state = self.source.model.hf_state_dict(self.model.state_dict())  # HF's names, shared
-        dtype = next(self.model.parameters()).dtype
-        return decode.HFDecoder(decode.hf_model(self.source, state, dtype))
+        first = next(self.model.parameters())
+        return decode.HFDecoder(decode.hf_model(self.source, state, first.dtype).to(first.device))
 
 
 def resolve(path: str | os.PathLike) -> Path:
