@@ -3,7 +3,8 @@
 The default corpus is the Python standard library's own ``.py`` source, read as bytes: it
 is on every machine that runs this code, so the default job needs no download. It is read
 in sorted path order and capped, so it is the same on every run with the same Python
-install. Token files, JSON lines and ``datasets`` folders are read by
+install; a seeded choice of its files is held out (``stdlib_documents``), and generated
+codec tables are left out. Token files, JSON lines and ``datasets`` folders are read by
 ``chimera.data_formats`` into a ``Corpus``: a training and a held-out split of token ids
 and the vocabulary they come from.
 
@@ -108,16 +109,24 @@ def held_out(relative: str) -> bool:
 
 
 def stdlib_documents(max_bytes: int | None = None) -> tuple[list[bytes], list[bytes]]:
-    """The stdlib's files (each followed by a newline) in two splits, training and held
-    out, capped at ``max_bytes`` together: the held-out files fill the last
+    """The stdlib's files (each followed by a newline; no generated codec tables) in two
+    splits, training and held out, capped at ``max_bytes`` together: the held-out files fill the last
     ``VAL_FRACTION`` (the cut ``split_corpus_bytes`` makes), the others the rest."""
     root = Path(sysconfig.get_paths()["stdlib"])
     max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     val_cap = max(1, int(max_bytes * VAL_FRACTION))
-    files = stdlib_sources()
+    files = [p for p in stdlib_sources() if not _generated(p)]
     val = [p for p in files if held_out(p.relative_to(root).as_posix())]
     train = [p for p in files if p not in set(val)]
     return _capped(train, max_bytes - val_cap), _capped(val, val_cap)
+
+
+def _generated(path: Path) -> bool:
+    """A codec table ``gencodec.py`` wrote (``encodings/cp437.py``...): 256-line tables of hex
+    and character names, a tenth of the first 4 MiB, which a small model learns to repeat
+    whatever the prompt."""
+    with open(path, "rb") as f:
+        return b"gencodec.py" in f.read(_SNIFF_BYTES)
 
 
 def _capped(files: list[Path], cap: int) -> list[bytes]:

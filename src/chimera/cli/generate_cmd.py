@@ -99,19 +99,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           args.stop_token)
     for note in dict.fromkeys(n for out in outs for n in out.notes):
         print(f"chimera generate: {note}", file=sys.stderr)
-    timing = outs[0].timing
-    startup = imported - start + timing["load_s"]
-    made = sum(len(o.new_ids) for o in outs)
-    print(f"chimera generate: start-up {startup:.2f} s (torch {imported - start:.2f} s, checkpoint "
-          f"and model {timing['load_s']:.2f} s); {made} tokens in {timing['decode_s']:.2f} s",
-          file=sys.stderr)
     for out in outs:
         if args.json:
             print(json.dumps({"text": out.text, "completion": out.completion,
                               "prompt_ids": out.prompt_ids, "new_ids": out.new_ids,
                               "cropped": out.cropped, "checkpoint": out.checkpoint, "step": out.step,
                               "tokens": out.codec, "stopped": out.stopped,
-                              "startup_s": round(startup, 4), "decode_s": round(timing["decode_s"], 4)}))
+                              "startup_s": round(imported - start + out.timing["load_s"], 4),
+                              "decode_s": round(out.timing["decode_s"], 4)}))
         else:
             print(out.text)
+    sys.stdout.flush()  # the text first, then the timing line after it
+    _report_time(outs, imported - start)
     return 0
+
+
+def _report_time(outs, torch_s: float) -> None:
+    timing = outs[0].timing
+    made = sum(len(o.new_ids) for o in outs)
+    print(f"chimera generate: start-up {torch_s + timing['load_s']:.2f} s (torch {torch_s:.2f} s, "
+          f"checkpoint and model {timing['load_s']:.2f} s); {made} tokens in "
+          f"{timing['decode_s']:.2f} s", file=sys.stderr)
