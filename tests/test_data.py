@@ -91,6 +91,7 @@ def test_the_stdlib_holds_out_a_seeded_choice_of_its_files():
     assert sum(map(len, val)) == int(DEFAULT_MAX_BYTES * 0.05)
     assert sum(map(len, train)) + sum(map(len, val)) == DEFAULT_MAX_BYTES
     assert not set(train) & set(val) and len(val) > 5
+    assert not any(b"gencodec.py" in doc[:8192] for doc in train + val)  # no generated tables
     corpus = load_corpus()
     assert bytes(split_corpus(corpus, "val").tolist()) == b"".join(val)
     picked = [held_out(f"x/{i}.py") for i in range(2000)]

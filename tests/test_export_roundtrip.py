@@ -120,3 +120,20 @@ def test_training_an_export_on_text_uses_its_tokenizer(runs, monkeypatch, tmp_pa
     windows = np.lib.stride_tricks.sliding_window_view(ids.astype(np.int64), 32)
     for row in seen[0][0].numpy():
         assert (windows == row).all(axis=1).any()
+
+
+def test_trained_weights_without_their_tokenizer_are_refused_on_text(runs, tmp_path, capsys):
+    """hf:DIR with weights of 320 ids and no tokenizer.json: its ids are not bytes, so text
+    is refused in one line (exit 2) instead of trained on as bytes."""
+    import shutil
+
+    root, _ = runs
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(root / "hf-llama-tiny" / "hf" / name, bare / name)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--schedule", "none", "--stages", "1", "--steps", "1", "--no-progress",
+              "--model", f"hf:{bare}", "--data", str(root / "text.txt"), "--seq-len", "32"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "no tokenizer.json" in err[0], err
