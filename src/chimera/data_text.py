@@ -155,16 +155,16 @@ def _files_pieces(p: Path, check_size: bool) -> Iterator[str]:
 def _file_pieces(f: Path, limit: int = PIECE_CHARS) -> Iterator[str]:
     """The pieces of one file and a newline, read ``READ_BYTES`` at a time: the same
     pieces ``cut`` makes of the whole text, without holding it."""
-    decoder, text, offset = codecs.getincrementaldecoder("utf-8")(), "", 0
+    decoder, text, start, offset = codecs.getincrementaldecoder("utf-8")(), "", 0, 0
     with open(f, "rb") as stream:
         while block := stream.read(READ_BYTES):
-            text += _decode_block(decoder, block, f, offset)
-            offset += len(block)
-            while len(text) > limit:  # the document goes on past this window: cut as cut() does
-                end = _piece_end(text, 0, limit)
-                yield text[:end]
-                text = text[end:]
-        text += _decode_block(decoder, b"", f, offset)
+            text = text[start:] + _decode_block(decoder, block, f, offset)
+            start, offset = 0, offset + len(block)
+            while len(text) - start > limit:  # the document goes on past this window: as cut()
+                end = _piece_end(text, start, limit)
+                yield text[start:end]
+                start = end
+        text = text[start:] + _decode_block(decoder, b"", f, offset)
     yield from _mark_last(cut(text + "\n", limit))
 
 
