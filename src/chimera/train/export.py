@@ -66,11 +66,11 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> Exported:
 
 
 def _check_preset(source, where: Path) -> None:
-    from chimera.hf.preset import gpt2_config  # optional extra (hf): transformers
-
     try:
+        from chimera.hf.preset import gpt2_config  # optional extra (hf): transformers
+
         gpt2_config(source.config)
-    except UserError as exc:
+    except (ImportError, UserError) as exc:  # the hf extra is missing; a BERT preset
         raise CheckpointError(f"checkpoint {where} is {source.name}: {exc}") from None
 
 
