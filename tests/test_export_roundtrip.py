@@ -137,3 +137,26 @@ def test_trained_weights_without_their_tokenizer_are_refused_on_text(runs, tmp_p
               "--model", f"hf:{bare}", "--data", str(root / "text.txt"), "--seq-len", "32"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and "no tokenizer.json" in err[0], err
+
+
+def test_a_llama_tokenizer_keeps_its_own_bos(tmp_path):
+    """A tokenizer with <s> and </s> (Llama's) exports </s> as eos and <s> as bos, in the
+    tokenizer's config and in config.json."""
+    from tokenizers import AddedToken, Tokenizer, models
+
+    from chimera.train.checkpoint import sha256_of
+    from chimera.train.export_tokenizer import stamp_ids, write_tokenizer
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.save(str(tmp_path / "tok.json"))
+    meta = {"data": {"tokenizer": {"path": str(tmp_path / "tok.json"), "sha256": sha256_of(tmp_path / "tok.json")}}}
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    ids, notes = write_tokenizer(meta, tmp_path / "out", 8, 16)
+    stamp_ids(tmp_path / "out", ids)
+    assert ids == {"eos": 4, "bos": 3} and notes == []
+    special = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert (special["eos_token"], special["bos_token"]) == ("</s>", "<s>")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (4, 3)

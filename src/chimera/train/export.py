@@ -82,8 +82,8 @@ def _write(source, state: dict, meta: dict, tmp: Path) -> list[str]:
         from chimera.hf.preset import export_preset  # optional extra (hf): transformers
 
         export_preset(source.config, state, tmp)
-    eos, notes = write_tokenizer(meta, tmp, source.vocab_size, source.seq_len, source.kind == "gpt2")
-    stamp_ids(tmp, eos)
+    ids, notes = write_tokenizer(meta, tmp, source.vocab_size, source.seq_len, source.kind == "gpt2")
+    stamp_ids(tmp, ids)
     if (tmp / "tokenizer.json").is_file():
         notes += _mask_note(meta, str(tmp / "tokenizer.json"))
     _ordinary_modes(tmp)

@@ -56,37 +56,45 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def write_tokenizer(meta: dict, folder: Path, vocab: int, context: int,
-                    causal: bool = True) -> tuple[int | None, list[str]]:
+                    causal: bool = True) -> tuple[dict[str, int], list[str]]:
     """The run's tokenizer (or the byte tokenizer) and its config into ``folder``: (the
-    end-of-text id or None, notes for the user: a causal model's tokenizer without one)."""
+    ids of its ``eos`` and ``bos`` tokens where it has them, notes for the user: a causal
+    model's tokenizer without an end-of-text token)."""
     record = (meta.get("data") or {}).get("tokenizer")
     path = record.get("path") if isinstance(record, dict) else None
     if path:
         if not os.path.isfile(path) or checkpoint.sha256_of(Path(path)) != record.get("sha256"):
-            return None, [f"the run's tokenizer {path} is gone or changed since the run: not copied"]
+            return {}, [f"the run's tokenizer {path} is gone or changed since the run: not copied"]
         shutil.copyfile(path, folder / "tokenizer.json")
         tokenizer = load_tokenizer(path)
     elif vocab == BYTE_VOCAB:
         tokenizer = byte_tokenizer()
         tokenizer.save(str(folder / "tokenizer.json"))
     else:
-        return None, ["the run recorded no tokenizer (bare token ids): no tokenizer written"]
-    eos = eos_id_of(tokenizer)
-    specials = _special_tokens(tokenizer, eos)
+        return {}, ["the run recorded no tokenizer (bare token ids): no tokenizer written"]
+    specials = _special_tokens(tokenizer)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context,
               "clean_up_tokenization_spaces": False, **specials}
     _write_json(folder / "tokenizer_config.json", config)
     _write_json(folder / "special_tokens_map.json", specials)
-    notes = [] if eos is not None or not causal else [f"the tokenizer has no end-of-text token "
-                                        f"({', '.join(EOS_TOKENS)}): HF generate stops at max_new_tokens only"]
-    return eos, notes
+    ids = {k[:-len("_token")]: tokenizer.token_to_id(specials[k])
+           for k in ("eos_token", "bos_token") if k in specials}
+    if "eos" in ids or not causal:
+        return ids, []
+    return ids, [f"the tokenizer has no end-of-text token ({', '.join(EOS_TOKENS)}): HF "
+                 "generate stops at max_new_tokens only"]
 
 
-def _special_tokens(tokenizer, eos: int | None) -> dict[str, str]:
+def _special_tokens(tokenizer) -> dict[str, str]:
+    """transformers' special-token attributes -> the tokenizer's tokens: the end-of-text
+    token is eos, and bos too unless there is a ``<s>`` (GPT-2's convention: one for both)."""
     special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
     out = {}
+    eos = eos_id_of(tokenizer)
     if eos is not None:
         out["eos_token"] = out["bos_token"] = tokenizer.id_to_token(eos)
+    if "<s>" in special:
+        out["bos_token"] = "<s>"
     for attr, names in _NAMED.items():
         name = next((n for n in names if n in special), None)
         if name is not None:
@@ -94,17 +102,18 @@ def _special_tokens(tokenizer, eos: int | None) -> dict[str, str]:
     return out
 
 
-def stamp_ids(folder: Path, eos: int | None) -> None:
+def stamp_ids(folder: Path, ids: dict[str, int]) -> None:
     """``eos_token_id`` and ``bos_token_id`` into ``config.json`` and ``generation_config.json``
     (whose ``pad_token_id`` is the eos too: the usual choice for a model with no pad token)."""
-    if eos is None:
+    if "eos" not in ids:
         return
     from transformers import GenerationConfig  # start-up time: transformers loads when exporting
 
+    eos, bos = ids["eos"], ids.get("bos", ids["eos"])
     config = json.loads((folder / "config.json").read_text())
-    config.update(eos_token_id=eos, bos_token_id=eos)
+    config.update(eos_token_id=eos, bos_token_id=bos)
     _write_json(folder / "config.json", config)
-    GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(str(folder))
+    GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos).save_pretrained(str(folder))
 
 
 def _write_json(path: Path, value: dict) -> None:
