@@ -595,3 +595,31 @@ def test_tokenize_puts_the_end_of_text_token_between_documents(tmp_path, capsys)
     assert len(ends) == 2 and ends[-1] == len(ids) - 1
     assert tok.decode(ids[:ends[0]].tolist()) == "first document " * 40 + "\n"
     assert tok.encode("<|endoftext|>" + "x").ids[0] == 0  # a special token, not text
+
+
+def test_tokenizing_the_stdlib_holds_out_its_held_out_files(monkeypatch, tmp_path):
+    """`chimera tokenize` on the default corpus: val.bin is the ids of the held-out files, and
+    the stdlib read through that tokenizer gives the same two splits."""
+    from chimera import data
+    from chimera.bpe import tokenize
+
+    monkeypatch.setattr(data, "DEFAULT_MAX_BYTES", 200_000)  # a small corpus, the same rule
+    meta = tokenize(DataSpec(None), tmp_path / "tok", 300)
+    assert meta["split"].startswith("val.bin holds a seeded choice")
+    train = np.fromfile(tmp_path / "tok" / "train.bin", "<u2")
+    val = np.fromfile(tmp_path / "tok" / "val.bin", "<u2")
+    _, held = data.stdlib_documents()
+    from tokenizers import Tokenizer
+
+    tok = tmp_path / "tok" / "tokenizer.json"
+    bpe = Tokenizer.from_file(str(tok))
+    from chimera.data_text import cut
+
+    want = []
+    for doc in held:  # each file (the last one cut at the cap) in its pieces, then <|endoftext|>
+        for piece in cut(doc.decode("utf-8", errors="replace")):
+            want += bpe.encode(piece).ids
+        want.append(0)
+    assert val.tolist() == want
+    corpus = open_data(DataSpec(None, tokenizer=str(tok)))
+    assert np.array_equal(np.asarray(corpus.train), train) and np.array_equal(np.asarray(corpus.val), val)
