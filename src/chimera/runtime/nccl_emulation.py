@@ -73,7 +73,7 @@ POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3  # store polling backs off from min to max w
 
 def transport_from_env(rank: int, matches_by_tag: bool = False) -> Transport:
     """Plain ``torch.distributed`` (``matches_by_tag`` on gloo: receives may be posted ahead,
-    see ``Mailbox.begin_iteration``), or the emulation when ``CHIMERA_EMULATE_NCCL`` names a
+    see ``Mailbox.receive``), or the emulation when ``CHIMERA_EMULATE_NCCL`` names a
     stream mode."""
     mode = os.environ.get(ENV, "")
     if not mode:
