@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row
+from chimera.bench.torchpp import run_schedule, stages_of
 from chimera.ir import Action, Op, Placement, Schedule
 from chimera.models.emulated import EmulatedCost, WaitLog, emulated_batch, emulated_layers
-from chimera.schedules import get_scheme
 
 # torch's computation types -> ours (communication, REDUCE_GRAD, UNSHARD/RESHARD are dropped:
 # our lowering adds the messages; DualPipeV's OVERLAP_F_B is its sub-actions in order)
@@ -46,10 +46,6 @@ def equal_cut(layers: int, stages: int) -> list[range]:
     return [range(k * per, (k + 1) * per) for k in range(stages)]
 
 
-def our_options(row: Row) -> dict:
-    return {k: v for k, v in row.opts.items() if k in get_scheme(row.schedule).options}
-
-
 class EmulatedOurs:
     """Our runtime on emulated stages, through ``chimera.api.Pipeline``."""
 
@@ -62,7 +58,7 @@ class EmulatedOurs:
             emulated_layers(self.cost, cfg.stages, layers, cfg.seed, self.log),
             nn.functional.mse_loss, schedule=row.schedule, stages=cfg.stages,
             micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
-            num_layers=layers, schedule_options=our_options(row),
+            num_layers=layers, schedule_options=row.scheme_options,
             shard_optimizer=bool(row.opts.get("shard")), comm_timeout=cfg.comm_timeout)
         self.schedule = self.pipe.schedule
         self.params = self.pipe.parameters()
@@ -80,8 +76,6 @@ class EmulatedTorch:
 
     def __init__(self, cfg: BenchConfig, row: Row, rank: int):
         from torch.distributed import pipelining
-
-        from chimera.bench.torchpp import stages_of
 
         cls_name, self.style, per_rank = TORCH_SCHEDULES[row.schedule]
         cls = getattr(pipelining, cls_name, None)
@@ -105,13 +99,7 @@ class EmulatedTorch:
         x, y = emulated_batch(self.cost, self.cfg.global_batch, i, self.cfg.seed)
         for p in self.params:
             p.grad = None
-        losses: list = []
-        self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
-                           losses=losses if self.last else None, return_outputs=False)
-        total = torch.tensor([sum(float(l.detach()) for l in losses) / self.cfg.micro_batches],
-                             dtype=torch.float64)
-        dist.all_reduce(total)
-        return float(total.item())
+        return run_schedule(self.schedule, self.first, self.last, x, y, self.cfg.micro_batches)
 
     def order(self) -> Schedule | None:
         """The order torch's schedule object executes, as our (unlowered) Schedule: a

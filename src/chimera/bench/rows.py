@@ -52,6 +52,11 @@ class Row:
     def threads(self) -> int | None:
         return self.opts.get("threads")
 
+    @property
+    def scheme_options(self) -> dict:
+        """The options our scheme takes (not the bench's own, such as ``shard``)."""
+        return {k: v for k, v in self.opts.items() if k in get_scheme(self.schedule).options}
+
 
 @dataclass(frozen=True)
 class BenchConfig:

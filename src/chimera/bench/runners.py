@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from chimera.bench.rows import BenchConfig, Row
-from chimera.schedules import get_scheme
 from chimera.train.config import TrainConfig
 from chimera.models import loss_fn
 from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares
@@ -67,7 +66,7 @@ class OursRunner:
         tc = TrainConfig(model=cfg.model, schedule=row.schedule, stages=cfg.stages,
                          micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
                          steps=cfg.rounds + 2, seed=cfg.seed,
-                         options={k: v for k, v in opts.items() if k in get_scheme(row.schedule).options},
+                         options=row.scheme_options,
                          shard_optimizer=bool(opts.get("shard")),
                          threads=cfg.threads, comm_timeout=cfg.comm_timeout, progress=False)
         self.trainer = Trainer(tc.preflight(), rank)

@@ -30,6 +30,18 @@ def stages_of(style: str, rank: int, ranks: int, per_rank: int) -> list[int]:
     return [rank, 2 * ranks - 1 - rank]  # "v"
 
 
+def run_schedule(schedule, first: bool, last: bool, inputs, targets, micro_batches: int) -> float:
+    """One ``schedule.step`` of torch's pipelining (inputs where this rank holds the first
+    stage, targets where it holds the last); the mini-batch's mean loss on every rank."""
+    losses: list = []
+    schedule.step(*((inputs,) if first else ()), target=targets if last else None,
+                  losses=losses if last else None, return_outputs=False)
+    total = torch.tensor([sum(float(l.detach()) for l in losses) / micro_batches],
+                         dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total.item())
+
+
 class TorchRunner:
     def __init__(self, cfg: BenchConfig, row: Row, rank: int):
         cls_name, style, per_rank = TORCH_SCHEDULES[row.schedule]
@@ -61,16 +73,11 @@ class TorchRunner:
         inputs, targets = get_batch(self.corpus, i, self.cfg.global_batch, self.model.seq_len,
                                     self.cfg.seed, self.model.kind)
         self.optimizer.zero_grad(set_to_none=True)
-        losses: list = []
-        args = (inputs,) if self.first else ()
-        self.schedule.step(*args, target=targets if self.last else None,
-                           losses=losses if self.last else None, return_outputs=False)
-        total = torch.tensor([sum(float(l.detach()) for l in losses) / self.cfg.micro_batches],
-                             dtype=torch.float64)
-        dist.all_reduce(total)
+        loss = run_schedule(self.schedule, self.first, self.last, inputs, targets,
+                            self.cfg.micro_batches)
         self._clip()
         self.optimizer.step()
-        return float(total.item())
+        return loss
 
     def _clip(self) -> float:
         grads = [p.grad for p in self.params if p.grad is not None]
