@@ -137,22 +137,12 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
-def stem(cfg: BenchConfig) -> str:
-    return f"bench-emulated-D{cfg.stages}-N{cfg.micro_batches}"
-
-
 def save(data: dict, raw: dict, rows: list[Row], out_dir: str, name: str) -> list[str]:
     """``name.json/.md/.png`` and one Perfetto trace per row under ``name-traces/``."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "md", "png")]
+    from chimera.bench import report
+
     timelines = {r["impl"] + ":" + r["name"]: r.pop("_timeline") for r in data["results"]}
-    with open(paths[0], "w") as f:
-        json.dump(data, f, indent=1)
-    with open(paths[1], "w") as f:
-        f.write(f"{data['config'].get('command', 'chimera bench')} ({data['config']['date']}, "
-                f"torch {data['config']['torch']}, {data['config']['cpus']} CPUs)\n\n")
-        f.write(markdown(data) + "\n")
-    chart(data, paths[2])
+    paths = report.save(data, out_dir, name, markdown, chart)
     folder = os.path.join(out_dir, f"{name}-traces")
     os.makedirs(folder, exist_ok=True)
     for k, row in enumerate(rows):

@@ -148,8 +148,9 @@ def targets_text(s: dict) -> str:
     ])
 
 
-def save(data: dict, out_dir: str, stem: str = "bench") -> list[str]:
-    """``stem.json``, ``stem.md`` and ``stem.png`` in ``out_dir``; returns the paths."""
+def save(data: dict, out_dir: str, stem: str = "bench", table=None, picture=None) -> list[str]:
+    """``stem.json``, ``stem.md`` and ``stem.png`` in ``out_dir``; returns the paths.
+    ``table`` and ``picture`` draw the markdown and the PNG (default: this module's)."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, f"{stem}.{ext}") for ext in ("json", "md", "png")]
     with open(paths[0], "w") as f:
@@ -157,8 +158,8 @@ def save(data: dict, out_dir: str, stem: str = "bench") -> list[str]:
     with open(paths[1], "w") as f:
         f.write(f"{data['config'].get('command', 'chimera bench')} ({data['config']['date']}, "
                 f"torch {data['config']['torch']}, {data['config']['cpus']} CPUs)\n\n")
-        f.write(markdown(data) + "\n")
-    chart(data, paths[2])
+        f.write((table or markdown)(data) + "\n")
+    (picture or chart)(data, paths[2])
     return paths
 
 
