@@ -51,10 +51,12 @@ def _worker(rank: int, world: int, args, out: str) -> None:
 
     from chimera.bench.emulated import EmulatedOurs
     from chimera.bench.rows import BenchConfig, Row
+    from chimera.models.emulated import tighten_timer_slack
     from chimera.runtime.workers import gloo_group
 
     cfg = BenchConfig(stages=args.stages, micro_batches=args.micro_batches, emulate=args.emulate,
                       memory=False)
+    tighten_timer_slack()
     with gloo_group(rank, world, args.port, 1, 300.0):
         torch.set_num_threads(1)
         runners = {s: EmulatedOurs(cfg, Row("chimera", s), rank) for s in args.schedules}

@@ -167,3 +167,14 @@ def test_bench_emulate_rows(run_cli, tmp_path):
 def test_bench_emulate_refuses_bad_times(run_cli, tmp_path):
     r = run_cli("bench", "--emulate", "20:x", "--out", tmp_path)
     assert r.returncode == 2 and "--emulate" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_timer_slack_is_tightened_on_linux():
+    import sys
+
+    ok = emulated.tighten_timer_slack()
+    assert ok == sys.platform.startswith("linux") or not ok
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        assert ctypes.CDLL(None).prctl(30, 0, 0, 0, 0) == 1  # PR_GET_TIMERSLACK

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from chimera.bench import emulated
+from chimera.models.emulated import tighten_timer_slack
 from chimera.bench.rows import BenchConfig, Row
 from chimera.bench.runners import OursRunner, SingleRunner, peak_activation_bytes
 from chimera.bench.torchpp import TorchRunner
@@ -45,6 +46,8 @@ def make_runner(cfg: BenchConfig, row: Row, rank: int):
 
 def _group(rank: int, world: int, port: int, cfg: BenchConfig):
     keep_freed_memory()  # as `chimera train` runs: every row, torch's too, gets the same malloc
+    if cfg.emulate:  # before gloo starts its threads, which inherit it
+        tighten_timer_slack()
     return gloo_group(rank, world, port, cfg.threads, cfg.comm_timeout)
 
 

@@ -40,7 +40,8 @@ from torch import nn
 from chimera.errors import UserError
 from chimera.sim.cost import parse_times
 
-__all__ = ["EmulatedCost", "EmulatedLayer", "WaitLog", "emulated_layers", "emulated_batch"]
+__all__ = ["EmulatedCost", "EmulatedLayer", "WaitLog", "emulated_batch", "emulated_layers",
+           "tighten_timer_slack"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,19 @@ class WaitLog:
         self.on = False
         self.events: list[tuple[str, float, float, float]] = []
         self.totals: dict[str, list[float]] = {}  # F/I/W -> [seconds taken, seconds asked], always
+
+
+def tighten_timer_slack() -> bool:
+    """Let this thread's sleeps (and those of threads it starts) end within a microsecond of
+    their deadline instead of the kernel's default 50 us slack (Linux ``prctl``; measured
+    here: a 5 ms sleep overshoots by ~25 us instead of ~75 us). Call it first thing in each
+    process that hosts emulated layers; False where the system does not allow it."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0) == 0  # PR_SET_TIMERSLACK
+    except (OSError, AttributeError):
+        return False
 
 
 def wait(seconds: float, log: WaitLog | None = None, label: str = "") -> None:
