@@ -19,11 +19,17 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from chimera.api import Pipeline
 from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row
 from chimera.bench.torchpp import run_schedule, stages_of
 from chimera.ir import Action, Op, Placement, Schedule
 from chimera.models.emulated import EmulatedCost, WaitLog, emulated_batch, emulated_layers
+from chimera.passes import lower
+from chimera.schedules import build
+from chimera.sim import CostModel, simulate
 
 # torch's computation types -> ours (communication, REDUCE_GRAD, UNSHARD/RESHARD are dropped:
 # our lowering adds the messages; DualPipeV's OVERLAP_F_B is its sub-actions in order)
@@ -50,8 +56,6 @@ class EmulatedOurs:
     """Our runtime on emulated stages, through ``chimera.api.Pipeline``."""
 
     def __init__(self, cfg: BenchConfig, row: Row, rank: int):
-        from chimera.api import Pipeline
-
         self.cfg, self.cost, self.log = cfg, cost_of(cfg), WaitLog()
         layers = layer_count(cfg)
         self.pipe = Pipeline(
@@ -75,8 +79,6 @@ class EmulatedTorch:
     """``torch.distributed.pipelining`` on the same emulated layers, cut and data."""
 
     def __init__(self, cfg: BenchConfig, row: Row, rank: int):
-        from torch.distributed import pipelining
-
         cls_name, self.style, per_rank = TORCH_SCHEDULES[row.schedule]
         cls = getattr(pipelining, cls_name, None)
         if cls is None:
@@ -107,10 +109,6 @@ class EmulatedTorch:
         runs its own loop, the textbook order our schedule of the same name has (its
         ``pipeline_order`` is for pictures only: torch 2.13's 1F1B one numbers rank 1's
         forwards from 1)."""
-        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
-
-        from chimera.schedules import build
-
         if isinstance(self.schedule, PipelineScheduleSingle):
             return build(self.row.schedule, self.cfg.stages, self.cfg.micro_batches)
         order = getattr(self.schedule, "pipeline_order", None)
@@ -188,9 +186,6 @@ def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None,
     longer the waits actually took than asked, from a traced step), also the step at those
     measured compute times: realized over it is the runtime's own cost alone, without the
     emulator's sleep overshoot."""
-    from chimera.passes import lower
-    from chimera.sim import CostModel, simulate
-
     cost = cost_of(cfg)
     lowered = schedule if schedule.lowered else lower(schedule, "eager")
     times = dict(f=cost.forward_s, i=cost.input_grad_s, w=cost.weight_grad_s)

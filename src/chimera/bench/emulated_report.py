@@ -13,6 +13,7 @@ import os
 import re
 import statistics
 
+from chimera.bench import report
 from chimera.bench.emulated import ratio, simulated, stretch_of, trace_events
 from chimera.bench.rows import BenchConfig, Row
 from chimera.ir import Schedule
@@ -51,6 +52,12 @@ def result_rows(cfg: BenchConfig, rows: list[Row], raw: dict) -> list[dict]:
             "_timeline": sim.get("timeline"),
         })
     return out
+
+
+def assemble(cfg: BenchConfig, rows: list[Row], raw: dict, started: float, load: tuple) -> dict:
+    results = result_rows(cfg, rows, raw)
+    return report.assemble(cfg, rows, raw, started, load, results, targets(results),
+                           latency=raw.get("latency"))
 
 
 def _name(row: Row) -> str:
@@ -139,8 +146,6 @@ def markdown(data: dict) -> str:
 
 def save(data: dict, raw: dict, rows: list[Row], out_dir: str, name: str) -> list[str]:
     """``name.json/.md/.png`` and one Perfetto trace per row under ``name-traces/``."""
-    from chimera.bench import report
-
     timelines = {r["impl"] + ":" + r["name"]: r.pop("_timeline") for r in data["results"]}
     paths = report.save(data, out_dir, name, markdown, chart)
     folder = os.path.join(out_dir, f"{name}-traces")
@@ -160,10 +165,10 @@ def save(data: dict, raw: dict, rows: list[Row], out_dir: str, name: str) -> lis
 
 def chart(data: dict, path: str) -> None:
     """Per row: the measured median (bar, whiskers min..max) over the simulated step (tick)."""
-    import matplotlib
+    import matplotlib  # the optional extra chimera-pipeline[plot], imported when a chart is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # (after matplotlib.use)
 
     res = data["results"][::-1]
     colors = {"chimera": "#1f77b4", "torch": "#ff7f0e"}

@@ -81,21 +81,19 @@ def _ge(value, floor):
     return None if value is None else value >= floor
 
 
-def assemble(cfg: BenchConfig, rows: list[Row], raw: dict, started: float, load: tuple) -> dict:
-    if cfg.emulate:
-        from chimera.bench import emulated_report as er
-
-        results = er.result_rows(cfg, rows, raw)
-        summary, extra = er.targets(results), {"latency": raw.get("latency")}
-    else:
-        results, extra = result_rows(cfg, rows, raw), {}
-        summary = targets(results)
+def assemble(cfg: BenchConfig, rows: list[Row], raw: dict, started: float, load: tuple,
+             results: list[dict] | None = None, summary: dict | None = None, **extra) -> dict:
+    """The results object: the run's configuration and machine, the rows (``results``,
+    default: this module's rows of a real-model run) and their ``summary`` (default: the
+    real-model targets)."""
+    results = result_rows(cfg, rows, raw) if results is None else results
     config = {**cfg.to_dict(), "torch": torch.__version__, "python": platform.python_version(),
               "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
               "wall_s": round(time.time() - started, 1),
               "load_average_before": load[0], "load_average_after": load[1],
               "order": "interleaved: every round runs one step of each row, starting one row later each round"}
-    return {"config": config, "results": results, "skipped": raw["failed"], "summary": summary, **extra}
+    return {"config": config, "results": results, "skipped": raw["failed"],
+            "summary": targets(results) if summary is None else summary, **extra}
 
 
 def _name(r: dict) -> str:

@@ -106,13 +106,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"chimera bench: every row failed ({', '.join(raw['failed'])}); nothing written "
               f"to {args.out}", file=sys.stderr)
         return 1
-    data = report.assemble(cfg, rows, raw, started, (load, os.getloadavg()))
+    load = (load, os.getloadavg())
     if cfg.emulate:
         from chimera.bench import emulated_report
 
+        data = emulated_report.assemble(cfg, rows, raw, started, load)
         paths = emulated_report.save(data, raw, rows, args.out, _stem(cfg))
         text = emulated_report.markdown(data)
     else:
+        data = report.assemble(cfg, rows, raw, started, load)
         paths = report.save(data, args.out)
         text = report.markdown(data)
     if args.json:

@@ -29,6 +29,7 @@ runtime around it.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 from collections.abc import Callable
@@ -98,8 +99,6 @@ def tighten_timer_slack() -> bool:
     here: a 5 ms sleep overshoots by ~25 us instead of ~75 us). Call it first thing in each
     process that hosts emulated layers; False where the system does not allow it."""
     try:
-        import ctypes
-
         return ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0) == 0  # PR_SET_TIMERSLACK
     except (OSError, AttributeError):
         return False
