@@ -9,6 +9,7 @@ propagates, so Python prints its traceback and exits with code 1.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -19,6 +20,12 @@ COMMANDS = ("chimera.cli.schedule_cmds",)
 OPTIONAL_COMMANDS = ("chimera.cli.train_cmd", "chimera.cli.generate_cmd", "chimera.cli.export_cmd",
                      "chimera.cli.bench_cmd",
                      "chimera.cli.plan_cmd", "chimera.cli.profile_cmd", "chimera.cli.tokenize_cmd")
+
+
+# What the machine refuses while a command writes (a full or read-only disk, a quota, an I/O
+# error): one line and exit code 1, not a traceback. Outputs are checked before the work
+# (``check_output``); these can only happen during it.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
              detail=str(exc))
     except BrokenPipeError:
         return 0
+    except OSError as exc:
+        if exc.errno not in _ENVIRONMENT_ERRNOS:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"chimera {args.command}: {exc.strerror}{where}", file=sys.stderr)
+        return 1  # a failure at run time, not bad input: the same command may work later
     except KeyboardInterrupt as exc:  # every rank a launcher started is stopped by now
         signum = getattr(exc, "signum", 2)
         print(f"chimera {args.command}: {exc.args[0] if exc.args else 'interrupted'}", file=sys.stderr)

@@ -7,8 +7,8 @@ import dataclasses
 import json
 import os
 
-from chimera.cli.common import (add_schedule_options, nonneg_float, positive_int, schedule_from_args,
-                                scheme_options_from_args)
+from chimera.cli.common import (add_schedule_options, check_output, nonneg_float, positive_int,
+                                schedule_from_args, scheme_options_from_args)
 from chimera.cli.measured import add_measured_options, cmd_replay, profile_cost
 from chimera.bounds import schedule_bound
 from chimera.errors import UserError
@@ -91,6 +91,8 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    check_output(args.png, "--png")
+    check_output(args.trace, "--trace")
     schedule = schedule_from_args(args)
     timeline = simulate(schedule, cost_from_args(args))
     print(_headline(timeline))

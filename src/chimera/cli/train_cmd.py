@@ -170,6 +170,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # keeps it alive for the whole run (launch drops it once the ranks have their own)
     data = [_check_data(cfg) if checked else None]
     _note_mask(cfg)
+    _note_init(cfg)
     try:
         result = launch(cfg, data.pop())
     except FAILURES + (TrainingFailed,) as exc:  # a hang, a dead peer, a NaN: no traceback
@@ -213,6 +214,17 @@ def _note_mask(cfg) -> None:
         where = (f"appended after the data's {info.vocab_size} ids" if cfg.mask_id == info.vocab_size
                  else "the model vocabulary's last id")
         print(f"chimera train: BERT masks with id {cfg.mask_id}, {where} ({why})", file=sys.stderr)
+
+
+def _note_init(cfg) -> None:
+    """An hf:PATH folder without weights trains from HF's initialization: say so (a folder
+    whose weights were forgotten must not pass for a fine-tuning run)."""
+    if not cfg.model.startswith("hf:") or getattr(cfg.model_source, "weights", None) is not None:
+        return
+    if os.environ.get("RANK", "0") == "0" and not cfg.resume:
+        print(f"chimera train: {cfg.model} holds no weights (no *.safetensors beside its "
+              "config): training from Hugging Face's initialization, seeded by --seed",
+              file=sys.stderr)
 
 
 def _check_data(cfg):

@@ -179,6 +179,7 @@ def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
 def _open_log(path: str, start: int):
     """The --log-json file; resuming at ``start`` keeps the lines of the steps before it."""
     kept = []
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # checked writable up front
     if start > 0 and os.path.exists(path):
         with open(path) as f:
             kept = [line for line in f if line.strip() and json.loads(line)["step"] < start]
