@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 
 from chimera.cli.common import (add_schedule_options, check_output, nonneg_float, positive_int,
@@ -112,6 +113,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     schedule = schedule_from_args(args)
     cost = profile_cost(args, schedule) if args.profile else cost_from_args(args)
     timeline = simulate(schedule, cost)
+    if not math.isfinite(timeline.makespan):  # each cost finite, their sum not: never a result
+        raise UserError(f"the simulated makespan is {timeline.makespan}: the costs given add up "
+                        "beyond a float; give times in seconds of a real run")
     result = timeline_summary(timeline)
     if args.bound:
         result["bound"] = _bound_summary(schedule, cost)
