@@ -28,6 +28,15 @@ OPTIONAL_COMMANDS = ("chimera.cli.train_cmd", "chimera.cli.generate_cmd", "chime
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
 
 
+def _environment_failure(exc: OSError) -> str | None:
+    """The line for a write the machine refused, or None (then it is a bug: a traceback)."""
+    if exc.errno in _ENVIRONMENT_ERRNOS:
+        return f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
+    if exc.errno is None and "written" in str(exc):  # numpy's tofile: "N requested and M written"
+        return f"a write stopped short ({exc}): is the disk full?"
+    return None
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
         fail(f"{self.prog}: {message}")
@@ -67,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except OSError as exc:
-        if exc.errno not in _ENVIRONMENT_ERRNOS:
+        why = _environment_failure(exc)
+        if why is None:
             raise
-        where = f" ({exc.filename})" if exc.filename else ""
-        print(f"chimera {args.command}: {exc.strerror}{where}", file=sys.stderr)
+        print(f"chimera {args.command}: {why}", file=sys.stderr)
         return 1  # a failure at run time, not bad input: the same command may work later
     except KeyboardInterrupt as exc:  # every rank a launcher started is stopped by now
         signum = getattr(exc, "signum", 2)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -195,4 +197,11 @@ def save_folder(folder: Path, tensors: dict[str, torch.Tensor], config) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(folder))
     plain = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
-    save_file(plain, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    path = folder / "model.safetensors"
+    try:
+        save_file(plain, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:  # its I/O errors carry the errno in the text only
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
