@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 
 from chimera.errors import UserError
 from chimera.ir import Schedule
@@ -53,8 +54,6 @@ def check_output(path: str | None, flag: str, directory: bool = False) -> None:
 def _try_writing_in(folder: str, flag: str, path: str) -> None:
     """os.access says yes to root everywhere, and /proc or /sys refuse even root: make (and
     drop) a nameless file there, as the command will make its output."""
-    import tempfile
-
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
