@@ -176,3 +176,16 @@ def test_limits_of_the_health_flags():
         with pytest.raises(ConfigError, match=word):
             TrainConfig(**kw)
     assert TrainConfig(spike_factor=0, warmup=0).spike_factor == 0
+
+
+def test_a_resume_on_other_data_starts_the_history_afresh(data, tmp_path):
+    """A fine-tune on other data may start far above the old loss: not a spike."""
+    other = tmp_path / "other.txt"
+    other.write_bytes(bytes(range(256)) * 300)  # every byte alike: a loss far above the text's
+    launch(ref_cfg(data, steps=2, checkpoint_dir=str(tmp_path / "ck")))
+    meta = ckpt.read_meta(tmp_path / "ck" / "step-00000002")
+    assert len(meta["health"]["recent_losses"]) == 2
+    cfg = ref_cfg(str(other), steps=2, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    assert Keeper(cfg, None, None, 0, 2).history.losses == []
+    same = ref_cfg(data, steps=3, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    assert Keeper(same, None, None, 0, 2).history.losses == meta["health"]["recent_losses"]

@@ -33,18 +33,24 @@ class Keeper:
     def __init__(self, cfg, trainer, lease, rank: int, start: int):
         self.cfg, self.trainer, self.lease, self.rank = cfg, trainer, lease, rank
         self.directory = cfg.checkpoint_dir
-        record = self._start_record(start)
-        self.history = LossHistory(record.get("recent_losses", ()), cfg.spike_factor)
+        record, same_data = self._start_record(start)
+        # losses measured on other data say nothing about this data's (a fine-tune's jump)
+        recent = record.get("recent_losses", ()) if same_data else ()
+        self.history = LossHistory(recent, cfg.spike_factor)
         # the checkpoint whose weights the next step judges (the start one if nobody has)
         unjudged = record.get("status") == checkpoint.UNCONFIRMED
         self.pending = checkpoint.step_dir(self.directory, start) if unjudged else None
         self.doubt: str | None = None  # why the newest step is in doubt
         self.skipped_in_a_row = 0
 
-    def _start_record(self, start: int) -> dict:
+    def _start_record(self, start: int) -> tuple[dict, bool]:
+        """The health record of the checkpoint resumed from, and whether it was trained on
+        the same data as this run."""
         if not (self.directory and start):
-            return {}
-        return checkpoint.health_of(checkpoint.read_meta(checkpoint.step_dir(self.directory, start)))
+            return {}, False
+        meta = checkpoint.read_meta(checkpoint.step_dir(self.directory, start))
+        data = meta.get("data") or {}
+        return checkpoint.health_of(meta), data.get("source") == self.cfg.data
 
     # -- the loop calls these ---------------------------------------------------------------
     def after_step(self, step: int, log) -> None:
