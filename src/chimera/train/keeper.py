@@ -30,6 +30,9 @@ class RunInDoubt(NonFiniteLoss):
 
 
 class Keeper:
+    """One rank's view of the run's checkpoints: what is pending judgement, why the newest
+    step is in doubt, how many steps were skipped in a row."""
+
     def __init__(self, cfg, trainer, lease, rank: int, start: int):
         self.cfg, self.trainer, self.lease, self.rank = cfg, trainer, lease, rank
         self.directory = cfg.checkpoint_dir
@@ -54,7 +57,7 @@ class Keeper:
 
     # -- the loop calls these ---------------------------------------------------------------
     def after_step(self, step: int, log) -> None:
-        """Judge step ``step`` (and the checkpoint of its weights); publish the next one if due."""
+        """Judge step ``step``, and with it the checkpoint of the weights it ran on."""
         why = self.history.judge(log.loss, log.grad_norm)
         self.doubt = None if why is None else f"step {step}: {why}"
         self._judge_pending(step, why, log.loss, log.grad_norm)
@@ -64,7 +67,7 @@ class Keeper:
 
     def stopped(self, step: int, exc: NonFiniteLoss) -> None:
         """Step ``step`` had a non-finite loss and stops the run: its weights are in doubt."""
-        why = f"the loss or gradient norm of step {step} is not finite"
+        why = self.history.doubt(exc.loss, exc.grad_norm) or "the loss or gradient norm is not finite"
         self._judge_pending(step, why, exc.loss, exc.grad_norm)
         exc.args = (f"{exc}{self._fallback()}",)
 
@@ -106,17 +109,18 @@ class Keeper:
     def _write_verdict(self, path: Path, why, loss, grad_norm, by: str) -> str | None:
         from chimera.train.lease import prune  # (it reads checkpoints: imports checkpoint)
 
-        record = checkpoint.health_of(checkpoint.read_meta(path))
-        record.update(status=checkpoint.IN_DOUBT if why else checkpoint.HEALTHY,
-                      judged_by={"by": by, "loss": loss, "grad_norm": grad_norm})
-        if why:
-            record["reason"] = f"{by}: {why}"
-        try:
+        try:  # (any failure on rank 0 must reach the others through agree, not hang them)
+            record = checkpoint.health_of(checkpoint.read_meta(path))
+            record.update(status=checkpoint.IN_DOUBT if why else checkpoint.HEALTHY,
+                          judged_by={"by": by, "loss": loss, "grad_norm": grad_norm})
+            if why:
+                record["reason"] = f"{by}: {why}"
             checkpoint.set_health(path, record)
             if not why:  # a newer healthy one: the older one kept back may go now
                 prune(self.directory, self.cfg.keep_checkpoints, self.lease.run_id)
-        except OSError as exc:
-            return f"rank 0: recording the health of {path.name} failed: {exc.strerror or exc}"
+        except (OSError, checkpoint.CheckpointError) as exc:
+            why_not = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            return f"rank 0: recording the health of {path.name} failed: {why_not}"
         return None
 
     def _count_skips(self, step: int, skipped: bool) -> None:
