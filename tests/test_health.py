@@ -189,3 +189,16 @@ def test_a_resume_on_other_data_starts_the_history_afresh(data, tmp_path):
     assert Keeper(cfg, None, None, 0, 2).history.losses == []
     same = ref_cfg(data, steps=3, checkpoint_dir=str(tmp_path / "ck"), resume=True)
     assert Keeper(same, None, None, 0, 2).history.losses == meta["health"]["recent_losses"]
+
+
+def test_generate_and_export_take_the_newest_checkpoint_not_in_doubt(data, tmp_path):
+    from chimera.train.generate import resolve
+
+    t = Trainer(ref_cfg(data))
+    t.step(0)
+    good = ckpt.save(t, tmp_path, 1, keep=3)
+    bad = ckpt.save(t, tmp_path, 2, keep=3, health={"status": "in doubt", "reason": "step 2: x"})
+    assert resolve(tmp_path) == good and resolve(bad) == bad  # a folder named is taken as is
+    ckpt.set_health(good, {"status": "in doubt", "reason": "step 1: y"})
+    with pytest.raises(ckpt.CheckpointError, match="every checkpoint in it is in doubt"):
+        resolve(tmp_path)
