@@ -84,6 +84,7 @@ def _broken_inputs(root):
     cfg = transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=2, n_head=4, n_positions=32)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(str(root / "hf-cut"))
     shutil.copytree(root / "hf-cut", root / "hf-shape")
+    shutil.copytree(root / "hf-cut", root / "hf-none", ignore=shutil.ignore_patterns("*.safetensors"))
     weights = root / "hf-cut" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     config = root / "hf-shape" / "config.json"
@@ -456,3 +457,15 @@ def test_a_config_checks_values_and_preflight_reads_files(files, monkeypatch):
     assert cfg.preflight() is cfg and "_schedule" in vars(cfg)
     with pytest.raises(ConfigError, match="--micro-batch-size"):  # a value: refused when made
         TrainConfig(strategy="halving", micro_batch_size=3)
+
+
+def test_hf_folder_without_weights_says_it_starts_from_scratch(files, capsys):
+    """Issue 26: such a folder trained from HF's initialization without a word (a forgotten
+    weights file passed for a fine-tune); a folder with weights says nothing."""
+    from chimera.cli.train_cmd import _note_init
+
+    _note_init(TrainConfig(model=f"hf:{files / 'hf-none'}").preflight())
+    err = capsys.readouterr().err
+    assert "holds no weights" in err and "Hugging Face's initialization" in err
+    _note_init(TrainConfig(model="gpt2-tiny"))
+    assert capsys.readouterr().err == ""
