@@ -243,13 +243,13 @@ class Pipeline:
             raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
 
     def _partition(self, source: LayerSource, partition) -> list[range]:
-        pieces, ranks = self.schedule.stages, self.schedule.placement.ranks
+        name, pieces, ranks = self.schedule.name, self.schedule.stages, self.schedule.placement.ranks
         if pieces > source.num_layers:  # say why there are more pieces than the stages asked for
-            per_rank = f" ({self.schedule.name} places {pieces // ranks} on each of its {ranks} ranks)" \
-                if pieces != ranks else ""
-            raise UserError(f"schedule {self.schedule.name} with stages={ranks} cuts the model into "
-                            f"{pieces} pieces{per_rank}, but it has {source.num_layers} "
-                            f"layer{'s' if source.num_layers != 1 else ''}: give at least {pieces}")
+            each = f" ({name} places {pieces // ranks} on each of its {ranks} ranks)" if pieces != ranks else ""
+            n = source.num_layers
+            raise UserError(f"schedule {name} with stages={ranks} cuts the model into {pieces} "
+                            f"pieces{each}, but it has {n} layer{'s' if n != 1 else ''}: give at "
+                            f"least {pieces}")
         if partition is None:
             from chimera.models.partition import partition as balance
             partition = balance(source.costs(), self.schedule.stages)

@@ -37,7 +37,7 @@ def _table(folder: Path):
         check_corpus_path(f)
         try:
             tables.append(pa.ipc.open_stream(pa.memory_map(str(f))).read_all())
-        except (pa.ArrowInvalid, OSError) as exc:  # OSError: truncated ("Expected to be able to read")
+        except (pa.ArrowInvalid, OSError) as exc:  # OSError: a truncated file
             raise UserError(f"{f} is not a whole arrow stream ({str(exc).splitlines()[0]}): "
                             "save the dataset again") from None
     return pa.concat_tables(tables) if tables else None

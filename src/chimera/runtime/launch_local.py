@@ -81,7 +81,8 @@ def spawn(fn: Callable[[int, int], None], world: int, backend: str = "gloo") -> 
     ValueError (``UserError``) for a ``world`` below 1 or a function that cannot be pickled.
     """
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise UserError(f"spawn: world must be a positive integer (processes to start), got {world!r}")
+        raise UserError(f"spawn: world must be a positive integer (processes to start), "
+                        f"got {world!r}")
     try:  # by reference: fails here for a lambda or a nested function, not in every child
         blob = pickle.dumps(fn)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:

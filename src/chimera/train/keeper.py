@@ -67,7 +67,7 @@ class Keeper:
 
     def stopped(self, step: int, exc: NonFiniteLoss) -> None:
         """Step ``step`` had a non-finite loss and stops the run: its weights are in doubt."""
-        why = self.history.doubt(exc.loss, exc.grad_norm) or "the loss or gradient norm is not finite"
+        why = self.history.doubt(exc.loss, exc.grad_norm) or "a non-finite loss or gradient norm"
         self._judge_pending(step, why, exc.loss, exc.grad_norm)
         exc.args = (f"{exc}{self._fallback()}",)
 
