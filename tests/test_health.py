@@ -202,3 +202,22 @@ def test_generate_and_export_take_the_newest_checkpoint_not_in_doubt(data, tmp_p
     ckpt.set_health(good, {"status": "in doubt", "reason": "step 1: y"})
     with pytest.raises(ckpt.CheckpointError, match="every checkpoint in it is in doubt"):
         resolve(tmp_path)
+
+
+def test_weights_that_overflowed_are_not_published_and_name_the_way_back(data, tmp_path):
+    """A finite loss and norm, then an update to inf: the state is refused, and the message
+    says which checkpoint to resume from."""
+    cfg = ref_cfg(data, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    trainer, lease = Trainer(cfg), claim(tmp_path, resume=False)
+    keeper = Keeper(cfg, trainer, lease, rank=0, start=0)
+    try:
+        keeper.after_step(0, fake(0, 5.5))
+        keeper.publish(1, fake(0, 5.5))
+        keeper.after_step(1, fake(1, 5.4))  # step-1 judged healthy
+        with torch.no_grad():
+            trainer.params[0].view(-1)[0] = float("inf")
+        with pytest.raises(ckpt.NonFiniteCheckpoint, match="newest healthy checkpoint .*step-00000001"):
+            keeper.publish(2, fake(1, 5.4))
+    finally:
+        lease.release()
+    assert [p.name for _, p in ckpt.published(tmp_path)] == ["step-00000001"]

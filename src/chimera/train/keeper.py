@@ -78,8 +78,12 @@ class Keeper:
             return
         record = {"status": checkpoint.UNCONFIRMED, "recent_losses": self.history.losses,
                   "made_by": {"step": step - 1, "loss": log.loss, "grad_norm": log.grad_norm}}
-        self.pending = checkpoint.save(self.trainer, self.directory, step,
-                                       self.cfg.keep_checkpoints, self.lease, health=record)
+        try:
+            self.pending = checkpoint.save(self.trainer, self.directory, step,
+                                           self.cfg.keep_checkpoints, self.lease, health=record)
+        except checkpoint.NonFiniteCheckpoint as exc:  # the update itself overflowed
+            exc.args = (f"{exc}{self._fallback()}",)
+            raise
 
     def finish(self, steps: int) -> None:
         """After the last step: judge the final checkpoint by a forward-only probe of the next
