@@ -47,12 +47,52 @@ def files(tmp_path_factory):
     shutil.copytree(root / "gpt2-tiny", root / "tampered")
     meta = root / "tampered" / "step-00000001" / "meta.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "step": "seven"}))
+    _checkpoint_files(root)
     (root / "short.txt").write_bytes(b"x" * 32)  # one sequence, but not after the held-out 5%
     (root / "short-val.txt").write_bytes(b"x" * 300)  # trains; 15 held-out bytes: no sequence
     os.mkfifo(root / "fifo")
     _measured_files(root)
     _data_files(root)
     return root
+
+
+def _checkpoint_files(root):
+    """Issue 26: an empty files table (it switched the integrity check off), a lock that is a
+    folder, a directory whose every checkpoint is in doubt."""
+    shutil.copytree(root / "gpt2-tiny", root / "nofiles")
+    meta = root / "nofiles" / "step-00000001" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "files": {}}))
+    (root / "lockdir" / ".lock").mkdir(parents=True)
+    shutil.copytree(root / "gpt2-tiny", root / "doubt")
+    meta = root / "doubt" / "step-00000001" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()),
+                                "health": {"status": "in doubt", "reason": "step 1: the loss is nan"}}))
+
+
+def _broken_inputs(root):
+    """Issue 26: a token folder claiming 10^12 ids, a truncated datasets file, HF folders with
+    damaged or mis-shaped weights, a profile whose times overflow any sum."""
+    import datasets
+    import transformers
+
+    shutil.copytree(root / "tok", root / "hugevocab")
+    meta = root / "hugevocab" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "vocab_size": 10**12}))
+    datasets.Dataset.from_dict({"text": ["some text " * 50] * 20}).save_to_disk(str(root / "cut-ds"))
+    arrow = next((root / "cut-ds").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=2, n_head=4, n_positions=32)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(str(root / "hf-cut"))
+    shutil.copytree(root / "hf-cut", root / "hf-shape")
+    shutil.copytree(root / "hf-cut", root / "hf-none", ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = root / "hf-cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    config = root / "hf-shape" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "n_inner": 48}))
+    profile = json.loads(open(PROFILE).read())
+    for layer in profile["layers"]:
+        layer["forward_s"] = 1e308  # each finite; their sum is not
+    (root / "overflow.json").write_text(json.dumps(profile))
 
 
 def _data_files(root):
@@ -91,6 +131,7 @@ def _data_files(root):
     (root / "mixed" / "notes.txt").write_text(text)
     np.save(root / "mixed" / "ids.npy", np.arange(5000))
     (root / "not-a-tokenizer.json").write_text(json.dumps({"hello": 1}))
+    _broken_inputs(root)
 
 
 def _measured_files(root):
@@ -232,6 +273,20 @@ CASES = [
     (["tokenize", "--vocab-size", "100", "--out", "{root}/t"], "more than 256"),
     (["tokenize", "--vocab-size", "300", "--out", "{root}/tok"], "not an empty folder"),
     (["tokenize", "--data", "{root}/binary.txt", "--vocab-size", "300", "--out", "{root}/t"], "binary"),
+    # issue 26: tracebacks, or checks that came only after the ranks started
+    (["train", "--warmup", "-5"], "--warmup"),
+    (["train", "--skip-limit", "0"], "positive"),
+    (["train", "--spike-factor", "1"], "--spike-factor"),
+    (["train", "--resume", "--checkpoint-dir", "{root}/nofiles"], "does not list the index"),
+    (["train", "--checkpoint-dir", "{root}/lockdir"], "lock file"),
+    (["train", "--resume", "--checkpoint-dir", "{root}/doubt"], "is in doubt"),
+    (["train", "--data", "{root}/hugevocab"], "vocab_size 1,000,000,000,000"),
+    (["train", "--data", "{root}/cut-ds"], "not a whole arrow stream"),
+    (["train", "--model", "hf:{root}/hf-cut"], "not a readable safetensors file"),
+    (["train", "--model", "hf:{root}/hf-shape"], "the config makes (16, 48)"),
+    (["show", "--png", "/proc/chimera.png"], "cannot write in /proc"),
+    (["show", "--trace", "{root}/binary"], "is a directory"),
+    (["simulate", "--profile", "{root}/overflow.json"], "above the limit"),
 ]
 if not __import__("torch").cuda.is_available():
     CASES.append((["train", "--device", "cuda"], "--device cuda"))
@@ -402,3 +457,15 @@ def test_a_config_checks_values_and_preflight_reads_files(files, monkeypatch):
     assert cfg.preflight() is cfg and "_schedule" in vars(cfg)
     with pytest.raises(ConfigError, match="--micro-batch-size"):  # a value: refused when made
         TrainConfig(strategy="halving", micro_batch_size=3)
+
+
+def test_hf_folder_without_weights_says_it_starts_from_scratch(files, capsys):
+    """Issue 26: such a folder trained from HF's initialization without a word (a forgotten
+    weights file passed for a fine-tune); a folder with weights says nothing."""
+    from chimera.cli.train_cmd import _note_init
+
+    _note_init(TrainConfig(model=f"hf:{files / 'hf-none'}").preflight())
+    err = capsys.readouterr().err
+    assert "holds no weights" in err and "Hugging Face's initialization" in err
+    _note_init(TrainConfig(model="gpt2-tiny"))
+    assert capsys.readouterr().err == ""

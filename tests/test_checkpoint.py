@@ -291,6 +291,13 @@ def test_resume_on_another_schedule_and_width(layouts):
         other = _params(root / name / "step-00000004")
         for key, value in final.items():
             torch.testing.assert_close(other[key], value, rtol=1e-10, atol=1e-12)
+    # the final checkpoint is judged by a forward-only probe: the same loss on every layout
+    probes = [ckpt.health_of(ckpt.read_meta(root / name / "step-00000004"))
+              for name in ("a", "1f1b", "w2")]
+    assert all(h["status"] == "healthy" and h["judged_by"]["by"] == "a forward-only probe"
+               for h in probes)
+    for h in probes[1:]:
+        assert h["judged_by"]["loss"] == pytest.approx(probes[0]["judged_by"]["loss"], rel=1e-12)
 
 
 @pytest.mark.slow
@@ -311,6 +318,13 @@ def test_every_rank_agrees_on_a_nonfinite_step(layouts):
         assert "step 1" in out["stop"] and "not finite" in out["stop"]
     assert ckpt.latest(root / "skip").name == "step-00000004"
     assert ckpt.latest(root / "stop").name == "step-00000001"  # before the NaN, finite
+    # step 1 ran on step-1's weights and was not finite: that checkpoint is in doubt, and no
+    # checkpoint follows step 1 (every rank agreed: the verdicts come from all-reduced values)
+    status = {p.name: ckpt.health_of(ckpt.read_meta(p))["status"] for _, p in ckpt.published(root / "skip")}
+    assert status == {"step-00000001": "in doubt", "step-00000003": "healthy",
+                      "step-00000004": "healthy"}
+    assert ckpt.health_of(ckpt.read_meta(root / "stop" / "step-00000001"))["status"] == "in doubt"
+    assert ckpt.resumable(root / "stop")[0] is None
     for _, path in ckpt.published(root / "skip"):
         assert all(torch.isfinite(v).all() for v in _params(path).values())
     log = json.loads(json.dumps(outs[0]["skip"][0]))

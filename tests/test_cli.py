@@ -85,3 +85,55 @@ def test_train_default_job_end_to_end(tmp_path, run_cli):
     assert (tmp_path / "t.png").stat().st_size > 5000
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert any(e.get("name") == "p0s0F0" for e in events)
+
+
+def _small_disk(limit: int):
+    """For a subprocess: files may not grow past ``limit`` bytes (EFBIG, as a full disk
+    refuses a write), and the signal that would kill the process instead is ignored."""
+    import resource
+    import signal
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def _run_on_small_disk(cli_env, limit, *args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "chimera", *map(str, args)], capture_output=True,
+                          text=True, timeout=300, env=cli_env, preexec_fn=_small_disk(limit))
+
+
+@pytest.mark.slow
+def test_a_write_the_disk_refuses_is_one_line_and_exit_1(tmp_path, data, cli_env, run_cli):
+    """Issue 26: tokenize and export on a full disk gave tracebacks (their folders appear
+    whole or not at all); a failure at run time exits 1, bad input 2."""
+    r = _run_on_small_disk(cli_env, 8000, "tokenize", "--data", data, "--vocab-size", 300,
+                           "--out", tmp_path / "tok", "--no-progress")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("chimera tokenize: ") and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "tok").exists()
+
+    ck = tmp_path / "ck"
+    r = run_cli("train", "--model", "hf-llama-tiny", "--schedule", "none", "--stages", "1",
+                "--steps", "1", "-B", "2", "--data", data, "--checkpoint-dir", ck, "--no-progress",
+                "--png", tmp_path / "t.png", "--trace", tmp_path / "t.json")
+    assert r.returncode == 0, r.stderr
+    r = _run_on_small_disk(cli_env, 20000, "export", "--checkpoint", ck, "--out", tmp_path / "hf")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("chimera export: File too large")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_log_json_into_a_new_folder(tmp_path, data, run_cli):
+    """Issue 26: the folder of --log-json was made by no one (a traceback on rank 0 once the
+    ranks had started); check_output accepts a folder to be made, so the run makes it."""
+    log = tmp_path / "new" / "deeper" / "log.jsonl"
+    r = run_cli("train", "--schedule", "none", "--stages", "1", "--steps", "2", "-B", "2",
+                "--data", data, "--no-progress", "--log-json", log, "--png", tmp_path / "t.png",
+                "--trace", tmp_path / "t.json")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == [0, 1]

@@ -48,7 +48,8 @@ Conventions (the same as ``nn.Sequential`` with pytrees):
   (BatchNorm in training mode) see one micro-batch at a time, as under any pipeline: their
   batch statistics are per micro-batch, and the running statistics of a stage's replicas are
   averaged at every step (``sync_buffers=True``), so replicas stay equal but the statistics
-  differ from one device's.
+  differ from one device's; ``num_batches_tracked`` counts every micro-batch of every replica,
+  as one device running the micro-batches one by one counts them.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.launch_local import SpawnError, spawn
 from chimera.runtime.pipeline import PipelineRuntime, ProbeError
-from chimera.runtime.shared import TieSync, sync_buffers
+from chimera.runtime.shared import TieSync, counters, sync_buffers
 from chimera.schedules import build, require_runnable
 from chimera.validate import validate
 
@@ -86,6 +87,27 @@ def balanced_partition(layers: Sequence[nn.Module], parts: int) -> list[range]:
 
     costs = [1.0 + sum(p.numel() for p in layer.parameters()) for layer in layers]
     return partition(costs, parts)
+
+
+# the bounds chimera train's --comm-timeout has (train.config): below a second the ranks
+# cannot rendezvous; above a week it is no timeout (and overflows C's)
+MIN_COMM_TIMEOUT_S, MAX_COMM_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
+
+
+def _check_numbers(micro_batch_size, micro_batches, comm_timeout) -> None:
+    """Sizes and the timeout, refused in one line here rather than as a ZeroDivisionError or
+    a hang deep in the runtime."""
+    for name, value, optional in (("micro_batch_size", micro_batch_size, False),
+                                  ("micro_batches", micro_batches, True)):
+        if optional and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{name} must be a positive integer, got {value!r}")
+    t = comm_timeout
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not \
+            MIN_COMM_TIMEOUT_S <= t <= MAX_COMM_TIMEOUT_S:  # NaN fails every comparison
+        raise UserError(f"comm_timeout must be between {MIN_COMM_TIMEOUT_S:g} and "
+                        f"{MAX_COMM_TIMEOUT_S:g} seconds, got {t!r}")
 
 
 def default_device() -> torch.device:
@@ -150,6 +172,16 @@ def _build_stage(source: LayerSource, ranges: list[range], ties, device, compile
     return source.stage(ranges[stage], ties, device, compile_opts)
 
 
+def _join(column: list):
+    """One output leaf over the micro-batches: rows concatenated; 0-dim tensors (a value per
+    micro-batch) stacked; anything else (not a tensor) taken from the first."""
+    if not isinstance(column[0], torch.Tensor):
+        return column[0]
+    if column[0].dim() == 0:
+        return torch.stack(column)
+    return torch.cat(column)
+
+
 class Pipeline:
     """This rank's share of a pipelined model. Construct it on every rank, same arguments.
 
@@ -175,6 +207,8 @@ class Pipeline:
                  wire_dtype: torch.dtype | None = None, token_count: Callable | None = None,
                  check_batch: bool = True, shard_optimizer: bool = False):
         self._check_args(loss_reduction, stages, data_parallel)
+        _check_numbers(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+                       comm_timeout=comm_timeout)
         keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
         n = micro_batches or stages
         require_runnable(schedule)
@@ -224,6 +258,13 @@ class Pipeline:
             raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
 
     def _partition(self, source: LayerSource, partition) -> list[range]:
+        name, pieces, ranks = self.schedule.name, self.schedule.stages, self.schedule.placement.ranks
+        if pieces > source.num_layers:  # say why there are more pieces than the stages asked for
+            each = f" ({name} places {pieces // ranks} on each of its {ranks} ranks)" if pieces != ranks else ""
+            n = source.num_layers
+            raise UserError(f"schedule {name} with stages={ranks} cuts the model into {pieces} "
+                            f"pieces{each}, but it has {n} layer{'s' if n != 1 else ''}: give at "
+                            f"least {pieces}")
         if partition is None:
             from chimera.models.partition import partition as balance
             partition = balance(source.costs(), self.schedule.stages)
@@ -345,10 +386,11 @@ class Pipeline:
         kept = [t.clone() for t in self.runtime.grad_tensors()] if accumulate else None
         if kept is not None:  # the sums below must cover only this step's gradients
             self.runtime.zero_grad(keep=False)
+        counts = counters(self.runtime) if self.sync_buffers else None
         loss = self.runtime.run(data, record)
         self.tie_sync.reduce_grads()
         if self.sync_buffers:
-            sync_buffers(self.runtime)
+            sync_buffers(self.runtime, counts)
         for t, k in zip(self.runtime.grad_tensors(), kept or []):
             t += k
         if check is not None:
@@ -360,7 +402,8 @@ class Pipeline:
     def eval_step(self, inputs, targets=None, return_outputs: bool = False):
         """Forwards only (no gradients, no sync; run ``eval()`` first for dropout/BatchNorm):
         the mini-batch loss (None without targets), and with ``return_outputs`` also the last
-        stage's outputs for the whole mini-batch, on every rank, in row order."""
+        stage's outputs for the whole mini-batch, on every rank, in row order (a 0-dim leaf,
+        such as an auxiliary loss per micro-batch, as a vector of one value per micro-batch)."""
         data, check = self._micro_data(inputs, targets, 1.0, outputs=return_outputs)
         if self.runtime.shards:
             self.runtime.gather_parameters()
@@ -382,8 +425,7 @@ class Pipeline:
         ordered = [merged[k] for k in sorted(merged)]
         leaves = [pytree.tree_flatten(y)[0] for y in ordered]
         spec = pytree.tree_flatten(ordered[0])[1]
-        cat = [torch.cat(col) if isinstance(col[0], torch.Tensor) else col[0] for col in zip(*leaves)]
-        return pytree.tree_unflatten(cat, spec)
+        return pytree.tree_unflatten([_join(col) for col in zip(*leaves)], spec)
 
     # -- model in and out ------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:

@@ -113,7 +113,7 @@ class LayerSource:
             if callable(layers) and not isinstance(layers, nn.Module):
                 with seeded(seed):
                     layers = list(layers())
-            self.layers = list(layers)
+            self.layers = [as_module(layer, i) for i, layer in enumerate(layers)]
             self.num_layers = len(self.layers)
             found = find_ties(self.layers)
         self.tie_names = merge_ties(found + [tuple(t) for t in (ties or [])])
@@ -125,7 +125,7 @@ class LayerSource:
             return [1.0 + sum(p.numel() for p in layer.parameters()) for layer in self.layers]
         try:
             with seeded(self.seed), torch.device("meta"):
-                return [1.0 + sum(p.numel() for p in self.factory(i).parameters())
+                return [1.0 + sum(p.numel() for p in as_module(self.factory(i), i).parameters())
                         for i in range(self.num_layers)]
         except Exception:  # noqa: BLE001 -- a factory that cannot build on meta: count layers
             return [1.0] * self.num_layers
@@ -159,7 +159,31 @@ class LayerSource:
 
     def _build(self, i: int) -> nn.Module:
         with seeded(layer_seed(self.seed, i)):
-            return self.factory(i)
+            return as_module(self.factory(i), i)
+
+
+class FunctionLayer(nn.Module):
+    """A plain function (``torch.relu``, a ``def``) as a layer: no parameters, no state."""
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+    def extra_repr(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
+def as_module(layer, index: int) -> nn.Module:
+    """A layer as a Module: a function is wrapped (as ``nn.Sequential`` would refuse it, but
+    an activation between layers is a natural thing to list); anything else is refused."""
+    if isinstance(layer, nn.Module):
+        return layer
+    if callable(layer):
+        return FunctionLayer(layer)
+    raise UserError(f"layer {index} is a {type(layer).__name__}, not an nn.Module or a function")
 
 
 def _carry_compile(original: nn.Module, copied: nn.Module, index: int) -> None:

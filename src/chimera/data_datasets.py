@@ -37,8 +37,9 @@ def _table(folder: Path):
         check_corpus_path(f)
         try:
             tables.append(pa.ipc.open_stream(pa.memory_map(str(f))).read_all())
-        except pa.ArrowInvalid as exc:
-            raise UserError(f"{f} is not an arrow stream ({exc})") from None
+        except (pa.ArrowInvalid, OSError) as exc:  # OSError: a truncated file
+            raise UserError(f"{f} is not a whole arrow stream ({str(exc).splitlines()[0]}): "
+                            "save the dataset again") from None
     return pa.concat_tables(tables) if tables else None
 
 

@@ -244,6 +244,10 @@ def _meta_for(path: str | None, fmt: str) -> dict | None:
         return None
     if meta.get("dtype") not in TOKEN_DTYPES or not isinstance(meta.get("vocab_size"), int):
         raise UserError(f"{meta_path} is malformed: it needs dtype (uint16|uint32) and vocab_size")
+    v = meta["vocab_size"]
+    if isinstance(v, bool) or not 2 <= v <= MAX_VOCAB:  # the limit --vocab-size has
+        raise UserError(f"{meta_path} is malformed: its vocab_size {v:,} is not from 2 to "
+                        f"{MAX_VOCAB:,}")
     tok = meta.get("tokenizer")
     return {**meta, "path": str(meta_path), "tokenizer_path": str(folder / tok) if tok else None}
 

@@ -9,6 +9,7 @@ propagates, so Python prints its traceback and exits with code 1.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -19,6 +20,21 @@ COMMANDS = ("chimera.cli.schedule_cmds",)
 OPTIONAL_COMMANDS = ("chimera.cli.train_cmd", "chimera.cli.generate_cmd", "chimera.cli.export_cmd",
                      "chimera.cli.bench_cmd",
                      "chimera.cli.plan_cmd", "chimera.cli.profile_cmd", "chimera.cli.tokenize_cmd")
+
+
+# What the machine refuses while a command writes (a full or read-only disk, a quota, an I/O
+# error): one line and exit code 1, not a traceback. Outputs are checked before the work
+# (``check_output``); these can only happen during it.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+def _environment_failure(exc: OSError) -> str | None:
+    """The line for a write the machine refused, or None (then it is a bug: a traceback)."""
+    if exc.errno in _ENVIRONMENT_ERRNOS:
+        return f"{exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
+    if exc.errno is None and "written" in str(exc):  # numpy's tofile: "N requested and M written"
+        return f"a write stopped short ({exc}): is the disk full?"
+    return None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
              detail=str(exc))
     except BrokenPipeError:
         return 0
+    except OSError as exc:
+        why = _environment_failure(exc)
+        if why is None:
+            raise
+        print(f"chimera {args.command}: {why}", file=sys.stderr)
+        return 1  # a failure at run time, not bad input: the same command may work later
     except KeyboardInterrupt as exc:  # every rank a launcher started is stopped by now
         signum = getattr(exc, "signum", 2)
         print(f"chimera {args.command}: {exc.args[0] if exc.args else 'interrupted'}", file=sys.stderr)

@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 
 from chimera.errors import UserError
 from chimera.ir import Schedule
@@ -47,6 +48,17 @@ def check_output(path: str | None, flag: str, directory: bool = False) -> None:
         raise UsageError(f"{flag} {path}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: {existing} is not writable")
+    _try_writing_in(existing, flag, path)
+
+
+def _try_writing_in(folder: str, flag: str, path: str) -> None:
+    """os.access says yes to root everywhere, and /proc or /sys refuse even root: make (and
+    drop) a nameless file there, as the command will make its output."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write in {folder}: {exc.strerror or exc}") from None
 
 
 def _whole(text: str, low: int, what: str) -> int:

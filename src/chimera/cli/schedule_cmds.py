@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 
-from chimera.cli.common import (add_schedule_options, nonneg_float, positive_int, schedule_from_args,
-                                scheme_options_from_args)
+from chimera.cli.common import (add_schedule_options, check_output, nonneg_float, positive_int,
+                                schedule_from_args, scheme_options_from_args)
 from chimera.cli.measured import add_measured_options, cmd_replay, profile_cost
 from chimera.bounds import schedule_bound
 from chimera.errors import UserError
@@ -91,6 +92,8 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    check_output(args.png, "--png")
+    check_output(args.trace, "--trace")
     schedule = schedule_from_args(args)
     timeline = simulate(schedule, cost_from_args(args))
     print(_headline(timeline))
@@ -110,6 +113,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     schedule = schedule_from_args(args)
     cost = profile_cost(args, schedule) if args.profile else cost_from_args(args)
     timeline = simulate(schedule, cost)
+    if not math.isfinite(timeline.makespan):  # each cost finite, their sum not: never a result
+        raise UserError(f"the simulated makespan is {timeline.makespan}: the costs given add up "
+                        "beyond a float; give times in seconds of a real run")
     result = timeline_summary(timeline)
     if args.bound:
         result["bound"] = _bound_summary(schedule, cost)

@@ -94,6 +94,14 @@ def add_parsers(sub) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--skip-nonfinite", action="store_true", help="skip (and log) a step whose "
                    "loss or gradient norm is NaN/inf instead of stopping the run")
+    r.add_argument("--skip-limit", type=positive_int, default=10, metavar="K",
+                   help="with --skip-nonfinite, stop (exit 1) after K steps in a row were "
+                        "skipped (default: 10)")
+    r.add_argument("--spike-factor", type=nonneg_float, default=2.0, metavar="F",
+                   help="a step whose loss is above F times the median of the last 32 healthy "
+                        "steps (and 1 nat above it) is in doubt: no checkpoint after it, and "
+                        "the checkpoint of its weights is passed over by --resume (default: 2; "
+                        "0: only NaN/inf count)")
     e = p.add_argument_group("evaluation (the held-out split: the last 5% of the data)")
     e.add_argument("--eval-every", type=nonneg_int, default=0, metavar="K",
                    help="every K steps and at the end, the held-out loss: forwards only on every "
@@ -138,7 +146,8 @@ def config_from_args(args: argparse.Namespace):
         trace=args.trace, png=args.png, progress=not args.no_progress,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
-        skip_nonfinite=args.skip_nonfinite, eval_every=args.eval_every,
+        skip_nonfinite=args.skip_nonfinite, skip_limit=args.skip_limit,
+        spike_factor=args.spike_factor, eval_every=args.eval_every,
         eval_batches=args.eval_batches)
 
 
@@ -198,6 +207,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # keeps it alive for the whole run (launch drops it once the ranks have their own)
     data = [_check_data(cfg) if checked else None]
     _note_mask(cfg)
+    _note_init(cfg)
     try:
         result = launch(cfg, data.pop())
     except FAILURES + (TrainingFailed,) as exc:  # a hang, a dead peer, a NaN: no traceback
@@ -241,6 +251,17 @@ def _note_mask(cfg) -> None:
         where = (f"appended after the data's {info.vocab_size} ids" if cfg.mask_id == info.vocab_size
                  else "the model vocabulary's last id")
         print(f"chimera train: BERT masks with id {cfg.mask_id}, {where} ({why})", file=sys.stderr)
+
+
+def _note_init(cfg) -> None:
+    """An hf:PATH folder without weights trains from HF's initialization: say so (a folder
+    whose weights were forgotten must not pass for a fine-tuning run)."""
+    if not cfg.model.startswith("hf:") or getattr(cfg.model_source, "weights", None) is not None:
+        return
+    if os.environ.get("RANK", "0") == "0" and not cfg.resume:
+        print(f"chimera train: {cfg.model} holds no weights (no *.safetensors beside its "
+              "config): training from Hugging Face's initialization, seeded by --seed",
+              file=sys.stderr)
 
 
 def _check_data(cfg):

@@ -20,8 +20,8 @@ from chimera.api import Pipeline
 from chimera.byo import build_layers
 from chimera.errors import UserError
 from chimera.hf import layers as L
-from chimera.hf.weights import (Checkpoint, cast_parameters, clear_init_flags, load_layer, save_folder,
-                                tie_within)
+from chimera.hf.weights import (Checkpoint, cast_parameters, check_shapes, clear_init_flags,
+                                load_layer, save_folder, tie_within)
 
 # architecture -> (model_type, plan, causal: labels are the input ids, shifted in the loss)
 ARCHS = {
@@ -130,6 +130,21 @@ class HFModel:
         load_layer(layer, index, self._candidates(index, layer), self.checkpoint,
                    self.source._initialize_weights)
         return layer
+
+    def check_weights(self) -> None:
+        """Every tensor the layers will read is in the checkpoint with the config's shape:
+        checked from the safetensors headers on meta layers (no tensor read), so that a
+        mismatch is one line before any process starts, not a traceback from every rank."""
+        if self.checkpoint is None or self.model is not None:
+            return
+        expected = []
+        with torch.device("meta"):
+            for index in range(self.num_layers):
+                layer = self.make_layer(index)
+                tensors = layer.state_dict(keep_vars=True)
+                expected += [(tuple(tensors[local].shape), keys)
+                             for local, keys in self._candidates(index, layer).items()]
+        check_shapes(self.checkpoint.folder, expected, self.checkpoint.shapes())
 
     def _meta_model(self) -> nn.Module:
         if self._shadow is None:

@@ -89,6 +89,7 @@ class HFSource(ModelSource):
             raise UserError("--model hf:PATH: give a config.json, or a folder holding one (and "
                              "save_pretrained safetensors weights to start from)")
         model = load(path, dtype=dtype, labels_shifted=True)
+        model.check_weights()  # here, before any rank builds its layers from them
         weights = path if model.checkpoint is not None else None
         source = cls.__new__(cls)
         source.__dict__["model"] = model  # read once: the weights stay where they are

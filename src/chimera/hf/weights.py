@@ -11,11 +11,14 @@ nothing wrote is refused by name.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -31,14 +34,26 @@ class Checkpoint:
         self.folder = folder
         index = folder / INDEX
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {k: folder / f for k, f in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self.files = {k: folder / f for k, f in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise UserError(f"{index}: not a safetensors index ({exc})") from None
         else:
             self.files = {}
             for path in sorted(folder.glob("*.safetensors")):
-                with safe_open(str(path), framework="pt") as f:
+                with _opened(path) as f:
                     self.files.update({k: path for k in f.keys()})
         self.read: list[str] = []
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every key's shape, from the files' headers (no tensor is read); UserError for a
+        file that is corrupt, truncated or missing."""
+        out = {}
+        for path in sorted(set(self.files.values())):
+            with _opened(path) as f:
+                out.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        return out
 
     @staticmethod
     def present(folder: Path) -> bool:
@@ -49,8 +64,33 @@ class Checkpoint:
 
     def get(self, key: str) -> torch.Tensor:
         self.read.append(key)
-        with safe_open(str(self.files[key]), framework="pt") as f:
+        with _opened(self.files[key]) as f:
             return f.get_tensor(key)
+
+
+@contextlib.contextmanager
+def _opened(path: Path):
+    """``safe_open``, a damaged file one line: safetensors checks the header against the
+    file's size, so a truncated or overwritten file fails here, before any tensor is read."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0]}); "
+                        "save the weights again") from None
+
+
+def check_shapes(folder: Path, expected: list[tuple[tuple, list[str]]],
+                 shapes: dict[str, tuple]) -> None:
+    """``expected``: (shape, candidate keys best first, as ``load_layer`` reads them) per
+    tensor; ``shapes``: the checkpoint's. UserError naming the first missing or different."""
+    for want, candidates in expected:
+        key = next((k for k in candidates if k in shapes), None)
+        if key is None:
+            raise UserError(f"{folder}: no tensor {candidates[0]}; the weights do not match the "
+                            "config")
+        if shapes[key] != want:
+            raise UserError(f"{folder}: {key} has shape {shapes[key]}, the config makes {want}")
 
 
 def clear_init_flags(layer: nn.Module) -> None:
@@ -157,4 +197,11 @@ def save_folder(folder: Path, tensors: dict[str, torch.Tensor], config) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(folder))
     plain = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
-    save_file(plain, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    path = folder / "model.safetensors"
+    try:
+        save_file(plain, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:  # its I/O errors carry the errno in the text only
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -20,6 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from chimera.errors import UserError
 from chimera.runtime import workers
 from chimera.runtime.grid import end_group
 
@@ -36,10 +38,18 @@ class SpawnError(RuntimeError):
         self.errors = errors
 
 
-def _entry(rank: int, world: int, fn, port: int, backend: str, errdir: str) -> None:
+def _entry(rank: int, world: int, blob: bytes, port: int, backend: str, errdir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    try:  # here, not in multiprocessing's bootstrap, so that a failure is reported as the rest
+        fn = pickle.loads(blob)
+    except BaseException as exc:
+        exc.add_note("the function spawn was given could not be rebuilt in the new process: "
+                     "define it at the top level of an importable module (not in __main__ of "
+                     "an interactive session, not as a lambda or a nested function)")
+        _report(errdir, rank, exc)
+        raise SystemExit(1) from None
     kw = {}
     if backend == "nccl":  # bound to its GPU: communicators created now, barriers know it
         torch.cuda.set_device(rank)
@@ -55,6 +65,7 @@ def _entry(rank: int, world: int, fn, port: int, backend: str, errdir: str) -> N
 
 def _report(errdir: str, rank: int, exc: BaseException) -> None:
     text = f"{type(exc).__name__}: {exc}"
+    text += "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))
     comm = type(exc).__name__ in ("CommTimeout", "DistBackendError", "DistNetworkError") or \
         any(w in text.lower() for w in COMM_WORDS)
     info = {"rank": rank, "time": time.time(), "error": text, "comm": comm,
@@ -66,12 +77,30 @@ def _report(errdir: str, rank: int, exc: BaseException) -> None:
 def spawn(fn: Callable[[int, int], None], world: int, backend: str = "gloo") -> None:
     """Run ``fn(rank, world)`` in ``world`` local processes joined in one process group.
 
-    Raises :class:`SpawnError` if any rank fails, with every rank's error, root cause first.
+    Raises :class:`SpawnError` if any rank fails, with every rank's error, root cause first;
+    ValueError (``UserError``) for a ``world`` below 1 or a function that cannot be pickled.
     """
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise UserError(f"spawn: world must be a positive integer (processes to start), "
+                        f"got {world!r}")
+    try:  # by reference: fails here for a lambda or a nested function, not in every child
+        blob = pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise UserError(f"spawn: the function cannot be sent to new processes ({exc}); define "
+                        "it at the top level of an importable module") from None
     with tempfile.TemporaryDirectory(prefix="chimera-spawn-") as errdir:
-        codes = workers.run(_entry, (world, fn, workers.free_port(), backend, errdir), world, grace=GRACE_S)
+        codes = workers.run(_entry, (world, blob, workers.free_port(), backend, errdir), world, grace=GRACE_S)
         if any(c != 0 for c in codes):
             raise _error(errdir, codes)
+
+
+def _unreported(code: int | None) -> str:
+    """A rank that exited without recording an error: killed, or failed while starting."""
+    if code is not None and code < 0:
+        return f"killed by signal {-code} (no Python error)"
+    return (f"exited with code {code} before its function ran (the process failed while "
+            "starting: its traceback, printed above, says why, e.g. __main__ could not be "
+            "imported in the new process)")
 
 
 def _error(errdir: str, codes: list[int | None]) -> SpawnError:
@@ -83,7 +112,7 @@ def _error(errdir: str, codes: list[int | None]) -> SpawnError:
                 errors.append(json.load(f))
         elif code != 0:
             errors.append({"rank": rank, "time": float("inf"), "comm": True, "traceback": "",
-                           "error": f"exited with code {code} (no Python error: killed or crashed)"})
+                           "error": _unreported(code)})
     errors.sort(key=lambda e: (e["comm"], e["time"]))
     root = errors[0]
     lines = [f"rank {root['rank']} failed (root cause): {root['error']}", root["traceback"].rstrip()]

@@ -112,17 +112,28 @@ class TieSync:
                 if s != t.stages[0] for p in ps}
 
 
+def counters(runtime) -> dict[int, torch.Tensor]:
+    """A copy of every integer buffer (``num_batches_tracked``) this rank holds, by id: taken
+    before an iteration, when every replica of a stage agrees (``sync_buffers``)."""
+    return {id(b): b.clone() for m in runtime.modules.values() for b in m.buffers()
+            if not b.is_floating_point() and b.dtype != torch.bool}
+
+
 @torch.no_grad()
-def sync_buffers(runtime) -> None:
+def sync_buffers(runtime, before: dict[int, torch.Tensor] | None = None) -> None:
     """Average the floating buffers (BatchNorm running statistics) of each stage over its
     replicas, stage by stage, so every replica continues from the same state. Integer buffers
-    (``num_batches_tracked``) count micro-batches per replica and are left alone."""
+    (``num_batches_tracked``) count micro-batches: given their values ``before`` the
+    iteration (``counters``), each replica's count becomes the start plus every replica's
+    increase, the micro-batches the stage ran in all, as one device running them counts."""
     grid, place = runtime.grid, runtime.grid.placement
     for stage in range(place.stages):
         group = grid.stage_groups.get(stage)
         mine = [m for (p, s), m in sorted(runtime.modules.items()) if s == stage]
         if not mine or group is None:
             continue
+        if before is not None:
+            _add_counts(mine, before, group)
         bufs = [[b for b in m.buffers() if b.is_floating_point()] for m in mine]
         if not bufs[0]:
             continue
@@ -134,3 +145,20 @@ def sync_buffers(runtime) -> None:
             for b in bs:
                 b.copy_(flat[offset:offset + b.numel()].view_as(b))
                 offset += b.numel()
+
+
+def _add_counts(mine: list, before: dict[int, torch.Tensor], group) -> None:
+    """Integer buffers of one stage's replicas on this rank: the sum of the increases over
+    the stage's replica group, added to the common start."""
+    bufs = [[b for b in m.buffers() if id(b) in before] for m in mine]
+    if not bufs[0]:
+        return
+    rises = torch.stack([torch.cat([(b - before[id(b)]).reshape(-1).long() for b in bs])
+                         for bs in bufs]).sum(0)
+    dist.all_reduce(rises, group=group)
+    for bs in bufs:
+        offset = 0
+        for b in bs:
+            b.copy_((before[id(b)].reshape(-1).long() + rises[offset:offset + b.numel()])
+                    .view_as(b).to(b.dtype))
+            offset += b.numel()

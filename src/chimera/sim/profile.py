@@ -119,6 +119,10 @@ def parse_profile(data, source: str = "") -> Profile:
                    float(optimizer))
 
 
+# one layer's figures for one micro-batch; beyond these a typo, and sums of them overflow
+MAX_LAYER_SECONDS, MAX_LAYER_BYTES = 1e6, 1e18
+
+
 def nonnegative_number(x) -> bool:
     """A finite JSON number >= 0 (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
@@ -132,6 +136,10 @@ def _layer(layer, where: str) -> LayerProfile:
     for key in required + _SPLIT + ("param_bytes",):
         if (key in required or key in layer) and not nonnegative_number(layer.get(key)):
             raise ProfileError(f"{where}.{key} must be a finite number >= 0, got {layer.get(key)!r}")
+        top = MAX_LAYER_SECONDS if key.endswith("_s") else MAX_LAYER_BYTES
+        if key in layer and layer[key] > top:  # sums over layers and micro-batches stay finite
+            raise ProfileError(f"{where}.{key} is {layer[key]:g}, above the limit of {top:g} for "
+                               "one layer and micro-batch")
     if (_SPLIT[0] in layer) != (_SPLIT[1] in layer):
         raise ProfileError(f"{where} needs both input_backward_s and weight_backward_s, or neither")
     split = [float(layer[k]) if k in layer else None for k in _SPLIT]

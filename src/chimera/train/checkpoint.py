@@ -72,8 +72,20 @@ def _dcp(what: str, fn, *args, **kwargs) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             fn(*args, **kwargs)
     except (CheckpointException, RuntimeError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointIOError(f"rank {_rank_world()[0]}: {what} failed: {first}") from exc
+        raise CheckpointIOError(f"rank {_rank_world()[0]}: {what} failed: {_cause(exc)}") from exc
+
+
+def _cause(exc: BaseException) -> str:
+    """One line saying why DCP failed: its CheckpointException's first line is only "ranks:
+    ...", so the rank's own exception is dug out ("[Errno 28] No space left on device")."""
+    failures = getattr(exc, "failures", None) or {}
+    inner = next((pair[0] for pair in failures.values() if isinstance(pair, tuple)), None)
+    if inner is not None:
+        return f"{type(inner).__name__}: {_cause(inner)}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} ({exc.filename})" if exc.filename else exc.strerror
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # -- where checkpoints live ---------------------------------------------------------------
@@ -94,6 +106,57 @@ def published(directory: str | os.PathLike) -> list[tuple[int, Path]]:
 def latest(directory: str | os.PathLike) -> Path | None:
     found = published(directory)
     return found[-1][1] if found else None
+
+
+# -- health (chimera.train.health): recorded in meta.json, read to resume and to prune -------
+HEALTHY, UNCONFIRMED, IN_DOUBT = "healthy", "unconfirmed", "in doubt"
+
+
+def health_of(meta: dict) -> dict:
+    """A checkpoint's health record. ``status``: healthy (the loss of its weights, the next
+    step's, was judged healthy), unconfirmed (published after a healthy step, its weights not
+    judged yet: the run ended or died first) or in doubt. A checkpoint written before health
+    was recorded counts as healthy."""
+    return meta.get("health") or {"status": HEALTHY}
+
+
+def _status(path: Path) -> tuple[str, str]:
+    """(status, why) of a published checkpoint; an unreadable one is in doubt."""
+    try:
+        record = health_of(read_meta(path))
+    except CheckpointError as exc:
+        return IN_DOUBT, str(exc)
+    return record["status"], record.get("reason", "")
+
+
+def resumable(directory: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint not in doubt, and the newer ones passed over (folder, why).
+    A checkpoint whose meta.json cannot be read is not passed over: --resume refuses it."""
+    skipped = []
+    for _, path in reversed(published(directory)):
+        try:
+            record = health_of(read_meta(path))
+        except CheckpointError:
+            return path, skipped
+        if record["status"] != IN_DOUBT:
+            return path, skipped
+        skipped.append((path, record.get("reason", "in doubt")))
+    return None, skipped
+
+
+def newest_healthy(paths: list[Path]) -> Path | None:
+    return next((p for p in reversed(paths) if _status(p)[0] == HEALTHY), None)
+
+
+def set_health(path: Path, record: dict) -> None:
+    """Replace the health record of a published checkpoint (rank 0, under the lease):
+    meta.json is rewritten beside itself and renamed over, so it is whole at every moment."""
+    meta = read_meta(path)
+    meta["health"] = record
+    tmp = path / f".{META}.tmp"
+    _write_synced(tmp, json.dumps(meta, indent=1))
+    os.rename(tmp, path / META)
+    _fsync(path)
 
 
 # -- reading safely -----------------------------------------------------------------------
@@ -186,8 +249,13 @@ def _malformed(meta: dict) -> str | None:
             isinstance(i, dict) and count(i.get("bytes")) and isinstance(i.get("sha256"), str)
             and "/" not in n and n not in ("", ".", "..") for n, i in files.items()):
         return "files is not a table of names with bytes and sha256"
+    if ".metadata" not in files or not any(n.endswith(".distcp") for n in files):
+        return "files does not list the index (.metadata) and a .distcp file"  # else unchecked
     if not isinstance(meta.get("run_id", ""), str):
         return "run_id is not a string"
+    health = meta.get("health", {"status": HEALTHY})
+    if not isinstance(health, dict) or health.get("status") not in (HEALTHY, UNCONFIRMED, IN_DOUBT):
+        return "health is not a record with a status"
     return None
 
 
@@ -267,13 +335,15 @@ def _barrier(what: str) -> None:
         collective(what, dist.barrier)
 
 
-def save(trainer, directory: str | os.PathLike, step: int, keep: int, lease=None) -> Path:
+def save(trainer, directory: str | os.PathLike, step: int, keep: int, lease=None,
+         health: dict | None = None) -> Path:
     """Write the state after ``step`` optimizer steps to ``directory/step-<step>``.
 
     Collective: every rank calls it. Raises NonFiniteCheckpoint (on every rank, before
     anything is written) when some parameter or optimizer state is NaN or infinite.
     ``lease``: rank 0's claim on the directory for the whole run (``lease.claim_all``);
     without one, rank 0 claims it for this save alone, continuing its newest checkpoint's run.
+    ``health``: the record ``meta.json`` keeps (``health_of``; None: none, read as healthy).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -298,7 +368,7 @@ def save(trainer, directory: str | os.PathLike, step: int, keep: int, lease=None
         error = None
         if rank == 0:
             error = _publish_on_rank0(trainer, own.run_id, tmp, final, world, keep,
-                                      time.perf_counter() - start)
+                                      time.perf_counter() - start, health)
         agree(error, f"publishing {final.name}")
     finally:
         if lease is None:
@@ -307,12 +377,12 @@ def save(trainer, directory: str | os.PathLike, step: int, keep: int, lease=None
 
 
 def _publish_on_rank0(trainer, run_id: str, tmp: Path, final: Path, world: int, keep: int,
-                      seconds: float) -> str | None:
+                      seconds: float, health: dict | None) -> str | None:
     """Add ``meta.json``, publish, prune; the error text if the disk refused (full, read-only)."""
     from chimera.train.lease import prune
 
     try:
-        _write_meta(trainer, tmp, final, run_id, world, seconds)
+        _write_meta(trainer, tmp, final, run_id, world, seconds, health)
         _publish(tmp, final)
         prune(final.parent, keep, run_id)
     except OSError as exc:
@@ -343,7 +413,8 @@ def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
                                   f"holds NaN or infinite values{where}")
 
 
-def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, seconds: float) -> None:
+def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, seconds: float,
+                health: dict | None) -> None:
     cfg = trainer.cfg
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
              for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -357,6 +428,8 @@ def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, second
                    "data_parallel": cfg.data_parallel, "world": world, "dtype": cfg.dtype},
         "files": files, "save_seconds": round(seconds, 4), "written_at": time.time(),
     }
+    if health is not None:
+        meta["health"] = health
     _write_synced(tmp / META, json.dumps(meta, indent=1))
     _fsync(tmp / ".metadata")
 
@@ -409,7 +482,8 @@ def _publish(tmp: Path, final: Path) -> None:
 
 # -- what comes out -----------------------------------------------------------------------
 def restore(trainer, directory: str | os.PathLike) -> int:
-    """Load the newest checkpoint into ``trainer``; return the step to continue at (0: none).
+    """Load the newest checkpoint not in doubt (``resumable``) into ``trainer``; return the
+    step to continue at (0: none).
 
     Collective. Rank 0 chooses the checkpoint and tells the others, so all load the same.
     Parameters and AdamW state are read by name, so the layout may differ from the writer's.
@@ -439,7 +513,7 @@ def restore(trainer, directory: str | os.PathLike) -> int:
 
 
 def _agree_on_latest(directory, rank: int, world: int) -> Path | None:
-    found = latest(directory)
+    found, _ = resumable(directory)  # rank 0's choice is everyone's (broadcast)
     step = torch.tensor([-1 if found is None else int(found.name[len("step-"):])],
                         device=collective_device())
     if world > 1:

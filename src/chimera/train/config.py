@@ -78,6 +78,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool = False  # continue from the newest checkpoint in checkpoint_dir, if any
     skip_nonfinite: bool = False  # skip a step with a NaN/inf loss or grad norm instead of stopping
+    skip_limit: int = 10  # ... but stop after this many skipped in a row (train/keeper.py)
+    spike_factor: float = 2.0  # a loss above this times its recent median is in doubt; 0: off
     eval_every: int = 0  # held-out loss every K steps and at the end; 0: never
     eval_batches: int = 8  # mini-batches of the held-out split per evaluation (the same ones each time)
 
@@ -144,9 +146,23 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= {low:g}, got {value!r}")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr!r}")
+        self._check_health_values()
         if not MIN_COMM_TIMEOUT_S <= self.comm_timeout <= MAX_COMM_TIMEOUT_S:
             raise ConfigError(f"--comm-timeout must be between {MIN_COMM_TIMEOUT_S:g} and "
                               f"{MAX_COMM_TIMEOUT_S:g} seconds, got {self.comm_timeout!r}")
+
+    def _check_health_values(self) -> None:
+        """--warmup, --skip-limit and --spike-factor (``chimera.train.health``)."""
+        w = self.warmup
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
+            raise ConfigError(f"--warmup must be an integer >= 0, got {w!r}")
+        k = self.skip_limit
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 10**6:
+            raise ConfigError(f"--skip-limit must be an integer between 1 and 1000000, got {k!r}")
+        f = self.spike_factor
+        if not isinstance(f, (int, float)) or not math.isfinite(f) or (f != 0 and f <= 1):
+            raise ConfigError(f"--spike-factor must be a finite number > 1, or 0 for no spike "
+                              f"rule, got {f!r}")
 
     def _check_data_path(self) -> None:
         from chimera.data import special_kind  # lazy: it imports torch
@@ -237,7 +253,11 @@ class TrainConfig:
     def _check_resumable(self) -> None:
         from chimera.train import checkpoint  # lazy: it imports torch
 
-        path = checkpoint.latest(self.checkpoint_dir)
+        path, skipped = checkpoint.resumable(self.checkpoint_dir)
+        if path is None and skipped:
+            raise ConfigError(f"--resume: every checkpoint in {self.checkpoint_dir} is in doubt "
+                              f"(newest {skipped[0][0].name}: {skipped[0][1]}); move them away "
+                              "to start afresh, or resume one by moving the newer ones away")
         if path is None:
             return  # nothing yet: --resume starts from scratch (the same command restarts)
         try:

@@ -138,7 +138,10 @@ def resolve(path: str | os.PathLike) -> Path:
                               "--checkpoint-dir or one of its step-<n> folders)")
     if (p / checkpoint.META).exists():
         return p
-    newest = checkpoint.latest(p)
+    newest, passed = checkpoint.resumable(p)  # those in doubt passed over, as --resume does
+    if newest is None and passed:
+        raise CheckpointError(f"--checkpoint {path}: every checkpoint in it is in doubt (newest "
+                              f"{passed[0][0].name}: {passed[0][1]}); give a step-<n> folder")
     if newest is None:
         raise CheckpointError(f"--checkpoint {path}: no checkpoint in it (no step-<n> folder "
                               f"and no {checkpoint.META})")

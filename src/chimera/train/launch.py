@@ -29,6 +29,7 @@ from chimera.runtime.workers import free_port
 from chimera.train import checkpoint, faults
 from chimera.train import lease as leases
 from chimera.train.config import TrainConfig
+from chimera.train.keeper import Keeper
 from chimera.train.loop import NonFiniteLoss, StepLog, Trainer, log_line, peak_rss_mb
 
 
@@ -117,11 +118,16 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
     logs: list[StepLog] = []
     record: list = []
     log_file = _open_log(cfg.log_json, start) if (cfg.log_json and rank == 0) else None
+    keeper = Keeper(cfg, trainer, lease, rank, start)
     try:
         for step in range(start, cfg.steps):
             faults.before_step(rank, step)
-            log = trainer.step(step, record if step == trace_step else None,
-                               on_grads=faults.grad_hook(rank, step))
+            try:
+                log = trainer.step(step, record if step == trace_step else None,
+                                   on_grads=faults.grad_hook(rank, step))
+            except NonFiniteLoss as exc:
+                keeper.stopped(step, exc)  # the checkpoint of these weights is in doubt
+                raise
             if _eval_due(cfg, step + 1):
                 began = time.perf_counter()
                 log.val_loss = trainer.evaluate()
@@ -137,8 +143,10 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
                       "skipped (no optimizer step)", file=sys.stderr)
             if bar is not None:
                 _show(bar, logs)
+            keeper.after_step(step, log)
             if _checkpoint_due(cfg, step + 1):
-                checkpoint.save(trainer, cfg.checkpoint_dir, step + 1, cfg.keep_checkpoints, lease)
+                keeper.publish(step + 1, log)
+        keeper.finish(cfg.steps)
     finally:
         if bar is not None:
             bar.close()
@@ -171,6 +179,7 @@ def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
 def _open_log(path: str, start: int):
     """The --log-json file; resuming at ``start`` keeps the lines of the steps before it."""
     kept = []
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # checked writable up front
     if start > 0 and os.path.exists(path):
         with open(path) as f:
             kept = [line for line in f if line.strip() and json.loads(line)["step"] < start]
@@ -240,6 +249,16 @@ def _shared_ids(cfg: TrainConfig, corpus: Corpus | None, path: str) -> Corpus | 
                         f"{exc.strerror} (set TMPDIR to a folder with room)") from None
 
 
+def _say_what_resume_skips(cfg: TrainConfig) -> None:
+    """--resume passes over checkpoints in doubt (``checkpoint.resumable``): say which, once."""
+    if not (cfg.resume and cfg.checkpoint_dir) or os.environ.get("RANK", "0") != "0":
+        return
+    path, skipped = checkpoint.resumable(cfg.checkpoint_dir)
+    for folder, why in skipped:
+        print(f"chimera train: --resume: passing over {folder.name}, in doubt ({why}); "
+              f"resuming from {path.name}", file=sys.stderr)
+
+
 def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     """Run ``cfg`` to the end and return rank 0's result dict.
 
@@ -250,6 +269,7 @@ def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     """
     cfg.preflight()  # data, model, schedule, checkpoints: refused before any process starts
     faults.active()  # a malformed CHIMERA_FAULT fails here, before any process starts
+    _say_what_resume_skips(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.reference:
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world:

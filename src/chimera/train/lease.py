@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from chimera.train.checkpoint import CheckpointError, agree, latest, owner, published
+from chimera.train.checkpoint import (CheckpointError, agree, latest, newest_healthy, owner,
+                                      published)
 
 LOCK = ".lock"
 
@@ -51,10 +52,15 @@ class Lease:
 
 
 def acquire(directory: str | os.PathLike) -> int:
-    """The locked descriptor of ``directory``'s lock file; DirectoryBusy when it is held."""
+    """The locked descriptor of ``directory``'s lock file; DirectoryBusy when it is held,
+    CheckpointError when it cannot be opened."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:  # e.g. a folder named .lock, a read-only disk
+        raise CheckpointError(f"checkpoint directory {directory}: cannot open its lock file "
+                              f"{root / LOCK}: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -117,11 +123,15 @@ def claim_all(directory: str | os.PathLike, resume: bool) -> Lease:
 
 def prune(directory: str | os.PathLike, keep: int, run_id: str) -> None:
     """Keep the newest ``keep`` checkpoints of run ``run_id`` (another run's are never
-    touched); drop leftovers of interrupted saves and removals. Call it holding the lease."""
+    touched) and, whatever ``keep`` says, its newest healthy one: while the newer ones are
+    unconfirmed or in doubt (``checkpoint.health_of``), it is the one to go back to. Drop
+    leftovers of interrupted saves and removals. Call it holding the lease."""
     root = Path(directory)
     mine = [path for _, path in published(root) if owner(path) == run_id]
+    spare = newest_healthy(mine)
     for path in mine[:-keep]:
-        _remove(path)
+        if path != spare:
+            _remove(path)
     newest = latest(root)
     for path in root.glob(".tmp-step-*"):
         if newest is None or path.name[len(".tmp-"):] < newest.name:

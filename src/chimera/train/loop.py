@@ -45,6 +45,10 @@ class StepLog:
 class NonFiniteLoss(RuntimeError):
     """The loss or the gradient norm of a step is NaN or infinite (every rank agrees)."""
 
+    def __init__(self, message: str, loss: float | None = None, grad_norm: float | None = None):
+        super().__init__(message)
+        self.loss, self.grad_norm = loss, grad_norm
+
 
 @dataclass
 class RunResult:
@@ -203,7 +207,7 @@ class Trainer:
         if skipped and not self.cfg.skip_nonfinite:
             raise NonFiniteLoss(f"step {step}: the loss ({loss}) or the gradient norm ({norm}) is not "
                                 "finite; stopped before the optimizer step (lower --lr, check the "
-                                "data, or pass --skip-nonfinite to skip such steps)")
+                                "data, or pass --skip-nonfinite to skip such steps)", loss, norm)
         if not skipped:  # loss and norm are all-reduced: every rank takes the same branch
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -280,6 +284,23 @@ class Trainer:
             return float(local)
         total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
         faults.collective("all-reduce of the held-out loss", dist.all_reduce, total)
+        return float(total.item())
+
+    def probe_loss(self, step: int) -> float:
+        """The loss of the current weights on training mini-batch ``step``, forwards only (as
+        :meth:`evaluate`: eval mode, no autograd, training unchanged): how the final
+        checkpoint of a run, which no step follows, is judged. Collective."""
+        inputs, targets = self.batch(step)
+        with self._eval_mode():
+            if self.cfg.reference:
+                loss = self._reference_loss(inputs, targets).double()
+                return float(loss / self.source.token_count(targets) if self.source.sums else loss)
+            try:
+                local = self.runtime.run_forward(self._micro_data(inputs, targets))
+            except CommTimeout as exc:
+                raise faults.explain(exc, self.runtime.eval_schedule, self.grid) from exc
+        total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
+        faults.collective("all-reduce of the probe loss", dist.all_reduce, total)
         return float(total.item())
 
     @contextlib.contextmanager
