@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from chimera.errors import UserError
 from chimera.runtime.grid import collective_device
+from chimera.train import resume
 from chimera.train.faults import collective
 
 FORMAT = "chimera-checkpoint/1"
@@ -356,6 +357,7 @@ def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, second
         "layout": {"schedule": cfg.schedule, "stages": cfg.stages,
                    "data_parallel": cfg.data_parallel, "world": world, "dtype": cfg.dtype},
         "files": files, "save_seconds": round(seconds, 4), "written_at": time.time(),
+        "run": resume.record(cfg),  # the optimizer settings and batch, for --resume to compare
     }
     _write_synced(tmp / META, json.dumps(meta, indent=1))
     _fsync(tmp / ".metadata")

@@ -289,14 +289,34 @@ class TrainConfig:
         if path is None:
             return  # nothing yet: --resume starts from scratch (the same command restarts)
         try:
-            meta = checkpoint.verify(path, self.model, self.model_source.fingerprint())
+            meta = checkpoint.verify(path)  # intact; the model is compared field by field below
         except checkpoint.CheckpointError as exc:
             raise ConfigError(f"--resume: {exc}") from None
+        self._check_changes(path, meta)
         data = meta.get("data") or {}
         if "mask_id" in data and data["mask_id"] != self.mask_id:  # older checkpoints: no record
             raise ConfigError(f"--resume: checkpoint {path} was trained with mask id "
                               f"{data['mask_id']}, this run's data masks with {self.mask_id}: "
                               "resume on the run's data and tokenizer")
+
+    def _check_changes(self, path, meta: dict) -> None:
+        """Refuse what a resume must not change, one line per field; keep what it accepts
+        (``resume_changes``) for the launcher to announce."""
+        from chimera.train import resume  # (imports no torch)
+
+        refused, accepted = resume.compare(meta, self, self.model_source.fingerprint())
+        if len(refused) == 1:  # one line, as every refusal of bad input
+            raise ConfigError(f"--resume: {path} was written by another run: {refused[0].strip()}; "
+                              f"{resume.REFUSES}")
+        if refused:
+            raise ConfigError("\n".join([f"--resume: {path} was written by a run this one may not "
+                                          f"continue; what differs:", *refused, resume.SUMMARY]))
+        object.__setattr__(self, "_resume_changes", accepted)  # frozen: not a field
+
+    @property
+    def resume_changes(self) -> list[str]:
+        """What ``--resume`` found changed and accepts, one line each (after ``preflight``)."""
+        return self.__dict__.get("_resume_changes", [])
 
     # -- derived ------------------------------------------------------------------
     @property

@@ -240,6 +240,13 @@ def _shared_ids(cfg: TrainConfig, corpus: Corpus | None, path: str) -> Corpus | 
                         f"{exc.strerror} (set TMPDIR to a folder with room)") from None
 
 
+def _announce(cfg: TrainConfig) -> None:
+    """A resume that changes accepted settings says so, once (not applied silently)."""
+    if cfg.resume_changes and os.environ.get("RANK", "0") == "0":
+        print(f"chimera train: resuming from {checkpoint.latest(cfg.checkpoint_dir)} with these "
+              "changes:\n" + "\n".join(cfg.resume_changes), file=sys.stderr, flush=True)
+
+
 def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     """Run ``cfg`` to the end and return rank 0's result dict.
 
@@ -250,6 +257,7 @@ def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     """
     cfg.preflight()  # data, model, schedule, checkpoints: refused before any process starts
     faults.active()  # a malformed CHIMERA_FAULT fails here, before any process starts
+    _announce(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.reference:
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world:
