@@ -7,6 +7,7 @@ what needs torch is imported inside the function that uses it."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import asdict, dataclass, fields
@@ -140,6 +141,7 @@ class TrainConfig:
         if not self.reference:
             self.build_schedule()  # raises ConfigError on impossible layouts
         self._check_checkpoint_dir()
+        self._check_tensorboard()
         object.__setattr__(self, "_preflight_done", True)  # frozen: not a field, not compared
         return self
 
@@ -273,6 +275,11 @@ class TrainConfig:
         if self.dtype == "bf16-master" and self.shard_optimizer:
             raise ConfigError("--dtype bf16-master with --shard-optimizer is not supported yet: "
                               "the sharded optimizer updates slices of the parameters themselves")
+
+    def _check_tensorboard(self) -> None:
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("--tensorboard needs the tensorboard package: pip install "
+                              "'chimera-pipeline[torch]' (or tensorboard)")
 
     def _check_unowned(self) -> None:
         """A directory holding checkpoints belongs to their run: only --resume continues it."""

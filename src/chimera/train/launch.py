@@ -30,6 +30,7 @@ from chimera.train import checkpoint, faults
 from chimera.train import lease as leases
 from chimera.train.config import TrainConfig
 from chimera.train.loop import NonFiniteLoss, StepLog, Trainer, log_line, peak_rss_mb
+from chimera.train.watch import Watch, model_flops_per_token, peak_flops_per_rank
 
 
 class TrainingFailed(RuntimeError):
@@ -117,15 +118,19 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
     logs: list[StepLog] = []
     record: list = []
     log_file = _open_log(cfg.log_json, start) if (cfg.log_json and rank == 0) else None
+    watch = Watch(trainer, cfg.tensorboard, rank) if cfg.tensorboard else None
     try:
         for step in range(start, cfg.steps):
             faults.before_step(rank, step)
-            log = trainer.step(step, record if step == trace_step else None,
-                               on_grads=faults.grad_hook(rank, step))
+            # --tensorboard times every step; the trace keeps one
+            mine = record if step == trace_step else ([] if watch else None)
+            log = trainer.step(step, mine, on_grads=faults.grad_hook(rank, step))
             if _eval_due(cfg, step + 1):
                 began = time.perf_counter()
                 log.val_loss = trainer.evaluate()
                 log.eval_seconds = time.perf_counter() - began
+            if watch is not None:
+                watch.after_step(log, mine)
             logs.append(log)
             if hooks is not None:
                 hooks(trainer, step, log)
@@ -144,6 +149,8 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
             bar.close()
         if log_file:
             log_file.close()
+        if watch is not None:
+            watch.close()
     return _collect(trainer, cfg, logs, record, result_path)
 
 
@@ -206,6 +213,9 @@ def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> d
         "config": cfg.to_dict(),
         "steps": [vars(l) for l in logs],
         "ranks": gathered,
+        # model FLOPs utilization: the summary's, against the peak it names
+        "model_flops_per_token": model_flops_per_token(trainer.source),
+        "peak_flops": peak_flops_per_rank(cfg.peak_flops, trainer.device),
     }
     if result_path:
         with open(result_path, "w") as f:
