@@ -71,6 +71,8 @@ ACCUM = {  # world 2, 8 sequences per pass; with --grad-accum 2 a step is 16 (BE
                     micro_batch_size=2, grad_accum=2),
     "bert": dict(model="bert-tiny", schedule="chimera", stages=2, micro_batches=2,
                  micro_batch_size=2, grad_accum=2),
+    "chimera-sharded": dict(schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2,
+                            grad_accum=3, shard_optimizer=True),
 }
 
 

@@ -25,6 +25,8 @@ def _cfg(data, dtype, **kw):
 
 def _train(trainer, steps=STEPS):
     logs = [trainer.step(s) for s in range(steps)]
+    trainer.norms = [l.grad_norm for l in logs]  # the unscaled gradients' (AdamW alone would not
+    # show a missing unscale: it divides the scale out, and clipping hides it)
     return [l.loss for l in logs], {n: p.detach().clone() for n, _, p in trainer.replica_parameters()}
 
 
@@ -32,7 +34,12 @@ def _train(trainer, steps=STEPS):
 def float32_run(data):
     t = Trainer(_cfg(data, "float32"))
     init = {n: p.detach().clone() for n, _, p in t.replica_parameters()}
-    return (*_train(t), init)
+    run = (*_train(t), init)
+    FLOAT32_NORMS[:] = t.norms
+    return run
+
+
+FLOAT32_NORMS: list[float] = []
 
 
 def _assert_near_float32(got, want, loss_tol, param_tol):
@@ -81,6 +88,7 @@ def test_fp16_scales_the_loss_and_trains_like_float32(data, float32_run):
     t = Trainer(_cfg(data, "fp16"))
     assert t.scaler.scale == 2.0 ** 16
     run = _train(t)
+    assert t.norms == pytest.approx(FLOAT32_NORMS, rel=1e-2)  # the gradients were unscaled
     _assert_near_float32(run, float32_run, loss_tol=5e-3, param_tol=0.02)
     assert t.scaler.scale == 2.0 ** 16  # no overflow in a few steps
 
@@ -118,11 +126,12 @@ def test_loss_scale_grows_after_enough_good_steps():
 def _worker(rank, world, port, root, data):
     with gloo_group(rank, world, port):
         out = {}
-        for dtype in ("bf16-master", "fp16"):
-            cfg = _cfg(data, dtype, schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2)
+        for dtype, sharded in (("bf16-master", False), ("fp16", False), ("fp16", True)):
+            cfg = _cfg(data, dtype, schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2,
+                       shard_optimizer=sharded)
             t = Trainer(cfg, rank)
             losses, params = _train(t)
-            out[dtype] = (losses, params, [m.dtype for m in t.params],
+            out[dtype + "-sharded" * sharded] = (losses, params, t.norms, [m.dtype for m in t.params],
                           sorted({str(p.dtype) for m in t.runtime.modules.values() for p in m.parameters()}))
         torch.save(out, os.path.join(root, f"out.{rank}"))
 
@@ -133,9 +142,11 @@ def test_pipelined_mixed_precision_is_close_to_one_process_float32(tmp_path, dat
     assert codes == [0, 0]
     for rank in (0, 1):
         out = torch.load(tmp_path / f"out.{rank}", weights_only=True)
-        losses, params, master_dtypes, module_dtypes = out["bf16-master"]
+        losses, params, _, master_dtypes, module_dtypes = out["bf16-master"]
         assert set(master_dtypes) == {torch.float32} and module_dtypes == ["torch.bfloat16"]
         _assert_near_float32((losses, params), float32_run, loss_tol=0.1, param_tol=0.1)
-        losses, params, _, module_dtypes = out["fp16"]
-        assert module_dtypes == ["torch.float32"]
-        _assert_near_float32((losses, params), float32_run, loss_tol=5e-3, param_tol=0.02)
+        for name in ("fp16", "fp16-sharded"):  # the scaler unscales an optimizer's slices too
+            losses, params, norms, _, module_dtypes = out[name]
+            assert module_dtypes == ["torch.float32"]
+            assert norms == pytest.approx(FLOAT32_NORMS, rel=1e-2)
+            _assert_near_float32((losses, params), float32_run, loss_tol=5e-3, param_tol=0.02)
