@@ -181,3 +181,34 @@ def test_launch_runs_with_accumulation(data):
                       steps=2, progress=False)
     steps = launch(cfg)["steps"]
     assert [s["tokens"] for s in steps] == [2 * 3 * cfg.model_source.seq_len] * 2
+
+
+NEW_FLAGS = ("--lr-schedule", "--min-lr-ratio", "--wsd-decay", "--adam-beta1", "--adam-beta2",
+             "--adam-eps", "--grad-accum", "--compile", "--tensorboard", "--peak-flops",
+             "--resume-allow")
+
+
+def test_every_new_flag_is_explained_in_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in NEW_FLAGS:
+        assert flag in text, flag
+    for phrase in ("bf16-master = bf16 weights", "fp16 = float32 weights with float16 autocast",
+                   "K*W*N*B sequences", "model FLOPs utilization", "comma-separated: data"):
+        assert phrase in text, phrase
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "TRAINING.md")).read()
+    for flag in NEW_FLAGS + ("--dtype bf16-master", "--dtype fp16"):
+        assert f"`{flag}" in docs, flag
+
+
+@pytest.mark.slow
+def test_the_new_flags_end_to_end(run_cli, data, tmp_path):
+    board = tmp_path / "tb"
+    out = run_cli("train", "--data", data, "--steps", "2", "-B", "2", "--grad-accum", "2",
+                  "--dtype", "fp16", "--lr-schedule", "linear", "--adam-beta2", "0.99",
+                  "--tensorboard", board, "--peak-flops", "1e9", "--eval-every", "2",
+                  "--eval-batches", "1", "--no-progress", "--png", "", "--trace", "")
+    assert out.returncode == 0, out.stderr
+    assert "perplexity" in out.stdout and "of 1e+09 FLOP/s per rank x 2" in out.stdout
+    assert any(p.name.startswith("events.out.tfevents") for p in board.iterdir())
