@@ -150,3 +150,15 @@ def test_pipelined_mixed_precision_is_close_to_one_process_float32(tmp_path, dat
             assert module_dtypes == ["torch.float32"]
             assert norms == pytest.approx(FLOAT32_NORMS, rel=1e-2)
             _assert_near_float32((losses, params), float32_run, loss_tol=5e-3, param_tol=0.02)
+
+
+def test_a_run_goes_on_past_an_overflow_and_says_so(data, monkeypatch, capsys):
+    """The nan drill under fp16: the step is skipped with a line naming the new scale, and the
+    run ends normally (float32 would stop there)."""
+    from chimera.train.launch import launch
+
+    monkeypatch.setenv("CHIMERA_FAULT", "nan:0:1")
+    result = launch(_cfg(data, "fp16", steps=3))
+    assert [s["skipped"] for s in result["steps"]] == [False, True, False]
+    assert "step 1: float16 gradients overflowed: skipped (no optimizer step), loss scale now 32768" \
+        in capsys.readouterr().err

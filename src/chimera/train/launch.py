@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import sys
 import tempfile
@@ -138,8 +139,7 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
                 log_file.write(log_line(log) + "\n")
                 log_file.flush()
             if log.skipped and rank == 0:
-                print(f"step {step}: loss {log.loss} / grad norm {log.grad_norm} not finite: "
-                      "skipped (no optimizer step)", file=sys.stderr)
+                print(_skip_message(trainer, log), file=sys.stderr)
             if bar is not None:
                 _show(bar, logs)
             if _checkpoint_due(cfg, step + 1):
@@ -152,6 +152,14 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
         if watch is not None:
             watch.close()
     return _collect(trainer, cfg, logs, record, result_path)
+
+
+def _skip_message(trainer: Trainer, log: StepLog) -> str:
+    if trainer.scaler is not None and math.isfinite(log.loss):  # fp16: expected now and then
+        return (f"step {log.step}: float16 gradients overflowed: skipped (no optimizer step), "
+                f"loss scale now {trainer.scaler.scale:g}")
+    return (f"step {log.step}: loss {log.loss} / grad norm {log.grad_norm} not finite: skipped "
+            "(no optimizer step)")
 
 
 def _show(bar, logs: list[StepLog]) -> None:
