@@ -224,12 +224,12 @@ class Trainer:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.cfg.reference:
             loss = self._reference_backward(inputs, targets, scale)
-        else:
-            loss = self._pipeline_backward(inputs, targets, record, scale)
+        else:  # the micro-batches' loss weights carried the scale
+            loss = self._pipeline_backward(inputs, targets, record, scale) / scale
         if self.scaler is not None:
             held = [p.grad for p in self.params] if self.cfg.reference else self.runtime.grad_tensors()
             self.scaler.unscale_([g for g in held if g is not None])
-        return loss / scale
+        return loss
 
     def _accumulated(self, inputs, targets):
         """The step's batch as ``grad_accum`` mini-batches of ``global_batch`` rows each."""
@@ -237,6 +237,7 @@ class Trainer:
         return [(inputs[i:i + rows], targets[i:i + rows]) for i in range(0, inputs.shape[0], rows)]
 
     def _reference_backward(self, inputs, targets, scale: float = 1.0) -> float:
+        """The step's loss; the gradients of ``scale`` times it in .grad."""
         self.optimizer.zero_grad(set_to_none=False)
         if self.master is not None:
             self.model.zero_grad(set_to_none=False)
@@ -248,7 +249,7 @@ class Trainer:
                 loss * (x.shape[0] / inputs.shape[0])
             (loss * scale).backward()
             total += float(loss.detach())
-        return total * scale
+        return total
 
     def _reference_loss(self, inputs, targets) -> torch.Tensor:
         """The single-process model's loss: a mean, or a sum over target tokens (``sums``)."""
@@ -258,8 +259,9 @@ class Trainer:
             return self.source.loss_fn(out, targets.to(self.device))
 
     def _pipeline_backward(self, inputs, targets, record, scale: float = 1.0) -> float:
-        """Every mini-batch runs the whole schedule (its gradient sync included); the sums of
-        the earlier ones are put aside and added back, as ``Pipeline.step(accumulate=True)``."""
+        """``scale`` times the step's loss, and the gradients of it. Every mini-batch runs the
+        whole schedule (its gradient sync included); the sums of the earlier ones are put
+        aside and added back, as ``Pipeline.step(accumulate=True)`` does."""
         weight = loss_weights(self.source, targets, self.rows, 1)[0] * scale
         parts = self._accumulated(inputs, targets)
         kept, local = None, 0.0
