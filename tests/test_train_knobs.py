@@ -212,3 +212,32 @@ def test_the_new_flags_end_to_end(run_cli, data, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "perplexity" in out.stdout and "of 1e+09 FLOP/s per rank x 2" in out.stdout
     assert any(p.name.startswith("events.out.tfevents") for p in board.iterdir())
+
+
+def _compile_worker(rank, world, port, root, data):
+    from torch._dynamo.utils import counters
+
+    original = torch.nn.Module.compile
+    # dynamo's own tracing with the eager backend: what --compile does to the stages, without
+    # inductor's code generation (minutes on one CPU core; --compile itself uses inductor)
+    torch.nn.Module.compile = lambda self, **kw: original(self, backend="eager")
+    with gloo_group(rank, world, port):
+        out = {}
+        for on in (False, True):
+            cfg = TrainConfig(data=data, steps=3, dtype="float64", compile=on, progress=False)
+            t = Trainer(cfg, rank)
+            out[on] = ([t.step(s).loss for s in range(3)],
+                       [m._compiled_call_impl is not None for m in t.runtime.modules.values()])
+        out["graphs"] = counters["stats"]["unique_graphs"]
+        torch.save(out, os.path.join(root, f"out.{rank}"))
+
+
+@pytest.mark.slow
+def test_compiled_stages_train_as_the_uncompiled_ones(tmp_path, data):
+    codes = workers.run(_compile_worker, (2, free_port(), str(tmp_path), data), 2, grace=10.0)
+    assert codes == [0, 0]
+    for rank in (0, 1):
+        out = torch.load(tmp_path / f"out.{rank}", weights_only=True)
+        assert out[False][1] == [False, False] and out[True][1] == [True, True]
+        assert out["graphs"] > 0  # dynamo traced the stages
+        assert out[True][0] == out[False][0]
