@@ -65,6 +65,7 @@ def test_new_data_is_refused_unless_allowed(saved, data, tmp_path):
         _resume(saved, data=str(other))
     cfg = _resume(saved, data=str(other), resume_allow=("data",))
     assert cfg.resume_changes == []
+    assert _resume(saved, data=str(other), resume_allow="data").resume_allow == ("data",)
 
 
 def test_the_same_batch_on_another_layout_is_accepted_and_announced(saved, data):

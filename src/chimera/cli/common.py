@@ -12,6 +12,7 @@ from chimera.ir import Schedule
 from chimera.passes import SYNC_MODES, lower
 from chimera.schedules import build, get_scheme, schemes
 from chimera.schedules.registry import option_declarations
+from chimera.train.config import RESUME_ALLOWABLE
 from chimera.validate import validate
 
 
@@ -95,8 +96,6 @@ def beta_float(text: str) -> float:
 
 def resume_fields(text: str) -> tuple[str, ...]:
     """``--resume-allow data``: the names ``TrainConfig.resume_allow`` takes."""
-    from chimera.train.config import RESUME_ALLOWABLE  # (imports no torch)
-
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     bad = [n for n in names if n not in RESUME_ALLOWABLE]
     if bad or not names:

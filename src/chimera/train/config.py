@@ -19,13 +19,14 @@ from chimera.ir import Schedule, ScheduleError
 from chimera.passes import lower
 from chimera.schedules import build, require_runnable
 from chimera.schedules.registry import option_declarations
+from chimera.train import resume
 from chimera.validate import validate
 
 WIRE_DTYPES = {None: None, "bf16": "bfloat16", "float16": "float16"}  # name -> torch attribute
 # bf16: float32 weights under bf16 autocast; bf16-master: bf16 weights, float32 master copies
 # and optimizer state; fp16: float32 weights under float16 autocast with a loss scaler
 DTYPES = ("float32", "float64", "bf16", "bf16-master", "fp16")
-LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # the shape after warm-up (train/loop.lr_at)
+LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # the shape after warm-up (train/optim.lr_at)
 # sizes refused before anything is allocated (the schedule's own limits are in
 # chimera.schedules.registry): a micro-batch is (B, seq_len) tokens on every first stage
 # below a second the ranks cannot even rendezvous; above a week is no timeout (and overflows C)
@@ -268,6 +269,9 @@ class TrainConfig:
         if self.peak_flops is not None and not (isinstance(self.peak_flops, (int, float))
                                                 and 0 < self.peak_flops < math.inf):
             raise ConfigError(f"--peak-flops must be a finite number > 0, got {self.peak_flops!r}")
+        if isinstance(self.resume_allow, str):  # "data" or "data,seed", as the flag takes it
+            object.__setattr__(self, "resume_allow",
+                               tuple(n.strip() for n in self.resume_allow.split(",") if n.strip()))
         unknown = set(self.resume_allow) - set(RESUME_ALLOWABLE)
         if unknown:
             raise ConfigError(f"--resume-allow takes {', '.join(RESUME_ALLOWABLE)}, got "
@@ -309,8 +313,6 @@ class TrainConfig:
     def _check_changes(self, path, meta: dict) -> None:
         """Refuse what a resume must not change, one line per field; keep what it accepts
         (``resume_changes``) for the launcher to announce."""
-        from chimera.train import resume  # (imports no torch)
-
         refused, accepted = resume.compare(meta, self, self.model_source.fingerprint())
         if len(refused) == 1:  # one line, as every refusal of bad input
             raise ConfigError(f"--resume: {path} was written by another run: {refused[0].strip()}; "
