@@ -162,3 +162,39 @@ def test_a_run_goes_on_past_an_overflow_and_says_so(data, monkeypatch, capsys):
     assert [s["skipped"] for s in result["steps"]] == [False, True, False]
     assert "step 1: float16 gradients overflowed: skipped (no optimizer step), loss scale now 32768" \
         in capsys.readouterr().err
+
+
+# -- a weight tied across stages (HF GPT-2's embedding and head) ---------------------------------
+def _tied_worker(rank, world, port, root):
+    cfg = TrainConfig(model=f"hf:{root / 'gpt2'}", data=str(root / "text.txt"), dtype="bf16-master",
+                      schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=8,
+                      steps=3, progress=False)
+    with gloo_group(rank, world, port):
+        t = Trainer(cfg, rank)
+        losses, _ = _train(t, 3)
+        tie = t.tie_sync.ties[0] if t.tie_sync.ties else None
+        copies = [p.detach().clone() for n, _, p in t.replica_parameters()  # masters, by the
+                  if n == "transformer.wte.weight"]  # tie's first name: embedding and head
+        torch.save({"losses": losses, "copies": copies, "tied": tie is not None},
+                   os.path.join(root, f"tied.{rank}"))
+
+
+@pytest.mark.slow
+def test_bf16_master_keeps_a_tied_weight_tied(tmp_path):
+    """The tie's copies (embedding on the first stage, head on the last) get the summed
+    gradient, so their float32 masters, and the bf16 weights rounded from them, stay equal."""
+    import json
+
+    from transformers import GPT2Config
+
+    (tmp_path / "text.txt").write_bytes(open(json.__file__, "rb").read()[:20_000] * 3)
+    GPT2Config(vocab_size=256, n_embd=16, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
+               embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+               eos_token_id=None).save_pretrained(tmp_path / "gpt2")
+    codes = workers.run(_tied_worker, (2, free_port(), tmp_path), 2, grace=10.0)
+    assert codes == [0, 0]
+    outs = [torch.load(tmp_path / f"tied.{r}", weights_only=True) for r in range(2)]
+    assert outs[0]["tied"] and outs[0]["losses"] == outs[1]["losses"]
+    copies = [c for out in outs for c in out["copies"]]  # 2 replicas x (embedding, head)
+    assert len(copies) == 4 and all(torch.equal(copies[0], c) for c in copies[1:])
+    assert copies[0].dtype == torch.float32
