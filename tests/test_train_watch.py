@@ -33,11 +33,12 @@ def watched(tmp_path_factory, data):
 def test_the_event_file_holds_every_scalar(watched):
     _, _, scalars = watched
     expected = {"train/loss", "train/perplexity", "train/lr", "train/grad_norm", "train/step_s",
-                "train/tokens_per_s", "train/mfu", "train/skipped", "eval/loss", "eval/perplexity",
+                "train/tokens", "train/tokens_per_s", "train/mfu", "train/skipped", "eval/loss",
+                "eval/perplexity", "eval/seconds",
                 "stage0/compute_s", "stage0/comm_s", "stage1/compute_s", "stage1/comm_s",
                 "rank0/comm_s", "rank1/comm_s", "rank0/peak_rss_mb", "rank1/peak_rss_mb"}
     assert expected <= set(scalars), expected - set(scalars)
-    for tag in expected - {"eval/loss", "eval/perplexity"}:
+    for tag in expected - {"eval/loss", "eval/perplexity", "eval/seconds"}:
         assert [s for s, _ in scalars[tag]] == [1, 2, 3], tag  # x: optimizer steps done
     assert [s for s, _ in scalars["eval/loss"]] == [2, 3]
 
@@ -50,6 +51,8 @@ def test_the_scalars_are_the_runs_values(watched):
     assert value("train/lr") == pytest.approx([s["lr"] for s in steps], rel=1e-6)
     assert value("train/perplexity") == pytest.approx([math.exp(s["loss"]) for s in steps], rel=1e-5)
     assert value("eval/loss") == pytest.approx([s["val_loss"] for s in steps[1:]], rel=1e-6)
+    assert value("train/tokens") == [s["tokens"] for s in steps]
+    assert value("eval/seconds") == pytest.approx([s["eval_seconds"] for s in steps[1:]], rel=1e-5)
     assert value("eval/perplexity") == pytest.approx([math.exp(s["val_loss"]) for s in steps[1:]],
                                                      rel=1e-5)
     flops = model_flops_per_token(cfg.model_source)

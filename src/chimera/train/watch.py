@@ -7,8 +7,9 @@ every rank's sums and peak memory to rank 0, which writes the scalars with the
 ``tensorboard`` package (through ``torch.utils.tensorboard``):
 
 - ``train/loss``, ``train/perplexity``, ``train/lr``, ``train/grad_norm``, ``train/step_s``,
-  ``train/tokens_per_s``, ``train/mfu``, ``train/skipped``, ``train/loss_scale`` (fp16);
-- ``eval/loss``, ``eval/perplexity`` where ``--eval-every`` evaluated;
+  ``train/tokens``, ``train/tokens_per_s``, ``train/mfu``, ``train/skipped``,
+  ``train/loss_scale`` (fp16): the --log-json line's values and what follows from them;
+- ``eval/loss``, ``eval/perplexity``, ``eval/seconds`` where ``--eval-every`` evaluated;
 - ``stage<s>/compute_s``, ``stage<s>/comm_s``: seconds in the step, over every replica of s;
 - ``rank<r>/comm_s`` (everything not compute on rank r), ``rank<r>/peak_rss_mb``,
   ``rank<r>/peak_cuda_mb`` on CUDA.
@@ -110,13 +111,15 @@ class Watch:
         w, step, s = self.writer, log.step + 1, self.stages  # x axis: optimizer steps done
         scalars = {"train/loss": log.loss, "train/perplexity": _perplexity(log.loss),
                    "train/lr": log.lr, "train/grad_norm": log.grad_norm,
-                   "train/step_s": log.seconds, "train/tokens_per_s": log.tokens / log.seconds,
+                   "train/step_s": log.seconds, "train/tokens": log.tokens,
+                   "train/tokens_per_s": log.tokens / log.seconds,
                    "train/mfu": mfu(log.tokens, log.seconds, self.flops, self.ranks, self.peak),
                    "train/skipped": float(log.skipped)}
         if self.trainer.scaler is not None:
             scalars["train/loss_scale"] = self.trainer.scaler.scale
         if log.val_loss is not None:
-            scalars.update({"eval/loss": log.val_loss, "eval/perplexity": _perplexity(log.val_loss)})
+            scalars.update({"eval/loss": log.val_loss, "eval/perplexity": _perplexity(log.val_loss),
+                            "eval/seconds": log.eval_seconds})
         total = torch.stack(rows).sum(0)
         for stage in range(s):
             scalars[f"stage{stage}/compute_s"] = float(total[stage])
