@@ -198,3 +198,16 @@ def test_bf16_master_keeps_a_tied_weight_tied(tmp_path):
     copies = [c for out in outs for c in out["copies"]]  # 2 replicas x (embedding, head)
     assert len(copies) == 4 and all(torch.equal(copies[0], c) for c in copies[1:])
     assert copies[0].dtype == torch.float32
+
+
+def test_the_loss_scale_is_checkpointed(data, tmp_path):
+    t = Trainer(_cfg(data, "fp16"))
+    t.step(0)
+    t.step(1, on_grads=_inf_grad)  # the scale halves
+    t.step(2)
+    ckpt.save(t, tmp_path, 3, keep=1)
+    again = Trainer(_cfg(data, "fp16"))
+    assert again.scaler.scale == 2.0 ** 16
+    ckpt.restore(again, tmp_path)
+    assert (again.scaler.scale, again.scaler.good_steps) == (2.0 ** 15, 1)
+    assert again.step(3).loss == t.step(3).loss

@@ -357,7 +357,8 @@ def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, second
         "layout": {"schedule": cfg.schedule, "stages": cfg.stages,
                    "data_parallel": cfg.data_parallel, "world": world, "dtype": cfg.dtype},
         "files": files, "save_seconds": round(seconds, 4), "written_at": time.time(),
-        "run": resume.record(cfg),  # the optimizer settings and batch, for --resume to compare
+        # the optimizer settings and batch, for --resume to compare; fp16's loss scale
+        "run": {**resume.record(cfg), **trainer.run_state()},
     }
     _write_synced(tmp / META, json.dumps(meta, indent=1))
     _fsync(tmp / ".metadata")
@@ -437,6 +438,7 @@ def restore(trainer, directory: str | os.PathLike) -> int:
     trainer.load_whole_optimizer_state(whole)
     _copy_to_other_replicas(trainer, replicas)
     trainer.equalize_ties()  # a tie is one key, read into each copy: equal, and kept so
+    trainer.load_run_state(meta.get("run") or {})
     return int(meta["step"])
 
 

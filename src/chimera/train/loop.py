@@ -377,6 +377,18 @@ class Trainer:
         if not self.cfg.reference:
             self.tie_sync.equalize()
 
+    def run_state(self) -> dict:
+        """What a checkpoint's ``meta.json`` keeps of the run beyond tensors: fp16's loss scale."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.scale, "loss_scale_good_steps": self.scaler.good_steps}
+
+    def load_run_state(self, run: dict) -> None:
+        """The loss scale a checkpoint kept (every rank reads the same ``meta.json``)."""
+        if self.scaler is not None and "loss_scale" in run:
+            self.scaler.scale = float(run["loss_scale"])
+            self.scaler.good_steps = int(run.get("loss_scale_good_steps", 0))
+
     def whole_optimizer_state(self, empty: bool = False) -> dict:
         """Where the optimizer is sharded: each parameter's whole AdamW state, gathered over
         its replica group (collective, stages in order), or zeros to load into (``empty``).
