@@ -103,3 +103,10 @@ def test_tensorboard_without_the_package_is_refused(data, monkeypatch, tmp_path)
                         lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ConfigError, match="--tensorboard needs the tensorboard package"):
         TrainConfig(data=data, tensorboard=str(tmp_path)).preflight()
+
+
+def test_perplexity_of_a_diverged_loss_is_inf_not_an_overflow():
+    from chimera.train.report import perplexity
+
+    assert perplexity(0.0) == 1.0 and perplexity(math.log(50.0)) == pytest.approx(50.0)
+    assert perplexity(1e4) == math.inf and math.isnan(perplexity(math.nan))

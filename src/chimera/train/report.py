@@ -67,8 +67,8 @@ def summary(result: dict, schedule: Schedule | None) -> str:
     held = [(s["step"] + 1, s["val_loss"]) for s in result["steps"] if s.get("val_loss") is not None]
     if held:
         lines.append(f"  held-out loss {held[0][1]:.4f} after {held[0][0]} steps -> {held[-1][1]:.4f} "
-                     f"after {held[-1][0]} (perplexity {_perplexity(held[0][1]):.2f} -> "
-                     f"{_perplexity(held[-1][1]):.2f}; {cfg.get('eval_batches')} mini-batches of "
+                     f"after {held[-1][0]} (perplexity {perplexity(held[0][1]):.2f} -> "
+                     f"{perplexity(held[-1][1]):.2f}; {cfg.get('eval_batches')} mini-batches of "
                      "the held-out split)")
     lines += [
         f"  throughput {tok_s:,.0f} tokens/s (median step {step_s * 1000:.1f} ms after warm-up)",
@@ -96,6 +96,7 @@ def summary(result: dict, schedule: Schedule | None) -> str:
     return "\n".join(lines)
 
 
-def _perplexity(loss: float) -> float:
-    """exp(loss): the held-out loss is a mean cross-entropy in nats; inf once it overflows."""
-    return math.exp(loss) if loss < 700 else math.inf
+def perplexity(loss: float) -> float:
+    """exp(loss) of a mean cross-entropy in nats: inf past float range (a diverged run), NaN
+    for NaN."""
+    return math.inf if loss > 700 else math.exp(loss)

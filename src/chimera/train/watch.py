@@ -30,6 +30,7 @@ from chimera.plan.hardware import get_hardware
 from chimera.runtime.grid import collective_device
 from chimera.train import faults
 from chimera.train.loop import peak_rss_mb
+from chimera.train.report import perplexity
 
 # the peak a rank reaches when --peak-flops is not given, by device type (chimera.plan.hardware)
 DEFAULT_PEAK = {"cpu": "cpu", "cuda": "h100"}
@@ -109,7 +110,7 @@ class Watch:
 
     def _write(self, log, rows: list[torch.Tensor]) -> None:
         w, step, s = self.writer, log.step + 1, self.stages  # x axis: optimizer steps done
-        scalars = {"train/loss": log.loss, "train/perplexity": _perplexity(log.loss),
+        scalars = {"train/loss": log.loss, "train/perplexity": perplexity(log.loss),
                    "train/lr": log.lr, "train/grad_norm": log.grad_norm,
                    "train/step_s": log.seconds, "train/tokens": log.tokens,
                    "train/tokens_per_s": log.tokens / log.seconds,
@@ -118,7 +119,7 @@ class Watch:
         if self.trainer.scaler is not None:
             scalars["train/loss_scale"] = self.trainer.scaler.scale
         if log.val_loss is not None:
-            scalars.update({"eval/loss": log.val_loss, "eval/perplexity": _perplexity(log.val_loss),
+            scalars.update({"eval/loss": log.val_loss, "eval/perplexity": perplexity(log.val_loss),
                             "eval/seconds": log.eval_seconds})
         total = torch.stack(rows).sum(0)
         for stage in range(s):
@@ -136,8 +137,3 @@ class Watch:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def _perplexity(loss: float) -> float:
-    """exp(loss) (mean cross-entropy in nats), inf past float range (a diverged loss)."""
-    return math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf
