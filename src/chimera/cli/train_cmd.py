@@ -6,9 +6,9 @@ import argparse
 import os
 import sys
 
-from chimera.cli.common import (add_scheme_options, beta_float, check_output, nonneg_float,
-                                nonneg_int, positive_float, positive_int, resume_fields,
-                                scheme_options_from_args, unit_float)
+from chimera.cli.common import (add_scheme_options, check_output, nonneg_float, nonneg_int,
+                                positive_int, scheme_options_from_args)
+from chimera.cli.common import beta_float, positive_float, resume_fields, unit_float
 from chimera.passes import SYNC_MODES
 from chimera.schedules import schemes
 
@@ -166,7 +166,7 @@ def config_from_args(args: argparse.Namespace):
     given = {k: v for k, v in scheme_options_from_args(args).items() if v is not None}
     named = {k: v for k, v in given.items() if k in TrainConfig.option_fields()}
     others = {k: v for k, v in given.items() if k not in named}
-    return TrainConfig(**named, options=others or None,
+    return TrainConfig(**named, **_knobs(args), options=others or None,
         model=args.model, schedule=args.schedule, stages=args.stages,
         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
         data_parallel=args.data_parallel, steps=args.steps, lr=args.lr, warmup=args.warmup,
@@ -181,11 +181,14 @@ def config_from_args(args: argparse.Namespace):
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         skip_nonfinite=args.skip_nonfinite, eval_every=args.eval_every,
-        eval_batches=args.eval_batches, lr_schedule=args.lr_schedule,
-        min_lr_ratio=args.min_lr_ratio, wsd_decay=args.wsd_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, grad_accum=args.grad_accum,
-        compile=args.compile, tensorboard=args.tensorboard, peak_flops=args.peak_flops,
-        resume_allow=args.resume_allow)
+        eval_batches=args.eval_batches)
+
+
+def _knobs(args: argparse.Namespace) -> dict:
+    """The optimizer, precision and monitoring flags of issue 25, as TrainConfig fields."""
+    names = ("lr_schedule", "min_lr_ratio", "wsd_decay", "adam_beta1", "adam_beta2", "adam_eps",
+             "grad_accum", "compile", "tensorboard", "peak_flops", "resume_allow")
+    return {name: getattr(args, name) for name in names}
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -320,12 +320,17 @@ class TrainConfig:
         if refused:
             raise ConfigError("\n".join([f"--resume: {path} was written by a run this one may not "
                                           f"continue; what differs:", *refused, resume.SUMMARY]))
-        object.__setattr__(self, "_resume_changes", accepted)  # frozen: not a field
+        object.__setattr__(self, "_resume_changes", (path, accepted))  # frozen: not a field
 
     @property
     def resume_changes(self) -> list[str]:
         """What ``--resume`` found changed and accepts, one line each (after ``preflight``)."""
-        return self.__dict__.get("_resume_changes", [])
+        return self.__dict__.get("_resume_changes", (None, []))[1]
+
+    @property
+    def resume_from(self):
+        """The checkpoint ``resume_changes`` were found against (after ``preflight``)."""
+        return self.__dict__.get("_resume_changes", (None, []))[0]
 
     # -- derived ------------------------------------------------------------------
     @property

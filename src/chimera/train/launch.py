@@ -116,22 +116,21 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
     start = checkpoint.restore(trainer, cfg.checkpoint_dir) if cfg.resume else 0
     trace_step = cfg.trace_step if cfg.trace_step is not None else cfg.steps - 1
     bar = _progress(cfg, start) if rank == 0 else None
+    watch = Watch(trainer, cfg.tensorboard, rank) if cfg.tensorboard else None  # times every step
     logs: list[StepLog] = []
     record: list = []
     log_file = _open_log(cfg.log_json, start) if (cfg.log_json and rank == 0) else None
-    watch = Watch(trainer, cfg.tensorboard, rank) if cfg.tensorboard else None
     try:
         for step in range(start, cfg.steps):
             faults.before_step(rank, step)
-            # --tensorboard times every step; the trace keeps one
-            mine = record if step == trace_step else ([] if watch else None)
-            log = trainer.step(step, mine, on_grads=faults.grad_hook(rank, step))
+            log = trainer.step(step, record if step == trace_step else None,
+                               on_grads=faults.grad_hook(rank, step))
             if _eval_due(cfg, step + 1):
                 began = time.perf_counter()
                 log.val_loss = trainer.evaluate()
                 log.eval_seconds = time.perf_counter() - began
             if watch is not None:
-                watch.after_step(log, mine)
+                watch.after_step(log, trainer.last_records)
             logs.append(log)
             if hooks is not None:
                 hooks(trainer, step, log)
@@ -160,6 +159,13 @@ def _skip_message(trainer: Trainer, log: StepLog) -> str:
                 f"loss scale now {trainer.scaler.scale:g}")
     return (f"step {log.step}: loss {log.loss} / grad norm {log.grad_norm} not finite: skipped "
             "(no optimizer step)")
+
+
+def _announce(cfg: TrainConfig) -> None:
+    """A resume that changes accepted settings says so, once (not applied silently)."""
+    if cfg.resume_changes and os.environ.get("RANK", "0") == "0":
+        print(f"chimera train: resuming from {cfg.resume_from} with these changes:\n"
+              + "\n".join(cfg.resume_changes), file=sys.stderr, flush=True)
 
 
 def _show(bar, logs: list[StepLog]) -> None:
@@ -258,13 +264,6 @@ def _shared_ids(cfg: TrainConfig, corpus: Corpus | None, path: str) -> Corpus | 
                         f"{exc.strerror} (set TMPDIR to a folder with room)") from None
 
 
-def _announce(cfg: TrainConfig) -> None:
-    """A resume that changes accepted settings says so, once (not applied silently)."""
-    if cfg.resume_changes and os.environ.get("RANK", "0") == "0":
-        print(f"chimera train: resuming from {checkpoint.latest(cfg.checkpoint_dir)} with these "
-              "changes:\n" + "\n".join(cfg.resume_changes), file=sys.stderr, flush=True)
-
-
 def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     """Run ``cfg`` to the end and return rank 0's result dict.
 
@@ -274,8 +273,8 @@ def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     opened already (``chimera train`` checks it first), so it is not read again.
     """
     cfg.preflight()  # data, model, schedule, checkpoints: refused before any process starts
-    faults.active()  # a malformed CHIMERA_FAULT fails here, before any process starts
     _announce(cfg)
+    faults.active()  # a malformed CHIMERA_FAULT fails here, before any process starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.reference:
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world:

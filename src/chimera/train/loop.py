@@ -122,6 +122,7 @@ class Trainer:
         self.autocast = AUTOCAST.get(cfg.dtype)
         self.scaler = LossScaler() if cfg.dtype == "fp16" else None
         self.master: MasterWeights | None = None  # bf16-master: the optimizer's float32 copies
+        self.last_records: list[ActionRecord] = []  # the last step's action times, when recorded
         if cfg.reference:
             self._build_reference()
         else:
@@ -187,6 +188,9 @@ class Trainer:
         """
         start = time.perf_counter()
         inputs, targets = self.batch(step)
+        if record is None and self.cfg.tensorboard:  # --tensorboard times every step
+            record = []
+        self.last_records = record if record is not None else []
         try:
             loss = self._backward(inputs, targets, record)
             if self.master is not None:
