@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo demo-hf test test-fast clean
+.PHONY: setup demo demo-hf test test-fast test-slow clean
 
 $(BIN)/chimera: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,12 +17,14 @@ demo: setup
 	$(BIN)/chimera train
 	$(BIN)/chimera show --stages 4 --micro-batches 4 --png out/chimera-D4-N4.png
 
-# a Llama with a BPE tokenizer trained on local text, held-out loss, export, generate
+# a Llama with a BPE tokenizer trained on local text, held-out loss, export, generate;
+# its pictures go to out/hf-demo/, beside make demo's in out/ (not over them)
 demo-hf: setup
 	rm -rf out/hf-demo
 	$(BIN)/chimera tokenize --vocab-size 1024 --out out/hf-demo/tok
 	$(BIN)/chimera train --model hf-llama-tiny --data out/hf-demo/tok --steps 200 --eval-every 50 \
-		--checkpoint-dir out/hf-demo/ckpt
+		--checkpoint-dir out/hf-demo/ckpt --png out/hf-demo/train-timeline.png \
+		--trace out/hf-demo/train-trace.json
 	$(BIN)/chimera export --checkpoint out/hf-demo/ckpt --out out/hf-demo/llama-hf
 	$(BIN)/chimera generate --checkpoint out/hf-demo/ckpt --prompt "def " --temperature 0 --max-new-tokens 30
 
@@ -31,6 +33,10 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -x -m "not slow"
+
+# the long multi-process tests alone (make test runs them too)
+test-slow: setup
+	$(BIN)/python -m pytest -q -x -m slow --durations=10
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -78,7 +78,7 @@ def test_train_default_job_end_to_end(tmp_path, run_cli):
     r = run_cli("train", "--steps", "3", "--no-progress", "--log-json", str(log),
             "--png", str(tmp_path / "t.png"), "--trace", str(tmp_path / "t.json"))
     assert r.returncode == 0, r.stderr
-    assert "measured bubble ratio" in r.stdout
+    assert "measured bubble ratio" in r.stdout and "optimizer step's tail and p2p waits" in r.stdout
     lines = [json.loads(l) for l in log.read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1, 2]
     assert all(l["loss"] > 0 for l in lines)

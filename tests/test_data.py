@@ -81,6 +81,25 @@ def test_micro_batches_are_row_slices_whatever_the_layout(corpus):
         assert torch.equal(again, inputs)
 
 
+def test_the_stdlib_holds_out_a_seeded_choice_of_its_files():
+    """The default corpus's held-out split is whole files picked by a seeded hash of their
+    paths from the whole library (not its alphabetical tail, codec tables), and is the last
+    5% of the bytes, where every reader of a bare corpus cuts."""
+    from chimera.data import held_out, stdlib_documents, stdlib_sources
+
+    train, val = stdlib_documents()
+    assert sum(map(len, val)) == int(DEFAULT_MAX_BYTES * 0.05)
+    assert sum(map(len, train)) + sum(map(len, val)) == DEFAULT_MAX_BYTES
+    assert not set(train) & set(val) and len(val) > 5
+    assert not any(b"gencodec.py" in doc[:8192] for doc in train + val)  # no generated tables
+    corpus = load_corpus()
+    assert bytes(split_corpus(corpus, "val").tolist()) == b"".join(val)
+    picked = [held_out(f"x/{i}.py") for i in range(2000)]
+    assert 0.03 < sum(picked) / len(picked) < 0.07       # about one file in 20
+    old_tail = b"".join(p.read_bytes() + b"\n" for p in stdlib_sources())[:DEFAULT_MAX_BYTES][-len(b"".join(val)):]
+    assert b"".join(val) != old_tail and old_tail.count(b"#  0x") > 2 * b"".join(val).count(b"#  0x")
+
+
 def test_val_split_draws_from_held_out_tail(corpus):
     inputs, _ = get_batch(corpus, 0, 4, 16, seed=0, split="val")
     tail = bytes(split_corpus(corpus, "val").tolist())
@@ -103,11 +122,15 @@ def test_bert_masking_statistics(corpus):
     assert torch.all(targets[selected] < 255)             # the mask id is not a UTF-8 byte
 
 
-def test_bert_on_bytes_is_unchanged(corpus):
+def test_bert_on_bytes_is_unchanged():
     """Byte data masks with 0xFF and draws random ids below it, as before tokenizers' mask
-    ids: the batches of these steps, pinned (their SHA-256)."""
+    ids: the batches of these steps, pinned (their SHA-256), on the corpus as it was read
+    then (the stdlib's files in order, before the held-out files moved to its end)."""
     import hashlib
 
+    from chimera.data import _read_files, stdlib_sources
+
+    corpus = torch.frombuffer(bytearray(_read_files(stdlib_sources(), 200_000)), dtype=torch.uint8)
     digest = hashlib.sha256()
     for step in range(3):
         for t in get_batch(corpus, step, 8, 32, seed=0, kind="bert"):
@@ -231,10 +254,12 @@ def train_split(ids):
 
 
 def encode(tokenizer_json, docs):
+    """Each document and a newline, then the end-of-text id where the tokenizer has one."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))
-    return [i for doc in docs for i in tok.encode(doc + "\n", add_special_tokens=False).ids]
+    eos = [tok.token_to_id(t) for t in ("<|endoftext|>", "</s>") if tok.token_to_id(t) is not None][:1]
+    return [i for doc in docs for i in tok.encode(doc + "\n", add_special_tokens=False).ids + eos]
 
 
 def test_train_on_text_as_bytes(fmt, monkeypatch, tmp_path):
@@ -263,7 +288,8 @@ def test_tokenize_writes_ids_that_decode_to_the_text(fmt, monkeypatch, tmp_path)
     assert [len(train), len(val)] == [meta["tokens"]["train"], meta["tokens"]["val"]]
     assert len(val) == max(1, int((len(train) + len(val)) * 0.05))
     tok = Tokenizer.from_file(str(root / "tok" / "tokenizer.json"))
-    assert tok.decode(np.concatenate([train, val]).tolist()) == text + "\n"
+    assert tok.decode(np.concatenate([train, val]).tolist(), skip_special_tokens=False) == (
+        text + "\n<|endoftext|>")
     seen = train_batches(["--data", str(root / "tok")], monkeypatch, tmp_path)
     assert_windows_of(seen, train, 300)
     same = train_batches(["--data", str(root / "text.txt"), "--tokenizer",
@@ -532,3 +558,68 @@ def test_an_old_meta_whose_tokenizer_cannot_be_read_still_gives_its_ids(tmp_path
     broken.write_text("{not json")
     meta = {"tokenizer_path": str(broken), "vocab_size": 300, "path": str(tmp_path / "meta.json")}
     assert _meta_mask(meta) is None
+
+
+def test_a_file_streams_in_the_pieces_cut_makes_of_it(monkeypatch, tmp_path):
+    """A text file is read a block at a time (never whole), into exactly the pieces ``cut``
+    makes of the whole text; the last one ends the document; a bad byte is placed exactly."""
+    from chimera import data_text
+
+    text = "".join(f"line {i} " + "é" * (i % 7) + "\n" * (1 + i % 3) for i in range(3000))
+    (tmp_path / "t.txt").write_text(text + "a" * 300)     # and a line longer than a piece
+    monkeypatch.setattr(data_text, "READ_BYTES", 97)     # blocks cut characters in two
+    monkeypatch.setattr(type(tmp_path), "read_bytes", lambda self: pytest.fail("read whole"))
+    pieces = list(data_text._file_pieces(tmp_path / "t.txt", limit=128))
+    assert pieces == list(data_text.cut(text + "a" * 300 + "\n", 128))
+    assert [type(p) is data_text.DocEnd for p in pieces] == [False] * (len(pieces) - 1) + [True]
+    (tmp_path / "bad.txt").write_bytes(b"x" * 1000 + b"\xff" + b"y" * 10)
+    with pytest.raises(ValueError, match="byte 0xff at offset 1,000"):
+        list(data_text._file_pieces(tmp_path / "bad.txt"))
+
+
+def test_tokenize_puts_the_end_of_text_token_between_documents(tmp_path, capsys):
+    """`chimera tokenize` reserves <|endoftext|> (a special token, id 0) and writes it after
+    every document, so a window that crosses documents sees where one ends."""
+    from tokenizers import Tokenizer
+
+    (tmp_path / "docs").mkdir()
+    for name, body in (("a.txt", "first document " * 40), ("b.txt", "second one " * 40)):
+        (tmp_path / "docs" / name).write_text(body)
+    assert main(["tokenize", "--data", str(tmp_path / "docs"), "--vocab-size", "300",
+                 "--out", str(tmp_path / "tok"), "--no-progress"]) == 0
+    meta = json.loads((tmp_path / "tok" / "meta.json").read_text())
+    tok = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    assert meta["eos_id"] == tok.token_to_id("<|endoftext|>") == 0
+    ids = np.concatenate([np.fromfile(tmp_path / "tok" / n, "<u2") for n in ("train.bin", "val.bin")])
+    ends = np.flatnonzero(ids == 0)
+    assert len(ends) == 2 and ends[-1] == len(ids) - 1
+    assert tok.decode(ids[:ends[0]].tolist()) == "first document " * 40 + "\n"
+    assert tok.encode("<|endoftext|>" + "x").ids[0] == 0  # a special token, not text
+
+
+def test_tokenizing_the_stdlib_holds_out_its_held_out_files(monkeypatch, tmp_path):
+    """`chimera tokenize` on the default corpus: val.bin is the ids of the held-out files, and
+    the stdlib read through that tokenizer gives the same two splits."""
+    from chimera import data
+    from chimera.bpe import tokenize
+
+    monkeypatch.setattr(data, "DEFAULT_MAX_BYTES", 200_000)  # a small corpus, the same rule
+    meta = tokenize(DataSpec(None), tmp_path / "tok", 300)
+    assert meta["split"].startswith("val.bin holds a seeded choice")
+    train = np.fromfile(tmp_path / "tok" / "train.bin", "<u2")
+    val = np.fromfile(tmp_path / "tok" / "val.bin", "<u2")
+    _, held = data.stdlib_documents()
+    from tokenizers import Tokenizer
+
+    tok = tmp_path / "tok" / "tokenizer.json"
+    bpe = Tokenizer.from_file(str(tok))
+    from chimera.data_text import cut
+
+    want = []
+    for doc in held:  # each file (the last one cut at the cap) in its pieces, then <|endoftext|>
+        for piece in cut(doc.decode("utf-8", errors="replace")):
+            want += bpe.encode(piece).ids
+        want.append(0)
+    assert val.tolist() == want
+    corpus = open_data(DataSpec(None, tokenizer=str(tok)))
+    assert np.array_equal(np.asarray(corpus.train), train) and np.array_equal(np.asarray(corpus.val), val)

@@ -110,3 +110,13 @@ def test_every_results_section_names_its_command():
     bare = [s.splitlines()[0] for s in sections if s.partition("\n")[2].strip()  # not a heading alone
             and not COMMAND.search(s) and not fenced_commands.search(s)]
     assert not bare, f"sections of RESULTS.md without a command that reproduces them: {bare}"
+
+
+def test_every_make_target_the_docs_and_pyproject_name_exists():
+    """`make X` in the docs and in pyproject.toml (the slow marker's `make test-slow`) is a
+    target of the Makefile."""
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    named = {m for doc in DOCS for m in re.findall(r"`make ([a-z][\w-]*)", doc.read_text())}
+    named |= set(re.findall(r"\bmake ([a-z][\w-]*)", (ROOT / "pyproject.toml").read_text()))
+    assert "test-slow" in named
+    assert named <= targets, f"make targets named but absent: {sorted(named - targets)}"

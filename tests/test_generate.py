@@ -211,3 +211,37 @@ def test_a_tokenizer_larger_than_the_model_is_refused(run, tmp_path, capsys):
     line = refused(capsys, "--checkpoint", str(root / "ck"), "--prompt", "x", "--tokenizer",
                    str(tmp_path / "big.json"))
     assert "more than the model's vocabulary of 256" in line
+
+
+def test_a_batch_of_prompts_a_stop_token_and_the_start_up_time(run, run_cli):
+    """Several --prompt run as one batch, each as it would alone; --stop-token ends a row
+    (not printed); stderr reports the start-up time."""
+    root, _ = run
+    ck = str(root / "ck")
+    alone = [generate(ck, p, 12, temperature=0).new_ids for p in ("the lazy", "fox")]
+    r = run_cli("generate", "--checkpoint", ck, "--prompt", "the lazy", "--prompt", "fox",
+                "--temperature", "0", "--max-new-tokens", "12", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["new_ids"] for row in rows] == alone and not any(row["stopped"] for row in rows)
+    assert "start-up" in r.stderr and rows[0]["startup_s"] > 0
+    stop = bytes([alone[0][4]]).decode()
+    cut = generate(ck, "the lazy", 12, temperature=0, stop=stop)
+    assert cut.stopped and cut.new_ids == alone[0][:alone[0].index(alone[0][4])]
+
+
+def test_unbounded_lengths_invalid_utf8_and_bad_top_p_are_refused(run, cli_env, capsys):
+    root, _ = run
+    ck = str(root / "ck")
+    assert "--max-new-tokens" in refused(capsys, "--checkpoint", ck, "--prompt", "x",
+                                         "--max-new-tokens", "1000000000000")
+    assert "--top-p" in refused(capsys, "--checkpoint", ck, "--prompt", "x", "--top-p", "0")
+    assert "--top-p" in refused(capsys, "--checkpoint", ck, "--prompt", "x", "--top-p", "nan")
+    assert "--stop-token" in refused(capsys, "--checkpoint", ck, "--prompt", "x", "--stop-token", "ab")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "chimera", "generate", "--checkpoint", ck,
+                        "--prompt", b"ab\xffcd"], capture_output=True, env=cli_env)
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "not valid UTF-8" in err[0], err

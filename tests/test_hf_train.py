@@ -234,8 +234,9 @@ def test_export_reloads_with_transformers_same_logits(demo):
     model (the run's own layers, loaded by chimera generate) to 1e-6 in float32."""
     from chimera.train.generate import load
 
-    assert sorted(p.name for p in (demo / "hf").iterdir()) == ["config.json", "model.safetensors",
-                                                                "tokenizer.json"]
+    assert sorted(p.name for p in (demo / "hf").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json"]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(demo / "hf").eval()
     assert type(reloaded).__name__ == "LlamaForCausalLM" and reloaded.config.vocab_size == 300
     ours = load(demo / "ck")
@@ -345,12 +346,12 @@ def test_train_refuses_in_one_line(root, capsys, argv, words):
         assert word in line, line
 
 
-def test_export_refuses_presets_and_a_used_folder(root, tmp_path, capsys):
+def test_export_refuses_bert_presets_and_a_used_folder(root, tmp_path, capsys):
     assert main(["train", "--schedule", "none", "--stages", "1", "--steps", "1", "-B", "2",
-                 "--data", str(root / "text.txt"), "--checkpoint-dir", str(tmp_path / "ck"),
-                 "--no-progress", "--json"]) == 0
+                 "--model", "bert-tiny", "--data", str(root / "text.txt"), "--checkpoint-dir",
+                 str(tmp_path / "ck"), "--no-progress", "--json"]) == 0
     line = refused(capsys, "export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "o"))
-    assert "gpt2-tiny" in line and "not a Hugging Face model" in line
+    assert "bert-tiny" in line and "no Hugging Face twin" in line
     assert not (tmp_path / "o").exists()
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "x").write_text("x")

@@ -125,3 +125,14 @@ def test_the_optimizer_step_ends_the_iteration_once_per_replica_held(name, overl
         assert b.busy == pytest.approx(a.busy + 0.75 * replicas)
     steps = [e for e in step.events if e.action.op is Op.STEP]
     assert len(steps) == 4 and all(e.end - e.start >= 0.75 * replicas - 1e-12 for e in steps)
+
+
+def test_a_whole_backward_frees_in_a_split_schedule():
+    """torch's DualPipeV runs B where it overlaps a forward and I/W elsewhere: B frees the
+    micro-batch's activation as W does (else the peak counts it forever)."""
+    from chimera.ir import Action, Op, Placement, Schedule
+
+    prog = (Action(Op.F, 0, 0, 0), Action(Op.B, 0, 0, 0), Action(Op.F, 0, 0, 1),
+            Action(Op.I, 0, 0, 1), Action(Op.W, 0, 0, 1))
+    t = simulate(Schedule("mixed", Placement.linear(1), (0, 0), (prog,)))
+    assert t.ranks[0].peak_activations == 1.0

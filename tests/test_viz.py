@@ -222,3 +222,28 @@ def test_viz_imports_no_torch_or_matplotlib():
     code = ("import sys, chimera.viz; "
             "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gantt_colours_a_ranks_two_v_stages_apart_and_stays_readable(tmp_path):
+    """zb-v puts stages s and 2D-1-s on rank s in one pipe: the two chunks get two colours
+    (and two legend entries); a timeline with a few tiny events stays within 18 x 14 in and
+    no flatter than 5:1."""
+    from chimera.schedules.registry import build
+    from chimera.sim.engine import simulate
+    from chimera.viz import gantt
+
+    timeline = simulate(build("zb-v", 2, 4))
+    keys = {(e.rank, gantt._color_key(timeline, e.action)) for e in timeline.compute_events()}
+    assert keys == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert [gantt._chunk_name(timeline, k) for k in (0, 1)] == ["stages 0-1 (down)", "stages 2-3 (up)"]
+    chimera = simulate(build("chimera", 4, 4))
+    assert {gantt._color_key(chimera, e.action) for e in chimera.compute_events()} == {0, 1}  # pipes
+    width, height = gantt._figsize(timeline)
+    assert width <= 5 * height and height >= 3.4
+    tiny = simulate(build("1f1b", 2, 64))
+    i = next(i for i, e in enumerate(tiny.events) if e.action.op.is_compute)
+    tiny.events[i] = Event(tiny.events[i].rank, tiny.events[i].action, tiny.events[i].start,
+                           tiny.events[i].start + 1e-6)  # as a measured step's tiny event
+    width, height = gantt._figsize(tiny)
+    assert width <= min(18.0, 5 * height)
+    assert save_gantt_png(timeline, tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG"

@@ -66,6 +66,7 @@ from chimera.errors import UserError
 from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.runtime.allocator import keep_freed_memory
+from chimera.runtime.boundary import signature
 from chimera.runtime.clip import clip_by_global_norm_
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
@@ -108,18 +109,32 @@ def _fingerprint(tree) -> torch.Tensor:
     return out
 
 
-def _check_same_batch(tree) -> None:
+class _BatchCheck:
     """Every rank takes its own rows from the mini-batch it is given, so all must be given the
     same one (a per-rank seed or a per-rank data loader would silently pair one rank's
-    inputs with another's targets): compare fingerprints, one small allreduce."""
-    mine = _fingerprint(tree)
-    both = torch.cat([mine, -mine]).to(collective_device())
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    high, low = both[:4].cpu(), -both[4:].cpu()
-    if not torch.equal(high, low):
-        raise UserError("the ranks were given different mini-batches: every rank must pass the "
-                         "same whole mini-batch to step()/eval_step() (seed its generator or "
-                         "loader alike on every rank; each rank takes its own rows from it)")
+    inputs with another's targets): compare fingerprints, one small allreduce.
+
+    The allreduce is started here and its answer read by :meth:`wait`, so its latency (a ring
+    over every rank) hides behind the step's compute instead of delaying every rank's first
+    action; the step waits for it before it returns, so a mismatch is refused before the
+    caller's optimizer step. Every rank starts it at the same point of its step: one place
+    in the order of its communication."""
+
+    def __init__(self, tree):
+        self.mine = _fingerprint(tree)
+        self.both = torch.cat([self.mine, -self.mine]).to(collective_device())
+        self.work = dist.all_reduce(self.both, op=dist.ReduceOp.MAX, async_op=True)
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        high, low = self.both[:4].cpu(), -self.both[4:].cpu()
+        if not torch.equal(high, low):
+            raise UserError("the ranks were given different mini-batches: every rank must pass "
+                             "the same whole mini-batch to step()/eval_step() (seed its generator "
+                             "or loader alike on every rank; each rank takes its own rows from it)")
 
 
 def _rows(tree, lo: int, hi: int, device=None):
@@ -267,15 +282,19 @@ class Pipeline:
                 raise UserError(f"{what}: expected tensors of {self.batch_rows} rows first "
                                  f"(W x N x micro_batch_size), got a leaf of shape {got}")
 
-    def _micro_data(self, inputs, targets, scale: float, outputs: bool = False) -> MicroData:
+    def _micro_data(self, inputs, targets, scale: float,
+                    outputs: bool = False) -> tuple[MicroData, _BatchCheck | None]:
+        """The rank's micro-batches, and the started batch check (wait for it before the
+        step returns)."""
         s, grid, rows, dev = self.schedule, self.grid, self.rows, self.runtime.device
         self._check_rows(inputs, "inputs")
         if targets is not None:
             self._check_rows(targets, "targets")
-        if self.check_batch:
-            _check_same_batch((inputs, targets))
-        self.runtime.prepare(_rows(inputs, 0, rows, dev),
-                             None if targets is None else _rows(targets, 0, rows, dev))
+        check = _BatchCheck((inputs, targets)) if self.check_batch else None
+        example = _rows(inputs, 0, rows, dev)
+        if check is not None and signature(example) != self.runtime.signature:
+            check.wait()  # a new shape is probed with collectives: the ranks must agree first
+        self.runtime.prepare(example, None if targets is None else _rows(targets, 0, rows, dev))
         weight = scale * self._loss_weight(targets)
         data = MicroData(weights={m: weight for m in range(s.micro_batches)},
                          outputs={} if outputs else None)
@@ -289,7 +308,7 @@ class Pipeline:
             data.inputs[m] = _rows(mine_in, m * rows, (m + 1) * rows)
         for m in lasts if mine_out is not None else ():
             data.targets[m] = _rows(mine_out, m * rows, (m + 1) * rows)
-        return data
+        return data, check
 
     def _loss_weight(self, targets) -> float:
         if self.loss_reduction == "mean":
@@ -319,7 +338,7 @@ class Pipeline:
         if targets is None:
             raise UserError("step() needs targets (the loss is computed from them); "
                              "eval_step(inputs) runs the forwards alone")
-        data = self._micro_data(inputs, targets, loss_scale)
+        data, check = self._micro_data(inputs, targets, loss_scale)
         if self.runtime.shards:  # the slices the optimizer updated; each replica waits for
             self.runtime.gather_parameters()  # its own at its first forward (prefetch)
         self.runtime.zero_grad(keep=accumulate)
@@ -332,6 +351,8 @@ class Pipeline:
             sync_buffers(self.runtime)
         for t, k in zip(self.runtime.grad_tensors(), kept or []):
             t += k
+        if check is not None:
+            check.wait()
         dist.all_reduce(loss)
         return float(loss)
 
@@ -340,10 +361,12 @@ class Pipeline:
         """Forwards only (no gradients, no sync; run ``eval()`` first for dropout/BatchNorm):
         the mini-batch loss (None without targets), and with ``return_outputs`` also the last
         stage's outputs for the whole mini-batch, on every rank, in row order."""
-        data = self._micro_data(inputs, targets, 1.0, outputs=return_outputs)
+        data, check = self._micro_data(inputs, targets, 1.0, outputs=return_outputs)
         if self.runtime.shards:
             self.runtime.gather_parameters()
         loss = self.runtime.run_forward(data)
+        if check is not None:
+            check.wait()
         dist.all_reduce(loss)
         loss = None if targets is None else float(loss)
         if not return_outputs:

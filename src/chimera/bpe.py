@@ -3,16 +3,19 @@
 The folder it writes is what ``chimera train --data DIR`` reads:
 
 - ``tokenizer.json``: a HF ``tokenizers`` byte-level BPE (GPT-2's pre-tokenizer), so every
-  text encodes and the ids decode back to exactly that text;
+  text encodes and the ids decode back to exactly that text, with one special token,
+  ``<|endoftext|>`` (id 0), which follows every document in the ids;
 - ``train.bin`` and ``val.bin``: the ids (uint16 below 65,536 ids, else uint32), the last
-  ``VAL_FRACTION`` of them in ``val.bin``: the same cut a single file gets;
-- ``meta.json``: format, dtype, vocabulary size, token counts, the tokenizer's file name
-  and its mask token's id (``mask_id``: BERT masks with it; null for a trained BPE, which
-  has none).
+  ``VAL_FRACTION`` of them in ``val.bin``: the same cut a single file gets (the stdlib's
+  held-out files for the default corpus);
+- ``meta.json``: format, dtype, vocabulary size, token counts, the tokenizer's file name,
+  its mask token's id (``mask_id``: BERT masks with it; null for a trained BPE, which
+  has none) and its end-of-text id (``eos_id``).
 
 The text is read in the pieces ``chimera.data_text`` makes, so ``chimera train --data TEXT
 --tokenizer DIR/tokenizer.json`` trains on the same ids. The ids stream to disk: only a
-batch of pieces is in memory at once. The folder appears complete or not at all.
+batch of pieces is in memory at once (the tokenizer trains from an iterator too, holding
+its word counts, not the text). The folder appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -33,21 +36,23 @@ from chimera.errors import UserError
 
 FILES = {"train": "train.bin", "val": "val.bin"}
 COPY_CHUNK = 2**24              # ids copied at once when val.bin is cut off
+EOS = "<|endoftext|>"           # GPT-2's end-of-text token, reserved by every trained BPE
 
 
 def train_bpe(pieces, vocab_size: int, progress: bool = False):
     """A byte-level BPE ``tokenizers.Tokenizer`` of at most ``vocab_size`` ids (fewer when
-    the text runs out of pairs to merge). Deterministic for the same text."""
+    the text runs out of pairs to merge), ``EOS`` the first. Deterministic for the same text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # optional extra (hf): tokenizers
 
     if not isinstance(vocab_size, int) or not BYTE_VOCAB < vocab_size <= MAX_VOCAB:
-        raise UserError(f"--vocab-size must be more than {BYTE_VOCAB} (the byte alphabet) and "
-                         f"at most {MAX_VOCAB:,}, got {vocab_size!r}")
+        raise UserError(f"--vocab-size must be more than {BYTE_VOCAB} (the byte alphabet and "
+                         f"{EOS}) and at most {MAX_VOCAB:,}, got {vocab_size!r}")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=progress,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[EOS])
     tokenizer.train_from_iterator(pieces, trainer)
     return tokenizer
 
@@ -67,7 +72,8 @@ def tokenize(spec: DataSpec, out: str | os.PathLike, vocab_size: int | None,
     if spec.tokenizer is not None:
         tokenizer = data_text.load_tokenizer(spec.tokenizer)
     else:
-        tokenizer = train_bpe(data_text.text_pieces(spec, info.format), vocab_size, progress)
+        tokenizer = train_bpe(data_text.text_pieces(spec, info.format, check_size=False),
+                              vocab_size, progress)
     vocab = tokenizer.get_vocab_size()
     if vocab_size is not None and vocab_size < vocab:
         raise UserError(f"--vocab-size {vocab_size} is smaller than the tokenizer's {vocab} ids")
@@ -95,31 +101,46 @@ def _check_out(out: Path) -> None:
 def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress: bool) -> dict:
     tokenizer.save(str(tmp / "tokenizer.json"))
     dtype = id_dtype(vocab)
-    train, n = tmp / FILES["train"], 0
-    with open(train, "wb") as f:  # every id goes to train.bin first; the tail moves to val.bin
-        for ids in data_text.encode_chunks(tokenizer, data_text.text_pieces(spec, fmt), vocab,
-                                           progress, None if fmt == "stdlib" else data_size(spec)):
-            ids.tofile(f)
-            n += len(ids)
+    train, held = data_text.split_pieces(spec, fmt, check_size=False)
+    total = None if fmt == "stdlib" else data_size(spec)
+    with open(tmp / FILES["train"], "wb") as f:  # every id goes to train.bin; a tail may move to val.bin
+        n = _stream_ids(tokenizer, train, vocab, f, progress, total)
+        cut = n if held is not None else None
+        if held is not None:  # the stdlib's held-out files follow, and are val.bin
+            n += _stream_ids(tokenizer, held, vocab, f)
     if n < 2:
         raise UserError(f"{spec.path or 'the text'} makes {n} token(s): too little to split")
-    cut = split_corpus_bytes(n)[0].stop
-    _move_tail(train, tmp / FILES["val"], cut, dtype)
+    split = (f"the last {VAL_FRACTION:.0%} of the ids is val.bin" if cut is None else
+             "val.bin holds a seeded choice of the files (1 in 20)")
+    cut = split_corpus_bytes(n)[0].stop if cut is None else cut
+    _move_tail(tmp / FILES["train"], tmp / FILES["val"], cut, dtype)
     meta = {"format": META_FORMAT, "version": 1, "dtype": str(np.dtype(dtype).name),
             "vocab_size": vocab, "tokenizer": "tokenizer.json",
-            "mask_id": data_text.mask_id_of(tokenizer), "files": FILES,
-            "tokens": {"train": cut, "val": n - cut}, "source": spec.path or "stdlib",
-            "text_field": spec.text_field, "split": f"the last {VAL_FRACTION:.0%} of the ids is val.bin",
-            "documents": "each document (file, record, row) is followed by a newline"}
+            "mask_id": data_text.mask_id_of(tokenizer), "eos_id": data_text.eos_id_of(tokenizer),
+            "files": FILES, "tokens": {"train": cut, "val": n - cut}, "source": spec.path or "stdlib",
+            "text_field": spec.text_field, "split": split,
+            "documents": "each document (file, record, row) is followed by a newline, then the "
+                         "end-of-text token where the tokenizer has one"}
     (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
 
+def _stream_ids(tokenizer, pieces, vocab: int, f, progress: bool = False,
+                total: int | None = None) -> int:
+    """Write the ids of ``pieces`` to the open file ``f``, a batch at a time; their count."""
+    n = 0
+    for ids in data_text.encode_chunks(tokenizer, pieces, vocab, progress, total):
+        ids.tofile(f)
+        n += len(ids)
+    return n
+
+
 def _move_tail(train: Path, val: Path, cut: int, dtype: np.dtype) -> None:
-    """Ids ``cut ..`` of ``train`` go to ``val``; ``train`` is truncated to ``cut``."""
-    ids = np.memmap(train, dtype=dtype, mode="r")
-    with open(val, "wb") as f:
-        for lo in range(cut, len(ids), COPY_CHUNK):
-            np.asarray(ids[lo:min(lo + COPY_CHUNK, len(ids))]).tofile(f)
-    del ids
-    os.truncate(train, cut * np.dtype(dtype).itemsize)
+    """Ids ``cut ..`` of ``train`` go to ``val``; ``train`` is truncated to ``cut``. Plain
+    reads, not a memory map, whose pages would count in this process's memory."""
+    width = np.dtype(dtype).itemsize
+    with open(train, "rb") as src, open(val, "wb") as dst:
+        src.seek(cut * width)
+        while len(ids := np.fromfile(src, dtype=dtype, count=COPY_CHUNK)):
+            ids.tofile(dst)
+    os.truncate(train, cut * width)

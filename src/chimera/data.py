@@ -3,7 +3,8 @@
 The default corpus is the Python standard library's own ``.py`` source, read as bytes: it
 is on every machine that runs this code, so the default job needs no download. It is read
 in sorted path order and capped, so it is the same on every run with the same Python
-install. Token files, JSON lines and ``datasets`` folders are read by
+install; a seeded choice of its files is held out (``stdlib_documents``), and generated
+codec tables are left out. Token files, JSON lines and ``datasets`` folders are read by
 ``chimera.data_formats`` into a ``Corpus``: a training and a held-out split of token ids
 and the vocabulary they come from.
 
@@ -28,6 +29,9 @@ from chimera.errors import UserError
 
 DEFAULT_MAX_BYTES = 4 * 2**20
 VAL_FRACTION = 0.05              # the last 5% of the corpus is held out
+# the stdlib's held-out files: one in HELD_OUT_ONE_IN, chosen by a seeded hash of the path
+# (its tail is codec tables, text of another kind than the rest)
+HELD_OUT_ONE_IN, HELD_OUT_SEED = 20, 0
 # every rank holds the whole corpus in memory (one byte a token), read before training
 MAX_CORPUS_BYTES = 2 * 2**30
 KINDS = ("gpt2", "bert")
@@ -98,24 +102,64 @@ def _read_files(files: list[Path], max_bytes: int | None) -> bytes:
     return joined if max_bytes is None else joined[:max_bytes]
 
 
+def held_out(relative: str) -> bool:
+    """Whether the stdlib file at ``relative`` (a POSIX path) is in the held-out split: a
+    seeded choice of documents, so the held-out text is of the same kind as the rest."""
+    return derive_seed(HELD_OUT_SEED, "held-out", relative) % HELD_OUT_ONE_IN == 0
+
+
+def stdlib_documents(max_bytes: int | None = None) -> tuple[list[bytes], list[bytes]]:
+    """The stdlib's files (each followed by a newline; no generated codec tables) in two
+    splits, training and held out, capped at ``max_bytes`` together: the held-out files fill the last
+    ``VAL_FRACTION`` (the cut ``split_corpus_bytes`` makes), the others the rest."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    val_cap = max(1, int(max_bytes * VAL_FRACTION))
+    files = [p for p in stdlib_sources() if not _generated(p)]
+    val = [p for p in files if held_out(p.relative_to(root).as_posix())]
+    train = [p for p in files if p not in set(val)]
+    return _capped(train, max_bytes - val_cap), _capped(val, val_cap)
+
+
+def _generated(path: Path) -> bool:
+    """A codec table ``gencodec.py`` wrote (``encodings/cp437.py``...): 256-line tables of hex
+    and character names, a tenth of the first 4 MiB, which a small model learns to repeat
+    whatever the prompt."""
+    with open(path, "rb") as f:
+        return b"gencodec.py" in f.read(_SNIFF_BYTES)
+
+
+def _capped(files: list[Path], cap: int) -> list[bytes]:
+    """Each file's bytes and a newline, in order, the last cut so that they total ``cap``."""
+    docs, total = [], 0
+    for p in files:
+        if total >= cap:
+            break
+        data = (p.read_bytes() + b"\n")[:cap - total]
+        docs.append(data)
+        total += len(data)
+    return docs
+
+
 def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int | None = None,
                 seq_len: int | None = None) -> torch.Tensor:
     """Bytes of a file, of all text files in a directory, or (default) of the stdlib.
 
     Returns a 1-D uint8 tensor. The stdlib corpus is capped at ``DEFAULT_MAX_BYTES``
-    unless ``max_bytes`` says otherwise; a given path is read whole unless capped.
+    unless ``max_bytes`` says otherwise, its held-out files last (``stdlib_documents``); a
+    given path is read whole unless capped.
     Raises ``ValueError`` for a missing path, empty data, or (when ``seq_len`` is given)
     data too short for one training sequence.
     """
     if path is None:
-        where, files = "the Python standard library", stdlib_sources()
-        max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+        where = "the Python standard library"
+        data = b"".join(b"".join(split) for split in stdlib_documents(max_bytes))
     else:
         where, p = str(path), Path(path)
         check_corpus_path(p)
         files = text_files(p) if p.is_dir() else [p]
         check_total_size(where, files, max_bytes)
-    data = _read_files(files, max_bytes)
+        data = _read_files(files, max_bytes)
     if path is not None and not p.is_dir():
         check_not_binary(p, data)
     if not data.strip():

@@ -293,17 +293,20 @@ def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = Fa
 
 def _text(spec: DataSpec, info: DataInfo, progress: bool) -> Corpus:
     where = _what(spec, info.format)
-    pieces = data_text.text_pieces(spec, info.format)
     if info.is_bytes:
-        data = data_text.pieces_as_bytes(pieces, where)
+        data = data_text.pieces_as_bytes(data_text.text_pieces(spec, info.format), where)
         return Corpus.of_bytes(data, where)
     tokenizer = data_text.load_tokenizer(spec.tokenizer)
-    ids = data_text.encode_all(tokenizer, pieces, info.vocab_size, progress,
-                               None if info.format == "stdlib" else data_size(spec))
+    pieces, held = data_text.split_pieces(spec, info.format)
+    total = None if info.format == "stdlib" else data_size(spec)
+    ids = data_text.encode_all(tokenizer, pieces, info.vocab_size, progress, total)
     if len(ids) == 0:
         raise UserError(f"{where} holds no text")
-    return Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=spec.tokenizer,
-                              mask_id=info.mask_id)
+    facts = dict(tokenizer=spec.tokenizer, mask_id=info.mask_id)
+    if held is None:
+        return Corpus.from_tokens(ids, info.vocab_size, where, **facts)
+    val = data_text.encode_all(tokenizer, held, info.vocab_size)  # the stdlib's held-out files
+    return Corpus(ids, val, info.vocab_size, where, **facts)
 
 
 def _token_files(spec: DataSpec, info: DataInfo, progress: bool, scan: bool = True) -> Corpus:

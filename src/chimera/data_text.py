@@ -3,12 +3,16 @@
 A text source (the stdlib, a text file or folder, a ``.jsonl`` file's text field, a
 ``datasets`` text column) is a sequence of documents, each followed by a newline, exactly
 the bytes ``load_corpus`` reads for files. Documents longer than ``PIECE_CHARS`` are cut
-after a newline, so a tokenizer never holds a whole large file; ``chimera train
---tokenizer`` and ``chimera tokenize`` cut at the same places, so they make the same ids.
+after a newline, so a tokenizer never holds a whole large file (a file is read a block at
+a time); ``chimera train --tokenizer`` and ``chimera tokenize`` cut at the same places, so
+they make the same ids. The last piece of a document is a ``DocEnd``: a tokenizer with an
+end-of-text token (``EOS_TOKENS``) puts that token's id after it, so a training window that
+crosses documents sees where one ends.
 """
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import sys
@@ -18,15 +22,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chimera.data import (MAX_CORPUS_BYTES, check_not_binary, check_total_size, text_files,
-                          walk_sorted, load_corpus)
+from chimera.data import (MAX_CORPUS_BYTES, check_total_size, stdlib_documents, text_files,
+                          walk_sorted)
 from chimera.data_tokens import id_dtype
 from chimera.errors import UserError
 
-PIECE_CHARS = 2**20             # documents are cut after a newline into pieces this long at most
-BATCH_CHARS = 2**23             # characters a tokenizer encodes in one call (in parallel)
+PIECE_CHARS = 2**16             # documents are cut after a newline into pieces this long at most
+BATCH_CHARS = 2**18             # characters a tokenizer encodes in one call (in parallel): its
+                                # encodings take about 100 bytes a character while they live
 BAR_BYTES = 2**24               # a progress bar over tokenizing from this many bytes on
 MASK_TOKENS = ("[MASK]", "<mask>")  # BERT's and RoBERTa's masked-LM token (and their kin's)
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # GPT-2's, Llama's and RoBERTa's, Gemma's
+READ_BYTES = 2**20              # a text file is read this much at a time
+
+
+class DocEnd(str):
+    """The last piece of a document (a ``str`` to everything else)."""
+
+    __slots__ = ()
 
 
 def folder_files(p: Path) -> list[Path]:
@@ -55,17 +68,63 @@ def load_tokenizer(path: str):
 def mask_id_of(tokenizer) -> int | None:
     """The id of the tokenizer's mask token: a special token named as in ``MASK_TOKENS``
     (a plain vocabulary entry spelled ``<mask>`` is text, not a mask); None if none."""
+    return _special_id(tokenizer, MASK_TOKENS)
+
+
+def eos_id_of(tokenizer) -> int | None:
+    """The id of the tokenizer's end-of-text token (a special token named as in
+    ``EOS_TOKENS``; ``chimera tokenize`` reserves ``<|endoftext|>``), None if none."""
+    return _special_id(tokenizer, EOS_TOKENS)
+
+
+def _special_id(tokenizer, names: tuple[str, ...]) -> int | None:
     special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
-    return next((special[name] for name in MASK_TOKENS if name in special), None)
+    return next((special[name] for name in names if name in special), None)
 
 
 # ---------------------------------------------------------------------------------------
 # Documents and pieces
 
-def text_pieces(spec, fmt: str) -> Iterator[str]:
-    """The pieces of a text source, in order (each document ends with a newline)."""
-    for doc in _documents(spec, fmt):
-        yield from cut(doc)
+def text_pieces(spec, fmt: str, check_size: bool = True) -> Iterator[str]:
+    """The pieces of a text source, in order (each document ends with a newline, its last
+    piece a ``DocEnd``)."""
+    train, val = split_pieces(spec, fmt, check_size)
+    return train if val is None else itertools.chain(train, val)
+
+
+def split_pieces(spec, fmt: str, check_size: bool = True) -> tuple[Iterator[str], Iterator[str] | None]:
+    """The pieces of a text source as (training, held-out): the stdlib holds out a seeded
+    choice of its files (``chimera.data.stdlib_documents``); any other source (None) holds
+    out the last ids of its one stream. ``check_size``: refuse text beyond what is read
+    into memory (``chimera tokenize`` streams it, and does not)."""
+    if fmt == "stdlib":  # capped at a byte count, so a last character may be cut: replaced
+        train, val = stdlib_documents()
+        return _docs_pieces(train), _docs_pieces(val)
+    if fmt == "text":
+        return _files_pieces(Path(spec.path), check_size), None
+    if fmt == "jsonl":
+        docs = (text + "\n" for text in _jsonl(Path(spec.path), spec.field, check_size))
+    else:  # a datasets folder's text column
+        from chimera.data_datasets import text_rows
+
+        docs = (text + "\n" for text in text_rows(spec, spec.field))
+    return (piece for doc in docs for piece in _mark_last(cut(doc))), None
+
+
+def _docs_pieces(docs: list[bytes]) -> Iterator[str]:
+    for doc in docs:
+        yield from _mark_last(cut(doc.decode("utf-8", errors="replace")))
+
+
+def _mark_last(pieces: Iterable[str]) -> Iterator[str]:
+    """The pieces, the last one a ``DocEnd``."""
+    last = None
+    for piece in pieces:
+        if last is not None:
+            yield last
+        last = piece
+    if last is not None:
+        yield DocEnd(last)
 
 
 def cut(doc: str, limit: int = PIECE_CHARS) -> Iterator[str]:
@@ -73,47 +132,59 @@ def cut(doc: str, limit: int = PIECE_CHARS) -> Iterator[str]:
     where there is one (a longer line is cut where the limit falls)."""
     start = 0
     while len(doc) - start > limit:
-        end = doc.rfind("\n", start, start + limit) + 1
-        if end <= start:
-            end = start + limit
+        end = _piece_end(doc, start, limit)
         yield doc[start:end]
         start = end
     if start < len(doc):
         yield doc[start:]
 
 
-def _documents(spec, fmt: str) -> Iterator[str]:
-    if fmt == "stdlib":  # capped at a byte count, so its last character may be cut: replaced
-        yield bytes(load_corpus(None).numpy()).decode("utf-8", errors="replace")
-    elif fmt == "text":
-        p = Path(spec.path)
-        files = text_files(p) if p.is_dir() else [p]
+def _piece_end(doc: str, start: int, limit: int) -> int:
+    end = doc.rfind("\n", start, start + limit) + 1
+    return start + limit if end <= start else end
+
+
+def _files_pieces(p: Path, check_size: bool) -> Iterator[str]:
+    files = text_files(p) if p.is_dir() else [p]
+    if check_size:
         check_total_size(str(p), files, None)
-        for f in files:
-            data = f.read_bytes()
-            check_not_binary(f, data)
-            yield _decode(data, f) + "\n"
-    elif fmt == "jsonl":
-        for text in _jsonl(Path(spec.path), spec.field):
-            yield text + "\n"
-    else:  # a datasets folder's text column
-        from chimera.data_datasets import text_rows
-
-        for text in text_rows(spec, spec.field):
-            yield text + "\n"
+    for f in files:
+        yield from _file_pieces(f)
 
 
-def _decode(data: bytes, where: Path) -> str:
+def _file_pieces(f: Path, limit: int = PIECE_CHARS) -> Iterator[str]:
+    """The pieces of one file and a newline, read ``READ_BYTES`` at a time: the same
+    pieces ``cut`` makes of the whole text, without holding it."""
+    decoder, text, start, offset = codecs.getincrementaldecoder("utf-8")(), "", 0, 0
+    with open(f, "rb") as stream:
+        while block := stream.read(READ_BYTES):
+            text = text[start:] + _decode_block(decoder, block, f, offset)
+            start, offset = 0, offset + len(block)
+            while len(text) - start > limit:  # the document goes on past this window: as cut()
+                end = _piece_end(text, start, limit)
+                yield text[start:end]
+                start = end
+        text = text[start:] + _decode_block(decoder, b"", f, offset)
+    yield from _mark_last(cut(text + "\n", limit))
+
+
+def _decode_block(decoder, block: bytes, where: Path, offset: int) -> str:
+    at = block.find(b"\0")
+    if at >= 0:
+        raise UserError(f"{str(where)!r} is binary (a NUL byte at offset {offset + at:,}), not "
+                         "text: token files are .bin (with --token-dtype) or .npy")
+    data = decoder.getstate()[0] + block  # what the decoder sees: a cut character's bytes first
     try:
-        return data.decode("utf-8")
+        return decoder.decode(block, final=not block)
     except UnicodeDecodeError as exc:
+        at = offset - (len(data) - len(block)) + exc.start
         raise UserError(f"{where} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
-                         f"{exc.start:,}): a tokenizer reads text; without --tokenizer it is "
-                         "read as bytes") from None
+                         f"{at:,}): a tokenizer reads text; without "
+                         "--tokenizer it is read as bytes") from None
 
 
-def _jsonl(p: Path, field: str) -> Iterator[str]:
-    if p.stat().st_size > MAX_CORPUS_BYTES:
+def _jsonl(p: Path, field: str, check_size: bool = True) -> Iterator[str]:
+    if check_size and p.stat().st_size > MAX_CORPUS_BYTES:
         raise UserError(f"{p} has {p.stat().st_size:,} bytes, more than the limit of "
                          f"{MAX_CORPUS_BYTES:,} (it is read into memory): write .bin token "
                          "files with chimera tokenize")
@@ -154,8 +225,9 @@ def pieces_as_bytes(pieces: Iterable[str], where: str) -> torch.Tensor:
 
 def encode_chunks(tokenizer, pieces: Iterable[str], vocab: int, progress: bool = False,
                   total: int | None = None) -> Iterator[np.ndarray]:
-    """The ids of the pieces, a batch of pieces at a time (no special tokens added)."""
-    bar = None
+    """The ids of the pieces, a batch of pieces at a time: no special tokens added, but the
+    tokenizer's end-of-text token (if it has one) after each document."""
+    eos, bar = eos_id_of(tokenizer), None
     if progress and (total is None or total >= BAR_BYTES):
         from tqdm import tqdm  # only when a bar is drawn
 
@@ -166,7 +238,7 @@ def encode_chunks(tokenizer, pieces: Iterable[str], vocab: int, progress: bool =
             batch.append(piece)
             size += len(piece)
         if batch and (piece is None or size >= BATCH_CHARS):
-            yield _encode(tokenizer, batch, vocab)
+            yield _encode(tokenizer, batch, vocab, eos)
             if bar is not None:
                 bar.update(sum(len(p.encode("utf-8")) for p in batch))
             batch, size = [], 0
@@ -174,9 +246,12 @@ def encode_chunks(tokenizer, pieces: Iterable[str], vocab: int, progress: bool =
         bar.close()
 
 
-def _encode(tokenizer, batch: list[str], vocab: int) -> np.ndarray:
-    encoded = tokenizer.encode_batch(batch, add_special_tokens=False)
-    ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encoded), dtype=np.int64)
+def _encode(tokenizer, batch: list[str], vocab: int, eos: int | None) -> np.ndarray:
+    # the fast batch skips character offsets: only the ids are kept
+    encoded = tokenizer.encode_batch_fast([str(p) for p in batch], add_special_tokens=False)
+    ends = [[eos] if eos is not None and isinstance(p, DocEnd) else [] for p in batch]
+    ids = np.fromiter(itertools.chain.from_iterable(
+        itertools.chain(e.ids, end) for e, end in zip(encoded, ends)), dtype=np.int64)
     if ids.size and ids.max() >= vocab:  # before narrowing: an id must not wrap around
         raise UserError(f"the tokenizer made id {int(ids.max())}, outside the vocabulary of "
                          f"{vocab} ids")

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from chimera.bench import emulated
 from chimera.bench.rows import BenchConfig, Row
 from chimera.bench.runners import OursRunner, SingleRunner, peak_activation_bytes
 from chimera.bench.torchpp import TorchRunner
@@ -33,6 +34,8 @@ FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to say w
 
 
 def make_runner(cfg: BenchConfig, row: Row, rank: int):
+    if cfg.emulate:
+        return (emulated.EmulatedOurs if row.impl == "chimera" else emulated.EmulatedTorch)(cfg, row, rank)
     if row.impl == "single":
         return SingleRunner(cfg, row, rank)
     if row.impl == "chimera":
@@ -106,17 +109,43 @@ def _activations(cfg: BenchConfig, runners: list) -> list[float | None]:
 def _timing_worker(rank: int, world: int, cfg: BenchConfig, rows: list[Row], port: int,
                    out: str) -> None:
     with _group(rank, world, port, cfg):
+        latency = emulated.link_latency(cfg, rank) if cfg.emulate else None
         _say(rank, f"bench: building {len(rows)} rows on {world} ranks")
         runners, failed = _build(cfg, rows, rank)
         for row_id, why in failed.items():
             _say(rank, f"bench: skipping {row_id}: {why}")
         times, losses = _rounds(cfg, rows, runners, rank)
         times = _slowest(times)
-        acts = _activations(cfg, runners)
+        extra = _emulated_extras(cfg, runners, rank) if cfg.emulate else {}
+        acts = _activations(cfg, runners) if not cfg.emulate else \
+            [None if p is None else max(p) / 2**20 for p in extra["activation_bytes"]]
         if rank == 0:  # every row trains the same model on the same data: same first loss
             with open(out, "w") as f:
                 json.dump({"times": times, "activation_mb": acts, "failed": failed,
-                           "first_loss": losses}, f)
+                           "first_loss": losses, "latency": latency, **extra}, f)
+
+
+def _from_every_rank(value) -> list:
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def _emulated_extras(cfg: BenchConfig, runners: list, rank: int) -> dict:
+    """Per row: peak activation bytes of every rank, the order that ran (ours: the lowered
+    schedule; torch's: its pipeline_order), one traced step's waits on every rank, and every
+    rank's wait totals (asked and taken, per kind, over all its steps)."""
+    peaks, orders, traces, totals = [], [], [], []
+    for k, r in enumerate(runners):
+        dist.barrier()
+        peak = 0 if r is None else peak_activation_bytes(r, cfg.rounds + 1)
+        peaks.append(None if r is None else _from_every_rank(peak))
+        order = None if r is None else r.order()
+        orders.append(None if order is None else order.to_json())
+        waits = None if r is None else emulated.traced_step(r, cfg.rounds + 2)
+        traces.append(None if r is None else _from_every_rank(waits))
+        totals.append(None if r is None else _from_every_rank(r.log.totals))
+    return {"activation_bytes": peaks, "orders": orders, "traces": traces, "wait_totals": totals}
 
 
 def _memory_worker(rank: int, world: int, cfg: BenchConfig, row: Row, port: int, out: str) -> None:

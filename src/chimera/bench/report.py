@@ -82,13 +82,20 @@ def _ge(value, floor):
 
 
 def assemble(cfg: BenchConfig, rows: list[Row], raw: dict, started: float, load: tuple) -> dict:
-    results = result_rows(cfg, rows, raw)
+    if cfg.emulate:
+        from chimera.bench import emulated_report as er
+
+        results = er.result_rows(cfg, rows, raw)
+        summary, extra = er.targets(results), {"latency": raw.get("latency")}
+    else:
+        results, extra = result_rows(cfg, rows, raw), {}
+        summary = targets(results)
     config = {**cfg.to_dict(), "torch": torch.__version__, "python": platform.python_version(),
               "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
               "wall_s": round(time.time() - started, 1),
               "load_average_before": load[0], "load_average_after": load[1],
               "order": "interleaved: every round runs one step of each row, starting one row later each round"}
-    return {"config": config, "results": results, "skipped": raw["failed"], "summary": targets(results)}
+    return {"config": config, "results": results, "skipped": raw["failed"], "summary": summary, **extra}
 
 
 def _name(r: dict) -> str:

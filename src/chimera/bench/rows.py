@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from chimera.errors import UserError
 from chimera.ir import ScheduleError
 from chimera.schedules import get_scheme, schemes
+from chimera.sim.cost import parse_times
 
 # Ours, in the order the table shows them; any other runnable scheme is appended unless it is
 # in SKIPPED_SCHEMES (GEMS idles 75% of the time by design: it would only slow the run down).
@@ -24,6 +25,7 @@ TORCH_SCHEDULES = {
     "1f1b": ("Schedule1F1B", "linear", 1),
     "interleaved": ("ScheduleInterleaved1F1B", "loop", 2),
     "dualpipev": ("ScheduleDualPipeV", "v", 2),
+    "interleaved-zb": ("ScheduleInterleavedZeroBubble", "loop", 2),
     "zbv": ("ScheduleZBVZeroBubble", "v", 2),
 }
 IMPLS = ("single", "chimera", "torch")
@@ -67,6 +69,10 @@ class BenchConfig:
     memory: bool = True  # measure peak RSS per row in fresh processes
     comm_timeout: float = 300.0
     quick: bool = False
+    # accelerator-like stages (chimera.models.emulated): "F:I:W" or "F:B" in milliseconds per
+    # micro-batch per D-th of the model; None: the real model on the CPU
+    emulate: str | None = None
+    activation_mb: float = 1.0  # emulated: activation kept per micro-batch per D-th (MiB)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +82,10 @@ class BenchConfig:
                 raise UserError(f"bench {name.replace('_', '-')} must be a positive integer, got {value!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise UserError(f"bench warmup must be a non-negative integer, got {self.warmup!r}")
+        if self.emulate is not None:
+            parse_times(self.emulate, "--emulate (milliseconds)")  # one line for a bad F:I:W
+        if not (isinstance(self.activation_mb, (int, float)) and 0 <= self.activation_mb < 2**20):
+            raise UserError(f"bench activation-mb must be a number in [0, 2^20), got {self.activation_mb!r}")
 
     @classmethod
     def quick_config(cls, **kw) -> "BenchConfig":
@@ -94,7 +104,9 @@ class BenchConfig:
         return {"model": self.model, "stages": self.stages, "micro_batches": self.micro_batches,
                 "micro_batch_size": self.micro_batch_size, "global_batch": self.global_batch,
                 "threads_per_rank": self.threads, "warmup": self.warmup, "steps": self.steps,
-                "seed": self.seed, "backend": "gloo", "quick": self.quick, **self.extra}
+                "seed": self.seed, "backend": "gloo", "quick": self.quick,
+                **({"emulate_ms": self.emulate, "activation_mb": self.activation_mb}
+                   if self.emulate else {}), **self.extra}
 
 
 def our_schemes() -> list[str]:
@@ -106,6 +118,9 @@ def our_schemes() -> list[str]:
 
 def all_rows(cfg: BenchConfig) -> list[Row]:
     """Every row the benchmark knows, before filtering."""
+    if cfg.emulate:  # no host compute to compare with, no optimizer to shard
+        return [r for name in our_schemes() for r in scheme_rows(name)] + \
+            [Row("torch", name) for name in TORCH_SCHEDULES]
     rows = [Row("single", "none", (("threads", 1),)), Row("single", "none", (("threads", 2),)),
             # the same micro-batches as the pipelines, accumulated: the linear limit without
             # the (cache) cost or benefit of computing the whole mini-batch at once

@@ -37,12 +37,23 @@ def add_parsers(sub) -> None:
                    "single,chimera:chimera,torch (default: all)")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the peak-RSS pass (one fresh process group per row)")
+    p.add_argument("--emulate", metavar="F:I:W",
+                   help="accelerator-like stages instead of the model: each D-th of the model "
+                        "waits F, I and W milliseconds per micro-batch (or F:B, B split evenly) "
+                        "as a host waits for a GPU, and carries small real tensors; every row is "
+                        "printed beside its simulated step time. Writes bench-emulated-D*-N*.* "
+                        "and one Perfetto trace per row. Measures the schedule and the runtime "
+                        "around it, not kernels or memory bandwidth")
+    p.add_argument("--activation-mb", type=float, default=1.0, metavar="MB",
+                   help="--emulate: activation each stage keeps per micro-batch until its "
+                        "backward (MiB; peak activations are reported per rank) (default: 1)")
     p.set_defaults(func=cmd_bench)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     kw = dict(model=args.model, stages=args.stages, micro_batches=args.micro_batches,
-              micro_batch_size=args.micro_batch_size, memory=not args.no_memory,
+              micro_batch_size=args.micro_batch_size, memory=not (args.no_memory or args.emulate),
+              emulate=args.emulate, activation_mb=args.activation_mb,
               rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()) if args.rows else None,
               extra={"command": _command(args)})
     if args.steps is not None:
@@ -58,16 +69,21 @@ def _command(args: argparse.Namespace) -> str:
     for flag, value, default in (("--model", args.model, "gpt2-bench"), ("-D", args.stages, 2),
                                  ("-N", args.micro_batches, 8), ("-B", args.micro_batch_size, 2),
                                  ("--steps", args.steps, None), ("--warmup", args.warmup, None),
-                                 ("--rows", args.rows, None)):
+                                 ("--rows", args.rows, None), ("--emulate", args.emulate, None),
+                                 ("--activation-mb", args.activation_mb, 1.0)):
         if value != default:
             words += [flag, str(value)]
     return " ".join(words + (["--no-memory"] if args.no_memory else []))
 
 
-def _check_out(out: str) -> None:
+def _stem(cfg: BenchConfig) -> str:
+    return f"bench-emulated-D{cfg.stages}-N{cfg.micro_batches}" if cfg.emulate else "bench"
+
+
+def _check_out(out: str, stem: str) -> None:
     check_output(out, "--out", directory=True)
     for ext in ("json", "md", "png"):
-        check_output(os.path.join(out, f"bench.{ext}"), "--out")
+        check_output(os.path.join(out, f"{stem}.{ext}"), "--out")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -77,12 +93,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from chimera.models import get_config
 
     cfg = config_from_args(args)
-    get_config(cfg.model)  # unknown model: one line, exit 2, before any process starts
+    if not cfg.emulate:
+        get_config(cfg.model)  # unknown model: one line, exit 2, before any process starts
     rows = select_rows(cfg)
     if not rows:
         raise UsageError("no rows to run (--rows selects none); the results in "
                          f"{args.out} are left as they are")
-    _check_out(args.out)
+    _check_out(args.out, _stem(cfg))
     started, load = time.time(), os.getloadavg()
     raw = measure(cfg, rows)
     if len(raw["failed"]) == len(rows):
@@ -90,10 +107,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"to {args.out}", file=sys.stderr)
         return 1
     data = report.assemble(cfg, rows, raw, started, (load, os.getloadavg()))
-    paths = report.save(data, args.out)
+    if cfg.emulate:
+        from chimera.bench import emulated_report
+
+        paths = emulated_report.save(data, raw, rows, args.out, _stem(cfg))
+        text = emulated_report.markdown(data)
+    else:
+        paths = report.save(data, args.out)
+        text = report.markdown(data)
     if args.json:
         print(json.dumps(data))
     else:
-        print(report.markdown(data))
+        print(text)
         print("wrote " + ", ".join(paths))
     return 0

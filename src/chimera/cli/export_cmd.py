@@ -1,4 +1,4 @@
-"""`chimera export`: a checkpoint of a Hugging Face model as a save_pretrained folder."""
+"""`chimera export`: a checkpoint (an HF model or a GPT-2 preset) as a save_pretrained folder."""
 
 from __future__ import annotations
 
@@ -10,16 +10,18 @@ from chimera.cli.common import add_checkpoint_input, add_folder_output, check_ou
 
 def add_parsers(sub) -> None:
     p = sub.add_parser(
-        "export", help="write a checkpoint of a Hugging Face model as a save_pretrained folder",
-        description="Write the model of a checkpoint written by `chimera train --model hf-... "
-                    "--checkpoint-dir DIR` (or --model hf:PATH) as the folder save_pretrained "
-                    "writes: config.json (the run's config and vocabulary) and model.safetensors "
-                    "(float32 or float64 as trained; a tied weight once), plus the run's "
-                    "tokenizer.json if it recorded one. transformers' "
-                    "AutoModelForCausalLM.from_pretrained(OUT) (AutoModelForMaskedLM for BERT) "
-                    "loads it and gives the run's logits. Whatever D, W and schedule trained "
-                    "it: checkpoints are keyed by parameter name. Checkpoints of chimera's own "
-                    "presets (gpt2-*, bert-*) are refused.",
+        "export", help="write a checkpoint as a Hugging Face save_pretrained folder",
+        description="Write the model of a checkpoint written by `chimera train --checkpoint-dir "
+                    "DIR` (--model hf-..., hf:PATH, or a GPT-2 preset, which becomes HF's "
+                    "GPT2LMHeadModel) as the folder save_pretrained writes: config.json (the "
+                    "run's config and vocabulary, eos/bos token ids), generation_config.json, "
+                    "model.safetensors (float32 or float64 as trained; a tied weight once), and "
+                    "the tokenizer: the run's tokenizer.json (a byte tokenizer for a run on "
+                    "bytes) with tokenizer_config.json and special_tokens_map.json. transformers' "
+                    "AutoTokenizer and AutoModelForCausalLM.from_pretrained(OUT) "
+                    "(AutoModelForMaskedLM for BERT) load it and give the run's ids and logits. "
+                    "Whatever D, W and schedule trained it: checkpoints are keyed by parameter "
+                    "name. chimera's BERT presets (bert-*) have no HF twin and are refused.",
         epilog="example: chimera train --model hf-llama-tiny --steps 100 --checkpoint-dir ckpt && "
                "chimera export --checkpoint ckpt --out llama-out")
     add_checkpoint_input(p)

@@ -12,15 +12,17 @@ def add_parsers(sub) -> None:
         "tokenize", help="train a BPE tokenizer on local text and write token files for training",
         description="Train a byte-level BPE tokenizer (HF tokenizers) on local text and write "
                     "DIR/tokenizer.json, DIR/train.bin and DIR/val.bin (the last 5% of the ids) "
-                    "and DIR/meta.json (dtype, vocabulary). Then `chimera train --data DIR` "
+                    "and DIR/meta.json (dtype, vocabulary). Memory is bounded by a batch of "
+                    "text, not by the corpus: the text streams through, the ids stream to disk. Then `chimera train --data DIR` "
                     "trains on them with a model vocabulary of the tokenizer's size; "
                     "`chimera train --data TEXT --tokenizer DIR/tokenizer.json` reads the same ids.")
     p.add_argument("--data", metavar="FILE|DIR", help="text to train the tokenizer on and "
                    "tokenize: a text file or folder, a .jsonl, or a datasets folder's text "
                    "column (default: the Python standard library's source files)")
     p.add_argument("--vocab-size", type=positive_int, metavar="V", help="ids the tokenizer may "
-                   "have: 256 bytes plus up to V - 256 merges (fewer if the text runs out of "
-                   "pairs); required unless --tokenizer is given")
+                   "have: <|endoftext|> (id 0, written after every document), 256 bytes and up "
+                   "to V - 257 merges (fewer if the text runs out of pairs); required unless "
+                   "--tokenizer is given")
     add_folder_output(p)
     p.add_argument("--text-field", metavar="NAME", help="the text of each .jsonl object or "
                    "datasets row (default: text)")

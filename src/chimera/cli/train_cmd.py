@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from chimera.cli.common import (add_scheme_options, check_output, nonneg_float, nonneg_int,
+from chimera.cli.common import (UsageError, add_scheme_options, check_output, nonneg_float, nonneg_int,
                                 positive_int, scheme_options_from_args)
 from chimera.cli.common import beta_float, positive_float, resume_fields, unit_float
 from chimera.passes import SYNC_MODES
@@ -52,8 +52,8 @@ def add_parsers(sub) -> None:
                    "column of a datasets folder to read as text (default: text; a datasets "
                    "folder's input_ids column is read as ids when there is one)")
     m.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (HF tokenizers) that text "
-                   "goes through (default: text is read as bytes, 256 ids); chimera tokenize "
-                   "trains one")
+                   "goes through (default: text is read as bytes, 256 ids; with --model hf:DIR, "
+                   "DIR/tokenizer.json if there is one); chimera tokenize trains one")
     m.add_argument("--dtype", choices=("float32", "float64", "bf16", "bf16-master", "fp16"),
                    default="float32",
                    help="precision: bf16 = float32 weights with bf16 autocast; bf16-master = bf16 "
@@ -174,7 +174,7 @@ def config_from_args(args: argparse.Namespace):
         shard_optimizer=args.shard_optimizer,
         sync=args.sync,
         partition=args.partition, seq_len=args.seq_len, data=args.data, token_dtype=args.token_dtype,
-        vocab_size=args.vocab_size, text_field=args.text_field, tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size, text_field=args.text_field, tokenizer=folder_tokenizer(args),
         dtype=args.dtype, wire_dtype=args.wire_dtype, threads=args.threads,
         comm_timeout=args.comm_timeout, device=args.device, log_json=args.log_json,
         trace=args.trace, png=args.png, progress=not args.no_progress,
@@ -182,6 +182,43 @@ def config_from_args(args: argparse.Namespace):
         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         skip_nonfinite=args.skip_nonfinite, eval_every=args.eval_every,
         eval_batches=args.eval_batches)
+
+
+TEXT_FORMATS = ("stdlib", "text", "jsonl")
+
+
+def folder_tokenizer(args: argparse.Namespace) -> str | None:
+    """``--tokenizer``, else for text and ``--model hf:DIR`` the folder's own ``tokenizer.json``
+    (``chimera export``, ``save_pretrained``): its weights learned those ids, not bytes. Weights
+    of more than 256 ids with no tokenizer beside them are refused on text."""
+    if args.tokenizer is not None or not args.model.startswith("hf:"):
+        return args.tokenizer
+    from pathlib import Path
+
+    from chimera.data_formats import DataSpec, detect
+
+    folder = Path(args.model[len("hf:"):])
+    folder = folder.parent if folder.is_file() else folder
+    if not folder.is_dir() or detect(DataSpec(args.data)) not in TEXT_FORMATS:
+        return None
+    if (folder / "tokenizer.json").is_file():
+        print(f"chimera train: reading the text through {folder / 'tokenizer.json'} (the "
+              "model's own; --tokenizer overrides)", file=sys.stderr)
+        return str(folder / "tokenizer.json")
+    if any(folder.glob("*.safetensors")) and _config_vocab(folder) not in (None, 256):
+        raise UsageError(f"--model {args.model} holds trained weights of "
+                         f"{_config_vocab(folder)} ids but no tokenizer.json: its ids are not "
+                         "bytes; pass the tokenizer it was trained with (--tokenizer FILE)")
+    return None
+
+
+def _config_vocab(folder) -> int | None:
+    import json
+
+    try:
+        return json.loads((folder / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # the model loader says what is wrong with it
 
 
 def _knobs(args: argparse.Namespace) -> dict:

@@ -104,6 +104,7 @@ class Executor:
         self.inp: dict[tuple, torch.Tensor] = {}
         self.out: dict[tuple, torch.Tensor] = {}
         self.recv: dict[Action, torch.Tensor] = {}  # by RECV action
+        self.mailbox.begin_iteration()
         if record is None:
             for call, step in self._calls(program):
                 call(step)

@@ -71,11 +71,13 @@ PREFIX = "chimera-nccl-emulation"
 POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3  # store polling backs off from min to max while it waits
 
 
-def transport_from_env(rank: int) -> Transport:
-    """Plain gloo, or the emulation when ``CHIMERA_EMULATE_NCCL`` names a stream mode."""
+def transport_from_env(rank: int, matches_by_tag: bool = False) -> Transport:
+    """Plain ``torch.distributed`` (``matches_by_tag`` on gloo: receives may be posted ahead,
+    see ``Mailbox.begin_iteration``), or the emulation when ``CHIMERA_EMULATE_NCCL`` names a
+    stream mode."""
     mode = os.environ.get(ENV, "")
     if not mode:
-        return Transport()
+        return Transport(matches_by_tag)
     if mode not in MODES:
         raise UserError(f"{ENV}={mode!r}: choose one of {', '.join(MODES)} (or leave it unset)")
     return NcclEmulation(rank, mode)

@@ -46,7 +46,14 @@ _PEER_GONE = re.compile(r"connection|closed|reset by peer|broken pipe", re.IGNOR
 
 
 class Transport:
-    """The p2p calls the Mailbox makes: plain ``torch.distributed``."""
+    """The p2p calls the Mailbox makes: plain ``torch.distributed``. ``matches_by_tag``: a
+    receive may be posted at any time without holding up other operations (gloo), unlike
+    NCCL's FIFO streams."""
+
+    matches_by_tag = False
+
+    def __init__(self, matches_by_tag: bool = False):
+        self.matches_by_tag = matches_by_tag
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int):
         return dist.isend(tensor, dst=dst, tag=tag)
@@ -89,6 +96,7 @@ class Mailbox:
                  device: torch.device, timeout_s: float | None, transport: Transport | None = None):
         self.schedule, self.grid = plan.schedule, grid
         incoming = plan.incoming[grid.d]
+        self.order = incoming
         self.buffers = {m: torch.empty(shape_of(m), dtype=dtype, device=device) for m in incoming}
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.transport = transport or Transport()
@@ -96,7 +104,22 @@ class Mailbox:
         self.pending: dict[Message, object] = {}
         self.sends: deque[tuple[object, torch.Tensor | None, Action, int]] = deque()
 
+    def begin_iteration(self) -> None:
+        """Where the transport matches messages by tag and nothing waits in a stream (gloo),
+        post every receive of the iteration now, in the plan's order: a send then finds its
+        receive ready, instead of waiting for the receiver to reach the plan's Post and say
+        so (one more hop on the critical path whenever the receiver was busy). On NCCL and
+        under its emulation the plan's Posts are kept: their place is what makes the order
+        safe there."""
+        if self.transport.matches_by_tag:
+            for msg in self.order:
+                self._post(msg)
+
     def post(self, msg: Message) -> None:
+        if msg not in self.pending:
+            self._post(msg)
+
+    def _post(self, msg: Message) -> None:
         src = self.grid.peer(msg.pipe, msg.source_stage)
         self.pending[msg] = self.transport.irecv(self.buffers[msg], src, msg.tag(self.schedule))
 

@@ -266,7 +266,8 @@ class PipelineRuntime:
 
     def _mailbox(self, plan, bounds: list) -> Mailbox:
         return Mailbox(plan, self.grid, functools.partial(self._message_shape, bounds),
-                       torch.uint8, self.device, self.timeout, transport_from_env(self.grid.rank))
+                       torch.uint8, self.device, self.timeout,
+                       transport_from_env(self.grid.rank, dist.get_backend() == "gloo"))
 
     @staticmethod
     def _message_shape(bounds: list, msg: Message) -> tuple:

@@ -13,6 +13,17 @@ from dataclasses import dataclass, field
 from chimera.ir import Op, OpTimes, ScheduleError
 
 
+def parse_times(text: str, flag: str = "--cost") -> tuple[float, float, float]:
+    """(F, I, W) from ``"F:B"`` (B split evenly into I and W) or ``"F:I:W"``, positive numbers."""
+    try:
+        parts = [float(x) for x in text.split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (2, 3) or any(p <= 0 or math.isnan(p) or math.isinf(p) for p in parts):
+        raise ScheduleError(f"{flag} must be F:B or F:I:W with positive numbers, got {text!r}")
+    return (parts[0], parts[1] / 2, parts[1] / 2) if len(parts) == 2 else tuple(parts)
+
+
 @dataclass(frozen=True)
 class Link:
     """Alpha-beta link: a message of n bytes takes ``alpha + n / beta`` seconds (or units)."""
@@ -82,15 +93,8 @@ class CostModel:
     @classmethod
     def parse(cls, text: str, **kw) -> "CostModel":
         """``"F:B"`` (e.g. ``1:2``) or ``"F:I:W"`` (e.g. ``1:1:1``)."""
-        try:
-            parts = [float(x) for x in text.split(":")]
-        except ValueError:
-            parts = []
-        if len(parts) not in (2, 3) or any(p <= 0 or math.isnan(p) or math.isinf(p) for p in parts):
-            raise ScheduleError(f"--cost must be F:B or F:I:W with positive numbers, got {text!r}")
-        if len(parts) == 2:
-            return cls.unit(parts[0], parts[1], **kw)
-        return cls.unit(parts[0], i=parts[1], w=parts[2], **kw)
+        f, i, w = parse_times(text)
+        return cls.unit(f, i=i, w=w, **kw)
 
     def _at(self, values: tuple[float, ...], stage: int, stages: int) -> float:
         if len(values) == 1:

@@ -408,12 +408,14 @@ class _SyncState:
 def _memory(s: Schedule, rank: int) -> tuple[float, float]:
     """(peak activations in Ma, weights in Mθ) for one rank."""
     size = s.ranks / s.stages  # a stage is this many D-ths of the model
-    frees = finishing_op(s.split_backward)
+    # W ends a split backward, B a whole one: both free (torch's DualPipeV runs B where it
+    # overlaps a forward and I/W elsewhere in one schedule)
+    frees = {finishing_op(s.split_backward), Op.B}
     held, peak = 0.0, 0.0
     for action in s.programs[rank]:
         if action.op is Op.F:
             held += size * s.micro_scale
             peak = max(peak, held)
-        elif action.op is frees:
+        elif action.op in frees:
             held -= size * s.micro_scale
     return peak, len(s.placement.held(rank)) * size

@@ -1,12 +1,15 @@
-"""``chimera export``: a checkpoint of a Hugging Face model as a ``save_pretrained`` folder.
+"""``chimera export``: a checkpoint as a Hugging Face ``save_pretrained`` folder.
 
-The checkpoint holds every parameter once under HF's name (a tie under its source), whatever
-D, W or schedule wrote it, so one process reads it, and ``HFModel.save_pretrained`` checks it
-is the whole model and writes ``config.json`` (the run's config, vocabulary included) and
-``model.safetensors``: ``AutoModelForCausalLM.from_pretrained(folder)`` gives the run's logits.
-The run's tokenizer (``tokenizer.json``), if it recorded one that is still the same file,
-goes beside them (with a note where BERT masked with an id that is not its mask token).
-The folder appears complete or not at all.
+The checkpoint holds every parameter once under its model-wide name (HF's for an HF model, a
+tie under its source), whatever D, W or schedule wrote it, so one process reads it.
+``HFModel.save_pretrained`` checks it is the whole model and writes ``config.json`` (the
+run's config, vocabulary included) and ``model.safetensors``; a GPT-2 preset goes through
+``chimera.hf.preset`` (HF's ``GPT2LMHeadModel``). ``AutoModelForCausalLM.from_pretrained(folder)``
+gives the run's logits. The run's tokenizer (the byte tokenizer for a run on bytes) goes
+beside them with the files ``AutoTokenizer`` reads (``chimera.train.export_tokenizer``), its
+end-of-text id in ``config.json`` and ``generation_config.json`` (with a note where BERT
+masked with an id that is not its mask token). Every file is an ordinary one (0644 under
+the usual umask). The folder appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from chimera.data_text import load_tokenizer, mask_id_of
 from chimera.errors import UserError
 from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError
+from chimera.train.export_tokenizer import stamp_ids, write_tokenizer
 from chimera.train.generate import resolve, source_from_meta
 
 
@@ -43,9 +47,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> Exported:
     meta = checkpoint.verify(where)
     source = source_from_meta(meta, where)
     if not hasattr(source, "export"):
-        raise CheckpointError(f"checkpoint {where} is {meta['model']}, a chimera preset, not a "
-                              "Hugging Face model: chimera export writes Hugging Face folders (train "
-                              "with --model hf-llama-tiny, hf-gpt2-small or hf:PATH)")
+        _check_preset(source, where)
     try:
         state = checkpoint.load_model_state(where)
     except checkpoint.CheckpointIOError as exc:
@@ -53,8 +55,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> Exported:
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        source.export(state, tmp)
-        notes = _copy_tokenizer(meta, tmp)
+        notes = _write(source, state, meta, tmp)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
@@ -64,16 +65,37 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> Exported:
                     sorted(p.name for p in out.iterdir()), notes)
 
 
-def _copy_tokenizer(meta: dict, folder: Path) -> list[str]:
-    """The run's tokenizer file beside the weights; a note instead where it is gone or changed."""
-    record = (meta.get("data") or {}).get("tokenizer")
-    path = record.get("path") if isinstance(record, dict) else None
-    if not path:
-        return []
-    if not os.path.isfile(path) or checkpoint.sha256_of(Path(path)) != record.get("sha256"):
-        return [f"the run's tokenizer {path} is gone or changed since the run: not copied"]
-    shutil.copyfile(path, folder / "tokenizer.json")
-    return _mask_note(meta, path)
+def _check_preset(source, where: Path) -> None:
+    try:
+        from chimera.hf.preset import gpt2_config  # optional extra (hf): transformers
+
+        gpt2_config(source.config)
+    except (ImportError, UserError) as exc:  # the hf extra is missing; a BERT preset
+        raise CheckpointError(f"checkpoint {where} is {source.name}: {exc}") from None
+
+
+def _write(source, state: dict, meta: dict, tmp: Path) -> list[str]:
+    """Weights, config and tokenizer files into ``tmp``; the notes for the user."""
+    if hasattr(source, "export"):
+        source.export(state, tmp)
+    else:
+        from chimera.hf.preset import export_preset  # optional extra (hf): transformers
+
+        export_preset(source.config, state, tmp)
+    ids, notes = write_tokenizer(meta, tmp, source.vocab_size, source.seq_len, source.kind == "gpt2")
+    stamp_ids(tmp, ids)
+    if (tmp / "tokenizer.json").is_file():
+        notes += _mask_note(meta, str(tmp / "tokenizer.json"))
+    _ordinary_modes(tmp)
+    return notes
+
+
+def _ordinary_modes(folder: Path) -> None:
+    """Every file 0666 less the umask (0644 usually): safetensors writes its file 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in folder.iterdir():
+        os.chmod(p, 0o666 & ~umask)
 
 
 def _mask_note(meta: dict, tokenizer: str) -> list[str]:

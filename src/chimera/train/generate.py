@@ -10,19 +10,24 @@ loads it. Three pieces can be swapped independently:
 - the codec that turns text into token ids and back, :func:`codec_for`: bytes by default, a
   HF ``tokenizers`` file when the run recorded one in ``meta.json`` (``data.tokenizer``:
   ``{"path", "sha256"}``) or when ``--tokenizer`` names one;
-- the sampler, :func:`sample`: greedy at temperature 0, otherwise softmax(logits / T) over
-  the top k, drawn from a generator seeded by ``seed`` (float64 on the CPU, so a seed gives
-  the same text on any device).
+- the sampler, :func:`pick`: greedy at temperature 0, otherwise softmax(logits / T) over
+  the top k and the top p of the probability, drawn from a generator seeded by ``seed``
+  (float64 on the CPU, so a seed gives the same text on any device).
 
-The model sees at most its context (``seq_len``) tokens: a longer prompt keeps its last
-``seq_len`` tokens, and each new token is predicted from the last ``seq_len`` before it
-(no key/value cache: every token costs one forward of the window).
+:func:`sample` continues a batch of prompts (left-padded) with a key/value cache
+(``chimera.train.decode``): each new token is one forward of one position per layer. The
+model sees at most its context (``seq_len``) tokens: a longer prompt keeps its last
+``seq_len`` tokens; once a row fills the context, each new token is predicted from the last
+``seq_len`` before it (positions are absolute, so the window is run whole: one forward of
+the window per token, as without a cache). A row ends at ``max_new_tokens`` or at its stop
+token (the tokenizer's end-of-text token unless another is named), which is not kept.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +39,8 @@ from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError
 
 BYTE_VOCAB = 256
+MAX_NEW_TOKENS = 100_000        # a bound a run prints within minutes, not a typo's 10^12
+MAX_PROMPTS = 1024              # rows of one batch
 
 
 # -- text <-> token ids --------------------------------------------------------------------
@@ -42,6 +49,7 @@ class ByteCodec:
 
     name = "bytes"
     vocab_size = BYTE_VOCAB
+    eos = None  # bytes have no end-of-text token
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -63,8 +71,11 @@ class TokenizerCodec:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 -- its errors are plain Exceptions
             raise UserError(f"tokenizer {path}: not a tokenizers file ({str(exc).splitlines()[0]})") from None
+        from chimera.data_text import eos_id_of  # with tokenizers, imported above
+
         self.name = str(path)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos = eos_id_of(self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -103,6 +114,17 @@ class Loaded:
     vocab_size: int
     meta: dict
     path: Path
+    source: object = None  # the run's model source (chimera.train.sources)
+
+    def decoder(self):
+        """A key/value-cached decoder of this model (``chimera.train.decode``)."""
+        from chimera.train import decode
+
+        if not hasattr(self.source, "export"):  # chimera's GPT-2
+            return decode.PresetDecoder(self.model)
+        state = self.source.model.hf_state_dict(self.model.state_dict())  # HF's names, shared
+        first = next(self.model.parameters())
+        return decode.HFDecoder(decode.hf_model(self.source, state, first.dtype).to(first.device))
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -178,45 +200,99 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> Loaded:
         raise CheckpointError(f"checkpoint {where}: parameters in several dtypes {sorted(map(str, dtypes))}")
     model = model.to(dtypes.pop())
     load_named(model, source, state, where)
-    return Loaded(model.to(device).eval(), context, vocab, meta, where)
+    return Loaded(model.to(device).eval(), context, vocab, meta, where, source)
 
 
 # -- sampling ------------------------------------------------------------------------------
 def pick(logits: torch.Tensor, temperature: float, top_k: int | None,
-         gen: torch.Generator) -> int:
+         gen: torch.Generator, top_p: float | None = None) -> int:
     """The next token from the logits (V,): argmax at temperature 0 (the first of equal
-    maxima), else a draw from softmax(logits / temperature) over the ``top_k`` largest."""
+    maxima), else a draw from softmax(logits / temperature) over the ``top_k`` largest and
+    the fewest most likely tokens whose probability reaches ``top_p``."""
     if temperature == 0:
         return int(torch.argmax(logits))
     logits = logits.double() / temperature
     if top_k is not None and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1:
+        ranked, order = probs.sort(descending=True)
+        keep = ranked.cumsum(0) - ranked < top_p  # the first always: the mass before it is 0
+        probs = torch.zeros_like(probs).scatter(0, order, ranked * keep)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def left_pad(rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``width`` ids of each row, right-aligned: (ids (B, L), mask (B, L))."""
+    rows = [r[-width:] for r in rows]
+    length = max(map(len, rows))
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        ids[b, length - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[b, length - len(r):] = True
+    return ids, mask
+
+
+@dataclass
+class Settings:
+    """How to sample (``check`` refuses bad values in one line)."""
+
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    stop: int | None = None  # a row ends when it draws this id (not kept)
+
+    def check(self) -> "Settings":
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        n = self.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_NEW_TOKENS:
+            raise UserError(f"--max-new-tokens must be an integer from 1 to {MAX_NEW_TOKENS:,}, got {n!r}")
+        return self
 
 
 @torch.no_grad()
-def sample(loaded: Loaded, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-           top_k: int | None = None, seed: int = 0, allowed: int | None = None) -> list[int]:
-    """``max_new_tokens`` token ids continuing ``prompt`` (each predicted from the last
-    ``context`` tokens); only ids below ``allowed`` (default: the vocabulary) are drawn."""
-    check_sampling(temperature, top_k)
-    gen = torch.Generator().manual_seed(seed)
-    device = next(loaded.model.parameters()).device
+def sample(loaded: Loaded, prompts: list[list[int]], settings: Settings,
+           allowed: int | None = None) -> list[list[int]]:
+    """The new ids of each prompt (a row ends at ``max_new_tokens`` or its stop id), with a
+    key/value cache while the rows fit the context; only ids below ``allowed`` are drawn."""
+    settings.check()
+    gen = torch.Generator().manual_seed(settings.seed)
     allowed = loaded.vocab_size if allowed is None else allowed
-    ids = list(prompt)
-    for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-loaded.context:]], dtype=torch.long, device=device)  # (1, T)
-        logits = loaded.model(window)[0, -1, :allowed].double().cpu()                      # (V,)
-        ids.append(pick(logits, temperature, top_k, gen))
-    return ids[len(prompt):]
+    device = next(loaded.model.parameters()).device
+    decoder = loaded.decoder()
+    ids, mask = left_pad(prompts, loaded.context)
+    logits = decoder.prefill(ids.to(device), mask.to(device))
+    new, done = [[] for _ in prompts], [False] * len(prompts)
+    for count in range(1, settings.max_new_tokens + 1):
+        step = [pick(row[:allowed].double().cpu(), settings.temperature, settings.top_k, gen,
+                     settings.top_p) for row in logits]
+        for b, token in enumerate(step):
+            done[b] = done[b] or token == settings.stop
+            if not done[b]:
+                new[b].append(token)
+        if all(done) or count == settings.max_new_tokens:
+            break
+        ids = torch.cat([ids, torch.tensor(step)[:, None]], 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        if ids.shape[1] <= loaded.context:
+            logits = decoder.step(torch.tensor(step, device=device))
+        else:  # the window slides: absolute positions move, so it is run whole
+            ids, mask = ids[:, -loaded.context:], mask[:, -loaded.context:]
+            logits = decoder.prefill(ids.to(device), mask.to(device))
+    return new
 
 
-def check_sampling(temperature: float, top_k: int | None) -> None:
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None = None) -> None:
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise UserError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise UserError(f"--top-k must be a positive integer, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise UserError(f"--top-p must be a number in (0, 1] (1: no cut), got {top_p!r}")
 
 
 # -- prompt in, text out -------------------------------------------------------------------
@@ -231,31 +307,81 @@ class Generation:
     step: int
     codec: str
     notes: list[str] = field(default_factory=list)
+    stopped: bool = False      # ended at the stop token, not at max_new_tokens
+    timing: dict = field(default_factory=dict)  # load_s (start-up), decode_s
 
 
 def generate(path: str | os.PathLike, prompt: str, max_new_tokens: int = 200,
              temperature: float = 0.8, top_k: int | None = None, seed: int = 0,
-             device: str = "cpu", tokenizer: str | None = None) -> Generation:
+             device: str = "cpu", tokenizer: str | None = None, top_p: float | None = None,
+             stop: str | None = None) -> Generation:
     """Load the checkpoint at ``path`` and continue ``prompt``. Raises ValueError
     (CheckpointError included) with one line for every input it refuses."""
-    check_sampling(temperature, top_k)
-    if not prompt:
-        raise UserError("--prompt is empty: give the text to continue")
+    settings = Settings(max_new_tokens, temperature, top_k, top_p, seed)
+    return generate_batch(path, [prompt], settings, device, tokenizer, stop)[0]
+
+
+def generate_batch(path: str | os.PathLike, prompts: list[str], settings: Settings,
+                   device: str = "cpu", tokenizer: str | None = None,
+                   stop: str | None = None) -> list[Generation]:
+    """Continue every prompt, as one batch (``sample``). ``stop``: the text of the token that
+    ends a row (default: the tokenizer's end-of-text token, if it has one)."""
+    settings.check()
+    _check_prompts(prompts)
+    start = time.perf_counter()
     loaded = load(path, device)
     codec = codec_for(loaded.meta, loaded.path, tokenizer)
     allowed = _check_codec(codec, loaded)
+    settings.stop = _stop_id(codec, stop, allowed)
+    encoded = [_encode_prompt(codec, p, loaded) for p in prompts]
+    loaded_at = time.perf_counter()
+    news = sample(loaded, encoded, settings, allowed)
+    timing = {"load_s": loaded_at - start, "decode_s": time.perf_counter() - loaded_at}
+    return [_generation(codec, loaded, ids, new, settings, timing) for ids, new in zip(encoded, news)]
+
+
+def _check_prompts(prompts: list[str]) -> None:
+    if not prompts or len(prompts) > MAX_PROMPTS:
+        raise UserError(f"give 1 to {MAX_PROMPTS} prompts, got {len(prompts)}")
+    for prompt in prompts:
+        if not prompt:
+            raise UserError("--prompt is empty: give the text to continue")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # argv's undecodable bytes arrive as lone surrogates
+            raise UserError(f"--prompt is not valid UTF-8 (an undecodable byte at character "
+                             f"{exc.start}): give UTF-8 text") from None
+
+
+def _encode_prompt(codec, prompt: str, loaded: Loaded) -> list[int]:
     ids = codec.encode(prompt)
     if not ids:
         raise UserError(f"--prompt {prompt!r} encodes to no tokens with {codec.name}")
     if max(ids) >= loaded.vocab_size:
         raise UserError(f"the prompt holds token id {max(ids)}, outside the model's vocabulary "
                          f"of {loaded.vocab_size}")
+    return ids
+
+
+def _stop_id(codec, stop: str | None, allowed: int) -> int | None:
+    """The id of ``stop`` (which must be one token), else the codec's end-of-text id."""
+    if stop is None:
+        return codec.eos
+    ids = codec.encode(stop) if stop else []
+    if len(ids) != 1 or ids[0] >= allowed:
+        raise UserError(f"--stop-token {stop!r} is {len(ids)} tokens with {codec.name}, not one: "
+                         "give the text of a single token (e.g. a newline)")
+    return ids[0]
+
+
+def _generation(codec, loaded: Loaded, ids: list[int], new: list[int], settings: Settings,
+                timing: dict) -> Generation:
     cropped = max(0, len(ids) - loaded.context)
     notes = [f"the prompt is {len(ids)} tokens, the model's context {loaded.context}: it sees "
              f"the last {loaded.context} (cropped {cropped} from the left)"] if cropped else []
-    new = sample(loaded, ids[cropped:], max_new_tokens, temperature, top_k, seed, allowed)
     return Generation(codec.decode(ids + new), codec.decode(new), ids, new, cropped,
-                      str(loaded.path), int(loaded.meta["step"]), codec.name, notes)
+                      str(loaded.path), int(loaded.meta["step"]), codec.name, notes,
+                      len(new) < settings.max_new_tokens, timing)
 
 
 def _check_codec(codec, loaded: Loaded) -> int:

@@ -83,7 +83,8 @@ def summary(result: dict, schedule: Schedule | None) -> str:
         if t is not None:
             lines.append(f"  measured bubble ratio {t.bubble_ratio:.1%} of step "
                          f"{cfg['trace_step'] if cfg['trace_step'] is not None else cfg['steps'] - 1} "
-                         f"(1 - compute time / (ranks x step time))")
+                         f"(1 - compute time / (ranks x step time): the optimizer step's tail and "
+                         "p2p waits count as bubble)")
     rss = ", ".join(f"{r['peak_rss_mb']:.0f}" for r in result["ranks"])
     lines.append(f"  peak memory per rank (RSS, MB): {rss}")
     optim = [r.get("optimizer_state_bytes") for r in result["ranks"]]

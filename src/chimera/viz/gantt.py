@@ -1,7 +1,8 @@
 """PNG Gantt chart of a timeline (matplotlib, imported only when a chart is drawn).
 
-One lane per rank, rank 0 on top. Compute boxes take the colour of their pipe and a shade
-per op: F light, B dark, I medium, W light and hatched; the micro-batch number is written
+One lane per rank, rank 0 on top. Compute boxes take the colour of their pipe (of their
+chunk where one pipe puts several stages on a rank: V and interleaved placements, whose two
+stages of a rank must not look alike) and a shade per op: F light, B dark, I medium, W light and hatched; the micro-batch number is written
 inside when it fits. Bubbles are the light-grey lane background left showing. Allreduces
 (``timeline.collectives``) are a thin dark strip under the lane, p2p events optional thin
 lines at the top of the lane.
@@ -49,14 +50,18 @@ def save_gantt_png(timeline: Timeline, path, title: str | None = None,
 
 # -- layout -------------------------------------------------------------------------------
 def _slots(timeline: Timeline) -> float:
-    """Makespan in shortest-compute-event units: how many boxes fit side by side."""
-    durations = [e.duration for e in timeline.compute_events() if e.duration > 0]
-    return timeline.makespan / min(durations, default=max(timeline.makespan, 1e-12))
+    """Makespan in median-compute-event units: how many boxes fit side by side (the median,
+    not the shortest: a measured step's few tiny events would stretch the chart)."""
+    durations = sorted(e.duration for e in timeline.compute_events() if e.duration > 0)
+    typical = durations[len(durations) // 2] if durations else max(timeline.makespan, 1e-12)
+    return timeline.makespan / typical
 
 
 def _figsize(timeline: Timeline) -> tuple[float, float]:
-    width = min(36.0, max(8.0, 2.0 + 0.24 * _slots(timeline)))
-    height = min(14.0, max(2.6, 1.2 + 0.48 * timeline.schedule.ranks))
+    """Wide enough for the boxes, at most 18 x 14 in; never flatter than 5:1, whose labels
+    shrink to nothing once the PNG is shown at a page's width."""
+    height = min(14.0, max(3.4, 1.4 + 0.6 * timeline.schedule.ranks))
+    width = min(18.0, 5.0 * height, max(8.0, 2.0 + 0.24 * _slots(timeline)))
     return width, height
 
 
@@ -82,6 +87,17 @@ def _pipe_color(pipe: int) -> str:
     return PIPE_COLORS[pipe % len(PIPE_COLORS)]
 
 
+def _by_chunk(timeline: Timeline) -> bool:
+    """One pipe holding several stages a rank (V, interleaved): colour by chunk, not pipe."""
+    placement = timeline.schedule.placement
+    return placement.pipes == 1 and placement.stages > timeline.schedule.ranks
+
+
+def _color_key(timeline: Timeline, action) -> int:
+    """What a box's colour stands for: its pipe, or its chunk (stage // ranks)."""
+    return action.stage // timeline.schedule.ranks if _by_chunk(timeline) else action.pipe
+
+
 # -- drawing ------------------------------------------------------------------------------
 def _draw_lanes(ax, timeline: Timeline) -> None:
     for rank in range(timeline.schedule.ranks):
@@ -94,7 +110,7 @@ def _draw_compute(ax, timeline: Timeline, fig) -> None:
     fontsize = 8 if timeline.schedule.ranks <= 8 else 7
     for event in timeline.compute_events():
         action = event.action
-        base = _pipe_color(action.pipe)
+        base = _pipe_color(_color_key(timeline, action))
         face = _lighten(base, _LIGHTEN[action.op])
         ax.broken_barh([(event.start, event.duration)], (event.rank + _BOX[0], _BOX[1]),
                        facecolors=[face], edgecolors="white", linewidth=0.8,
@@ -155,13 +171,22 @@ def _pipe_name(timeline: Timeline, pipe: int) -> str:
     return f"pipe {pipe}{direction}"
 
 
+def _chunk_name(timeline: Timeline, chunk: int) -> str:
+    d = timeline.schedule.ranks
+    direction = ""
+    if timeline.schedule.placement.style == "v":
+        direction = " (down)" if chunk == 0 else " (up)"
+    return f"stages {chunk * d}-{chunk * d + d - 1}{direction}"
+
+
 def _legend(ax, timeline: Timeline, comm: bool, fig) -> None:
     # optional extra: see save_gantt_png
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    pipes = sorted({e.action.pipe for e in timeline.compute_events()})
-    handles = [Patch(facecolor=_pipe_color(p), label=_pipe_name(timeline, p)) for p in pipes]
+    keys = sorted({_color_key(timeline, e.action) for e in timeline.compute_events()})
+    name = _chunk_name if _by_chunk(timeline) else _pipe_name
+    handles = [Patch(facecolor=_pipe_color(k), label=name(timeline, k)) for k in keys]
     ops = [op for op in (Op.F, Op.B, Op.I, Op.W)
            if any(e.action.op is op for e in timeline.compute_events())]
     grey = "#555555"

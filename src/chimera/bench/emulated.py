@@ -1,0 +1,285 @@
+"""Benchmark rows on accelerator-like stages (``chimera bench --emulate F:I:W``).
+
+Every row runs the same emulated model (:mod:`chimera.models.emulated`: layers that wait for
+their compute, as a host waits for a GPU, and carry small real tensors): ours through the
+library's front door (:class:`chimera.api.Pipeline`), torch's through
+``torch.distributed.pipelining`` with the same layers, cut and data. A step is one
+mini-batch's forwards, backwards and gradient sync (no optimizer step: the simulated time it
+is compared with prices none). Each row is also simulated (:func:`simulated`) at the same
+costs: ours from the lowered schedule the runtime runs, torch's from the order its schedule
+object executes (``pipeline_order``), so realized / simulated is the runtime's own cost.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row
+from chimera.ir import Action, Op, Placement, Schedule
+from chimera.models.emulated import EmulatedCost, WaitLog, emulated_batch, emulated_layers
+from chimera.schedules import get_scheme
+
+# torch's computation types -> ours (communication, REDUCE_GRAD, UNSHARD/RESHARD are dropped:
+# our lowering adds the messages; DualPipeV's OVERLAP_F_B is its sub-actions in order)
+_TORCH_OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
+
+
+def cost_of(cfg: BenchConfig) -> EmulatedCost:
+    return EmulatedCost.parse(cfg.emulate, rows=cfg.micro_batch_size,
+                              activation_bytes=int(cfg.activation_mb * 2**20))
+
+
+def layer_count(cfg: BenchConfig) -> int:
+    """Layers of the emulated model: 2D, so a D-stage cut gives 2 layers a stage and the V
+    and interleaved cuts (2D stages) one."""
+    return 2 * cfg.stages
+
+
+def equal_cut(layers: int, stages: int) -> list[range]:
+    per = layers // stages
+    return [range(k * per, (k + 1) * per) for k in range(stages)]
+
+
+def our_options(row: Row) -> dict:
+    return {k: v for k, v in row.opts.items() if k in get_scheme(row.schedule).options}
+
+
+class EmulatedOurs:
+    """Our runtime on emulated stages, through ``chimera.api.Pipeline``."""
+
+    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+        from chimera.api import Pipeline
+
+        self.cfg, self.cost, self.log = cfg, cost_of(cfg), WaitLog()
+        layers = layer_count(cfg)
+        self.pipe = Pipeline(
+            emulated_layers(self.cost, cfg.stages, layers, cfg.seed, self.log),
+            nn.functional.mse_loss, schedule=row.schedule, stages=cfg.stages,
+            micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
+            num_layers=layers, schedule_options=our_options(row),
+            shard_optimizer=bool(row.opts.get("shard")), comm_timeout=cfg.comm_timeout)
+        self.schedule = self.pipe.schedule
+        self.params = self.pipe.parameters()
+
+    def step(self, i: int) -> float:
+        x, y = emulated_batch(self.cost, self.cfg.global_batch, i, self.cfg.seed)
+        return self.pipe.step(x, y)
+
+    def order(self) -> Schedule:
+        return self.schedule
+
+
+class EmulatedTorch:
+    """``torch.distributed.pipelining`` on the same emulated layers, cut and data."""
+
+    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+        from torch.distributed import pipelining
+
+        from chimera.bench.torchpp import stages_of
+
+        cls_name, self.style, per_rank = TORCH_SCHEDULES[row.schedule]
+        cls = getattr(pipelining, cls_name, None)
+        if cls is None:
+            raise RuntimeError(f"torch {torch.__version__} has no pipelining.{cls_name}")
+        self.cfg, self.row, self.cost, self.log = cfg, row, cost_of(cfg), WaitLog()
+        n = cfg.stages * per_rank
+        make = emulated_layers(self.cost, cfg.stages, layer_count(cfg), cfg.seed, self.log)
+        cut = equal_cut(layer_count(cfg), n)
+        self.indices = stages_of(self.style, rank, cfg.stages, per_rank)
+        modules = [nn.Sequential(*[make(i) for i in cut[s]]) for s in self.indices]
+        stages = [pipelining.PipelineStage(m, s, n, torch.device("cpu"))
+                  for m, s in zip(modules, self.indices)]
+        lf = nn.functional.mse_loss
+        self.schedule = cls(stages[0] if per_rank == 1 else stages,
+                            n_microbatches=cfg.micro_batches, loss_fn=lf)
+        self.first, self.last, self.stages = 0 in self.indices, n - 1 in self.indices, n
+        self.params = [p for m in modules for p in m.parameters()]
+
+    def step(self, i: int) -> float:
+        x, y = emulated_batch(self.cost, self.cfg.global_batch, i, self.cfg.seed)
+        for p in self.params:
+            p.grad = None
+        losses: list = []
+        self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
+                           losses=losses if self.last else None, return_outputs=False)
+        total = torch.tensor([sum(float(l.detach()) for l in losses) / self.cfg.micro_batches],
+                             dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total.item())
+
+    def order(self) -> Schedule | None:
+        """The order torch's schedule object executes, as our (unlowered) Schedule: a
+        multi-stage schedule runs its ``pipeline_order``; a single-stage one (GPipe, 1F1B)
+        runs its own loop, the textbook order our schedule of the same name has (its
+        ``pipeline_order`` is for pictures only: torch 2.13's 1F1B one numbers rank 1's
+        forwards from 1)."""
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+        from chimera.schedules import build
+
+        if isinstance(self.schedule, PipelineScheduleSingle):
+            return build(self.row.schedule, self.cfg.stages, self.cfg.micro_batches)
+        order = getattr(self.schedule, "pipeline_order", None)
+        if not order:
+            return None
+        ranks = self.cfg.stages
+        placement = {"linear": Placement.linear(ranks), "v": Placement.v(ranks),
+                     "loop": Placement.loop(ranks, self.stages // ranks)}[self.style]
+        programs = tuple(tuple(_ours(order.get(r, []))) for r in range(ranks))
+        return Schedule(f"torch:{type(self.schedule).__name__}", placement,
+                        (0,) * self.cfg.micro_batches, programs)
+
+
+def _ours(actions) -> list[Action]:
+    out = []
+    for a in actions:
+        if a is None:
+            continue
+        if a.sub_actions:
+            out += _ours(a.sub_actions)
+            continue
+        op = _TORCH_OPS.get(a.computation_type.value)
+        if op is not None:
+            out.append(Action(op, 0, a.stage_index, a.microbatch_index))
+    return out
+
+
+# -- measured link latencies ------------------------------------------------------------------
+def link_latency(cfg: BenchConfig, rank: int, reps: int = 30) -> dict:
+    """Median one-way p2p time of one boundary message between ranks 0 and 1 (half a
+    ping-pong round trip) and median allreduce time of one stage's gradient between ranks 0
+    and D-1 (Chimera's stage-0 pair), over gloo, measured in the bench's own process group."""
+    width, rows = cost_of(cfg).width, cfg.micro_batch_size
+    msg = torch.zeros(rows, width)
+    trips = []
+    for _ in range(reps + 3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(msg, 1)
+            dist.recv(msg, 1)
+        elif rank == 1:
+            dist.recv(msg, 0)
+            dist.send(msg, 0)
+        trips.append((time.perf_counter() - t0) / 2)
+    pair = dist.new_group([0, cfg.stages - 1])
+    grad = torch.zeros(width * 2)
+    reduces = []
+    for _ in range(reps + 3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank in (0, cfg.stages - 1):
+            dist.all_reduce(grad, group=pair)
+        reduces.append(time.perf_counter() - t0)
+    box = torch.tensor([statistics.median(trips[3:]), statistics.median(reduces[3:])],
+                       dtype=torch.float64)
+    if rank not in (0, 1):
+        box[0] = 0.0
+    if rank not in (0, cfg.stages - 1):
+        box[1] = 0.0
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return {"p2p_s": float(box[0]), "allreduce_s": float(box[1]),
+            "how": f"p2p: median of {reps} half round trips of a {rows}x{width} float32 message "
+                   f"between ranks 0 and 1; allreduce: median of {reps} allreduces of "
+                   f"{2 * width} floats between ranks 0 and {cfg.stages - 1}; gloo, in the "
+                   "bench's process group, before the rows run"}
+
+
+# -- simulation --------------------------------------------------------------------------------
+def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None,
+              stretch: dict[str, float] | None = None) -> dict:
+    """Step time of ``schedule`` at the emulated costs: with the measured p2p and allreduce
+    times, and with free communication (the schedule's own makespan); peak activations per
+    rank (in Ma) from the same simulation. With ``stretch`` (per op kind F/I/W, how much
+    longer the waits actually took than asked, from a traced step), also the step at those
+    measured compute times: realized over it is the runtime's own cost alone, without the
+    emulator's sleep overshoot."""
+    from chimera.passes import lower
+    from chimera.sim import CostModel, simulate
+
+    cost = cost_of(cfg)
+    lowered = schedule if schedule.lowered else lower(schedule, "eager")
+    times = dict(f=cost.forward_s, i=cost.input_grad_s, w=cost.weight_grad_s)
+    free = simulate(lowered, CostModel.unit(**times))
+    out = {"simulated_free_s": free.makespan,
+           "simulated_peak_activations": [r.peak_activations for r in free.ranks]}
+    if latency is None:
+        return out
+    links = dict(p2p_time=latency["p2p_s"], allreduce_time=latency["allreduce_s"])
+    priced = simulate(lowered, CostModel.unit(**times, **links))
+    out["simulated_step_s"], out["timeline"] = priced.makespan, priced
+    if stretch:
+        at = {k: v * stretch.get(k.upper(), 1.0) for k, v in times.items()}
+        out["simulated_measured_waits_s"] = simulate(lowered, CostModel.unit(**at, **links)).makespan
+    return out
+
+
+def stretch_of(totals: list[dict] | None) -> dict[str, float] | None:
+    """Per op kind (F, I, W): seconds the waits took / seconds asked, over every rank's
+    steps (``WaitLog.totals`` of each rank)."""
+    if not totals:
+        return None
+    took: dict[str, list[float]] = {}
+    for rank_totals in totals:
+        for kind, (t, asked) in rank_totals.items():
+            acc = took.setdefault(kind, [0.0, 0.0])
+            acc[0] += t
+            acc[1] += asked
+    return {k: a / b for k, (a, b) in sorted(took.items()) if b > 0}
+
+
+# -- traces ------------------------------------------------------------------------------------
+def trace_events(waits: list[list[tuple]], timeline, starts: list[float]) -> dict:
+    """One Perfetto file: per rank the waits a runtime actually ran (measured, from the
+    layers' WaitLog; a stage's layers show one slice each) and the simulated actions of the
+    same schedule below it, both from the step's start (``perf_counter`` is the system's
+    monotonic clock, one time axis for every process on a machine)."""
+    events = []
+    base = min(starts)
+    ranks = len(waits)
+    for r in range(ranks):
+        events += [_meta(r, f"rank {r} measured"), _meta(1000 + r, f"rank {r} simulated")]
+        for label, start, end, _ in waits[r]:
+            events.append({"name": label, "ph": "X", "pid": r, "tid": 0,
+                           "ts": (start - base) * 1e6, "dur": (end - start) * 1e6})
+    if timeline is not None:
+        for e in timeline.events:
+            if e.action.op.is_compute:
+                events.append({"name": str(e.action), "ph": "X", "pid": 1000 + e.rank, "tid": 0,
+                               "ts": e.start * 1e6, "dur": e.duration * 1e6})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _meta(pid: int, name: str) -> dict:
+    return {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
+
+
+def is_emulated(runner) -> bool:
+    return isinstance(runner, (EmulatedOurs, EmulatedTorch))
+
+
+def traced_step(runner, i: int) -> tuple[list[tuple], float]:
+    """One more step of ``runner`` with its layers' waits logged; (waits, step start)."""
+    runner.log.events.clear()
+    runner.log.on = True
+    dist.barrier()
+    start = time.perf_counter()
+    try:
+        runner.step(i)
+    finally:
+        runner.log.on = False
+    return list(runner.log.events), start
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b or math.isnan(a) or math.isnan(b) else a / b
+
+
+__all__ = ["EmulatedOurs", "EmulatedTorch", "cost_of", "link_latency", "simulated",
+           "trace_events", "traced_step"]

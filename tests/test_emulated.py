@@ -1,0 +1,169 @@
+"""Accelerator-like layers (chimera.models.emulated) and `chimera bench --emulate`.
+
+- each wait lands where the issue puts it: forward F, input-gradient path I, weight path W,
+  a full backward I + W, the first layer's (no input gradient) backward all on its weight
+  path, scaled by rows and by the layer's share of a stage (sleep is recorded, not timed);
+- the layers give the gradients of the same model without waits, through the pipeline
+  (gloo, 2 ranks, split and unsplit schedules), and a plain y = x + bias in one process;
+- the bench's emulated rows run (tiny waits, D=2) and report what the issue asks, with peak
+  activations measured where the simulator counts them (no time is asserted).
+"""
+
+import functools
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from chimera.errors import UserError
+from chimera.models import emulated
+from chimera.models.emulated import EmulatedCost, EmulatedLayer, emulated_batch, emulated_layers
+from chimera.runtime.split_backward import backward_input, backward_weight
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    """The seconds each sleep of the emulated layers asked for, in order (no real sleeping)."""
+    log = []
+    monkeypatch.setattr(emulated.time, "sleep", log.append)
+    return log
+
+
+COST = EmulatedCost(0.003, 0.005, 0.007, rows=4, activation_bytes=1000)
+
+
+def test_parse_and_refuse():
+    assert EmulatedCost.parse("20:20:20").input_grad_s == pytest.approx(0.02)
+    c = EmulatedCost.parse("10:30")
+    assert (c.forward_s, c.input_grad_s, c.weight_grad_s) == pytest.approx((0.01, 0.015, 0.015))
+    for bad in ("", "1", "1:2:3:4", "a:b", "-1:2", "1:nan"):
+        with pytest.raises(UserError):
+            EmulatedCost.parse(bad)
+
+
+def test_forward_and_full_backward_wait_f_then_i_plus_w(waits):
+    layer = EmulatedLayer(COST, share=1.0)
+    x = torch.randn(4, COST.width, requires_grad=True)
+    y = layer(x)
+    assert waits == pytest.approx([0.003])
+    y.sum().backward()
+    assert sorted(waits[1:]) == pytest.approx([0.005, 0.007])  # I and W, in autograd's order
+
+
+def test_split_backward_waits_i_in_i_and_w_in_w(waits):
+    layers = nn.Sequential(EmulatedLayer(COST, 0.5, index=0), EmulatedLayer(COST, 0.5, index=1))
+    x = torch.randn(4, COST.width, requires_grad=True)
+    y = layers(x)
+    assert waits == pytest.approx([0.0015, 0.0015])  # half a stage each
+    waits.clear()
+    dx, pending = backward_input(y, x, torch.ones_like(y), list(layers.parameters()))
+    assert waits == pytest.approx([0.0025, 0.0025]) and torch.equal(dx, torch.ones_like(x))
+    waits.clear()
+    backward_weight(pending)
+    assert waits == pytest.approx([0.0035, 0.0035])
+    assert all(torch.equal(p.grad, torch.full_like(p, 4.0)) for p in layers.parameters())
+
+
+def test_no_input_gradient_puts_the_whole_backward_on_the_weight_path(waits):
+    layer = EmulatedLayer(COST, share=1.0)
+    y = layer(torch.randn(4, COST.width))  # a first stage's input: no gradient
+    waits.clear()
+    y.sum().backward()
+    assert waits == pytest.approx([0.012])
+
+
+def test_waits_scale_with_rows(waits):
+    layer = EmulatedLayer(COST, share=1.0)
+    layer(torch.randn(2, COST.width, requires_grad=True)).sum().backward()  # a halved micro-batch
+    assert sorted(waits) == pytest.approx([0.0015, 0.0025, 0.0035])
+    waits.clear()
+    layer(torch.randn(8, COST.width))  # two micro-batches at once
+    assert waits == pytest.approx([0.006])
+
+
+def test_activation_is_kept_until_backward():
+    from chimera.bench.runners import ActivationMeter
+
+    layer = EmulatedLayer(COST, share=1.0)
+    meter = ActivationMeter(list(layer.parameters()))
+    with meter.hooks():
+        y = layer(torch.randn(4, COST.width, requires_grad=True))
+        assert meter.live >= COST.activation_bytes
+        y.sum().backward()
+    assert meter.live == 0 and meter.peak >= COST.activation_bytes
+
+
+def test_a_cut_must_be_equal():
+    with pytest.raises(UserError):
+        emulated_layers(COST, stages=3, layers=4)
+
+
+SCHEDULES = ("chimera", "zb-v", "1f1b", "dualpipev")
+
+
+def _pipeline_worker(rank, world, out):
+    import chimera.api as api
+
+    cost = EmulatedCost(0.001, 0.001, 0.001, rows=2, activation_bytes=64)
+    grads = {}
+    for schedule in SCHEDULES:
+        make = emulated_layers(cost, stages=2, layers=4, seed=3)
+        pipe = api.Pipeline(make, nn.functional.mse_loss, schedule=schedule, stages=2,
+                            micro_batches=4, micro_batch_size=2, num_layers=4)
+        pipe.step(*emulated_batch(cost, 8, step=0, seed=3))
+        grads[schedule] = {name: p.grad.clone() for name, p in pipe.named_parameters()}
+    torch.save(grads, f"{out}.{rank}")
+
+
+def test_pipelined_gradients_equal_one_process_without_waits(spawn_world):
+    got = spawn_world(_pipeline_worker, 2)
+    free = EmulatedCost(0.0, 0.0, 0.0, rows=2)
+    model = nn.Sequential(*[emulated_layers(free, 2, 4, seed=3)(i) for i in range(4)])
+    x, y = emulated_batch(free, 8, step=0, seed=3)
+    nn.functional.mse_loss(model(x), y).backward()
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    # y = x + sum of biases: every bias gets the same gradient, 2 (out - y) / numel summed over rows
+    plain = 2 * (x + sum(p.detach() for p in model.parameters()) - y).sum(0) / y.numel()
+    assert torch.allclose(ref["0.bias"], plain, atol=1e-7)
+    for schedule in SCHEDULES:
+        seen = set()
+        for rank_grads in got:
+            for name, g in rank_grads[schedule].items():
+                assert torch.allclose(g, ref[name], atol=1e-7), (schedule, name)
+                seen.add(name)
+        assert seen == set(ref), schedule
+
+
+def test_bench_emulate_rows(run_cli, tmp_path):
+    rows = "chimera:chimera,chimera:zb-v,chimera:1f1b,torch:1f1b,torch:zbv,torch:dualpipev"
+    r = run_cli("bench", "--emulate", "2:2:2", "-D", "2", "-N", "4", "--steps", "1",
+                "--warmup", "0", "--rows", rows, "--activation-mb", "0.25", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "bench-emulated-D2-N4.json").read_text())
+    assert data["config"]["emulate_ms"] == "2:2:2" and data["latency"]["p2p_s"] > 0
+    got = {(x["impl"], x["schedule"]): x for x in data["results"]}
+    assert set(got) == {("chimera", "chimera"), ("chimera", "zb-v"), ("chimera", "1f1b"),
+                        ("torch", "1f1b"), ("torch", "zbv"), ("torch", "dualpipev")}
+    for x in data["results"]:
+        assert x["stages"] == 2 and x["micro_batches"] == 4
+        assert x["simulated_free_s"] > 0 and x["simulated_step_s"] >= x["simulated_free_s"]
+        assert x["realized_vs_simulated"] == pytest.approx(x["median_step_s"] / x["simulated_step_s"])
+        assert set(x["wait_stretch"]) == {"F", "I", "W"} and min(x["wait_stretch"].values()) >= 1.0
+        assert x["simulated_measured_waits_s"] >= x["simulated_step_s"]
+        assert len(x["peak_activations"]) == 2
+    for key in (("chimera", "chimera"), ("chimera", "zb-v"), ("chimera", "1f1b"), ("torch", "1f1b"),
+                ("torch", "dualpipev")):  # (its order mixes B with I/W)
+        # activations live exactly as long as the simulator counts them (in Ma per rank)
+        assert got[key]["peak_activations"] == got[key]["simulated_peak_activations"], key
+    assert got[("chimera", "1f1b")]["peak_activations"] == [2, 1]  # 1F1B: D Ma on rank 0
+    trace = json.loads((tmp_path / "bench-emulated-D2-N4-traces" / "chimera_zb-v.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"F L0", "W L0"} <= names and any(n.startswith("p0s") for n in names)
+    assert (tmp_path / "bench-emulated-D2-N4.png").stat().st_size > 0
+    assert "realized / simulated" in r.stdout
+
+
+def test_bench_emulate_refuses_bad_times(run_cli, tmp_path):
+    r = run_cli("bench", "--emulate", "20:x", "--out", tmp_path)
+    assert r.returncode == 2 and "--emulate" in r.stderr and "Traceback" not in r.stderr
