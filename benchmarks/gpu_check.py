@@ -4,7 +4,8 @@ NCCL refuses two ranks on one GPU, so multi-rank NCCL p2p cannot be tried on one
 (the rendezvous check in ``chimera validate`` and the NCCL emulation on gloo cover its order
 on CPU). What one device can show, each as one row of the table:
 
-- ``train``: ``chimera train --device cuda`` at world size 1 (an NCCL group), fp32 and bf16;
+- ``train``: ``chimera train --device cuda`` at world size 1 (an NCCL group), fp32, bf16
+  (autocast), bf16-master (float32 masters) and fp16 (loss scale);
 - ``api``: ``chimera.api.Pipeline`` on the GPU (NCCL group of one) against one device;
 - ``resume``: a checkpoint written on CUDA and resumed gives the losses of a straight run;
 - ``virtual``: all D ranks of chimera D=4 (and 1f1b, zb-v) in one process on the GPU, every
@@ -62,7 +63,7 @@ def _train(device: str, dtype: str, steps: int, tmp: str, extra=()) -> dict:
 
 def check_train(device: str, tmp: str) -> list[dict]:
     rows = []
-    for dtype in ("float32", "bf16"):
+    for dtype in ("float32", "bf16", "bf16-master", "fp16"):  # the last two: issue 25's precisions
         got = _train(device, dtype, 4, tmp)
         rows.append({"check": f"train {dtype}", "ok": got["ok"] and len(got["losses"]) == 4,
                      "detail": f"losses {[round(x, 4) for x in got['losses'].values()]} in {got['seconds']:.1f}s "

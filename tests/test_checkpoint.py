@@ -116,7 +116,8 @@ def test_corrupt_or_foreign_checkpoints_are_refused_before_start(data, tmp_path)
     t = Trainer(ref_cfg(data))
     t.step(0)
     path = ckpt.save(t, tmp_path, 1, keep=2)
-    cfg = dict(schedule="none", stages=1, data=data, checkpoint_dir=str(tmp_path), resume=True)
+    cfg = dict(schedule="none", stages=1, micro_batch_size=8, data=data, checkpoint_dir=str(tmp_path),
+               resume=True)  # the batch it was written with: another is refused (issue 26)
     TrainConfig(**cfg).preflight()  # fine as written
     with pytest.raises(ConfigError, match="bert-tiny|written for model"):
         TrainConfig(**{**cfg, "model": "bert-tiny"}).preflight()
@@ -136,7 +137,7 @@ def test_a_directory_with_checkpoints_needs_resume(data, tmp_path):
     t = Trainer(ref_cfg(data))
     t.step(0)
     ckpt.save(t, tmp_path, 3, keep=3)
-    cfg = dict(schedule="none", stages=1, data=data, checkpoint_dir=str(tmp_path))
+    cfg = dict(schedule="none", stages=1, micro_batch_size=8, data=data, checkpoint_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="holds another run's checkpoints.*--resume"):
         TrainConfig(**cfg).preflight()
     TrainConfig(**cfg, resume=True).preflight()  # continues that run

@@ -8,6 +8,7 @@ import sys
 
 from chimera.cli.common import (UsageError, add_scheme_options, check_output, nonneg_float, nonneg_int,
                                 positive_int, scheme_options_from_args)
+from chimera.cli.common import beta_float, positive_float, resume_fields, unit_float
 from chimera.passes import SYNC_MODES
 from chimera.schedules import schemes
 
@@ -53,8 +54,13 @@ def add_parsers(sub) -> None:
     m.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (HF tokenizers) that text "
                    "goes through (default: text is read as bytes, 256 ids; with --model hf:DIR, "
                    "DIR/tokenizer.json if there is one); chimera tokenize trains one")
-    m.add_argument("--dtype", choices=("float32", "float64", "bf16"), default="float32",
-                   help="parameter precision; bf16 = float32 weights with bf16 autocast")
+    m.add_argument("--dtype", choices=("float32", "float64", "bf16", "bf16-master", "fp16"),
+                   default="float32",
+                   help="precision: bf16 = float32 weights with bf16 autocast; bf16-master = bf16 "
+                        "weights, gradients and allreduce, with float32 master weights and AdamW "
+                        "state; fp16 = float32 weights with float16 autocast and a dynamic loss "
+                        "scale (a step whose gradients overflow is skipped, the scale halved). "
+                        "Default: float32")
     m.add_argument("--wire-dtype", choices=("bf16", "float16"), default=None,
                    help="send floating activations and gradients between stages in this dtype "
                         "(half the bytes of float32; cast back on arrival). Default: as computed")
@@ -77,13 +83,43 @@ def add_parsers(sub) -> None:
     o = p.add_argument_group("optimization")
     o.add_argument("--steps", type=positive_int, default=40, help="optimizer steps (default: 40)")
     o.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default: 3e-3)")
-    o.add_argument("--warmup", type=int, help="warm-up steps (default: 10%% of the steps)")
-    o.add_argument("--weight-decay", type=nonneg_float, default=0.1)
+    o.add_argument("--warmup", type=nonneg_int, help="warm-up steps (default: 10%% of the steps)")
+    o.add_argument("--lr-schedule", choices=("cosine", "linear", "wsd", "constant"),
+                   default="cosine", help="the learning rate after warm-up: cosine or linear decay "
+                   "to --min-lr-ratio, wsd (the peak until the last --wsd-decay of the steps, then "
+                   "linear to it), constant (default: cosine)")
+    o.add_argument("--min-lr-ratio", type=unit_float, default=0.1, metavar="R",
+                   help="the last learning rate as a fraction of --lr, 0 to 1 (default: 0.1)")
+    o.add_argument("--wsd-decay", type=unit_float, default=0.2, metavar="F",
+                   help="wsd: the fraction of the steps that decays, 0 to 1 (default: 0.2)")
+    o.add_argument("--adam-beta1", type=beta_float, default=0.9, metavar="B1",
+                   help="AdamW's first-moment decay, 0 <= B1 < 1 (default: 0.9)")
+    o.add_argument("--adam-beta2", type=beta_float, default=0.95, metavar="B2",
+                   help="AdamW's second-moment decay, 0 <= B2 < 1 (default: 0.95)")
+    o.add_argument("--adam-eps", type=positive_float, default=1e-8, metavar="EPS",
+                   help="AdamW's epsilon (default: 1e-8)")
+    o.add_argument("--weight-decay", type=nonneg_float, default=0.1,
+                   help="AdamW's decoupled weight decay of the matrices (embeddings included); "
+                        "biases and norms do not decay (default: 0.1)")
+    o.add_argument("--grad-accum", type=positive_int, default=1, metavar="K",
+                   help="sum the gradients of K mini-batches (each a full pass of the schedule) "
+                        "per optimizer step: the step's batch is K*W*N*B sequences, the same "
+                        "result as one step on it; --steps counts optimizer steps (default: 1)")
     o.add_argument("--clip", type=nonneg_float, default=1.0, help="global grad-norm clip (0: off)")
     o.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("running and output")
     r.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default: 1)")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    r.add_argument("--compile", action="store_true", help="torch.compile every stage module "
+                   "(in place: parameter names and checkpoints unchanged; the first steps compile)")
+    r.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files into DIR "
+                   "(needs the tensorboard package): loss, lr, gradient norm, held-out loss and "
+                   "perplexity, per stage compute and communication time, peak memory per rank, "
+                   "tokens/s and model FLOPs utilization")
+    r.add_argument("--peak-flops", type=positive_float, metavar="FLOP/S",
+                   help="each rank's peak FLOP/s, the denominator of model FLOPs utilization "
+                        "(default: 1e11 on a CPU rank, one AVX2 core; 989e12 on CUDA, an H100's "
+                        "dense bf16)")
     r.add_argument("--comm-timeout", type=float, default=300.0, help="seconds before a p2p or "
                    "collective wait becomes an error naming the rank, action and peer")
     r.add_argument("--log-json", metavar="FILE", help="one JSON object per step: step, loss, ...")
@@ -120,7 +156,13 @@ def add_parsers(sub) -> None:
     c.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="N",
                    help="keep the newest N checkpoints (default: 3)")
     c.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in "
-                   "--checkpoint-dir if there is one (so the same command restarts a crashed run)")
+                   "--checkpoint-dir if there is one (so the same command restarts a crashed run). "
+                   "Changed flags are named: --steps, the optimizer, logging and the layout (same "
+                   "batch) are accepted and announced; the model, --seq-len, the batch (W*N*B*K), "
+                   "--seed and --data are refused")
+    c.add_argument("--resume-allow", type=resume_fields, default=(), metavar="FIELDS",
+                   help="changes --resume accepts that it refuses otherwise, comma-separated: "
+                        "data (train on new data from the checkpoint's weights)")
     r.add_argument("--json", action="store_true", help="print the run's result as one JSON object")
     p.set_defaults(func=cmd_train)
 
@@ -132,7 +174,7 @@ def config_from_args(args: argparse.Namespace):
     given = {k: v for k, v in scheme_options_from_args(args).items() if v is not None}
     named = {k: v for k, v in given.items() if k in TrainConfig.option_fields()}
     others = {k: v for k, v in given.items() if k not in named}
-    return TrainConfig(**named, options=others or None,
+    return TrainConfig(**named, **_knobs(args), options=others or None,
         model=args.model, schedule=args.schedule, stages=args.stages,
         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
         data_parallel=args.data_parallel, steps=args.steps, lr=args.lr, warmup=args.warmup,
@@ -188,6 +230,13 @@ def _config_vocab(folder) -> int | None:
         return None  # the model loader says what is wrong with it
 
 
+def _knobs(args: argparse.Namespace) -> dict:
+    """The optimizer, precision and monitoring flags of issue 25, as TrainConfig fields."""
+    names = ("lr_schedule", "min_lr_ratio", "wsd_decay", "adam_beta1", "adam_beta2", "adam_eps",
+             "grad_accum", "compile", "tensorboard", "peak_flops", "resume_allow")
+    return {name: getattr(args, name) for name in names}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import json
 
@@ -202,6 +251,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args).preflight()  # every check, before any process starts
     for path, flag in ((cfg.trace, "--trace"), (cfg.png, "--png"), (cfg.log_json, "--log-json")):
         check_output(path, flag)
+    check_output(cfg.tensorboard, "--tensorboard", directory=True)
     checked = args.data is not None or args.tokenizer is not None or cfg.eval_every
     # the ranks take the checked data (text is tokenized once, here); popped, so no name here
     # keeps it alive for the whole run (launch drops it once the ranks have their own)

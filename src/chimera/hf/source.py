@@ -123,14 +123,18 @@ class HFSource(ModelSource):
 
     # -- the source ---------------------------------------------------------------------
     def layer_costs(self) -> list[float]:
-        """As ``chimera.models.layer_costs``: a block's FLOPs (2 per weight, plus attention's
-        4 T C) is 1.0; the embedding a lookup; the head its projection. Counted on meta."""
+        """As ``chimera.models.layer_costs``: a block's FLOPs is 1.0 (``layer_flops``)."""
+        flops = self.layer_flops()
+        return [f / flops[1] for f in flops]
+
+    def layer_flops(self) -> list[float]:
+        """Forward FLOPs per token: a block's 2 per weight plus attention's 4 T C; the
+        embedding a lookup (4 C); the head its projection. Counted on meta."""
         c, t = self.config.hidden_size, self.seq_len
         with _BUILDING, torch.device("meta"):
             counts = [sum(p.numel() for p in self.model.make_layer(i).parameters())
                       for i in range(self.num_layers)]
-        flops = [4.0 * c] + [2.0 * n + 4.0 * t * c for n in counts[1:-1]] + [2.0 * counts[-1]]
-        return [f / flops[1] for f in flops]
+        return [4.0 * c] + [2.0 * n + 4.0 * t * c for n in counts[1:-1]] + [2.0 * counts[-1]]
 
     def build_layer(self, index: int, seed: int):
         with _BUILDING, seeded(layer_seed(seed, index)):

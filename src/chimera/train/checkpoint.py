@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from chimera.errors import UserError
 from chimera.runtime.grid import collective_device
+from chimera.train import resume
 from chimera.train.faults import collective
 
 FORMAT = "chimera-checkpoint/1"
@@ -427,6 +428,8 @@ def _write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, second
         "layout": {"schedule": cfg.schedule, "stages": cfg.stages,
                    "data_parallel": cfg.data_parallel, "world": world, "dtype": cfg.dtype},
         "files": files, "save_seconds": round(seconds, 4), "written_at": time.time(),
+        # the optimizer settings and batch, for --resume to compare; fp16's loss scale
+        "run": {**resume.record(cfg), **trainer.run_state()},
     }
     if health is not None:
         meta["health"] = health
@@ -509,6 +512,7 @@ def restore(trainer, directory: str | os.PathLike) -> int:
     trainer.load_whole_optimizer_state(whole)
     _copy_to_other_replicas(trainer, replicas)
     trainer.equalize_ties()  # a tie is one key, read into each copy: equal, and kept so
+    trainer.load_run_state(meta.get("run") or {})
     return int(meta["step"])
 
 

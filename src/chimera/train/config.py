@@ -7,6 +7,7 @@ what needs torch is imported inside the function that uses it."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import asdict, dataclass, fields
@@ -18,15 +19,21 @@ from chimera.ir import Schedule, ScheduleError
 from chimera.passes import lower
 from chimera.schedules import build, require_runnable
 from chimera.schedules.registry import option_declarations
+from chimera.train import resume
 from chimera.validate import validate
 
 WIRE_DTYPES = {None: None, "bf16": "bfloat16", "float16": "float16"}  # name -> torch attribute
-DTYPES = ("float32", "float64", "bf16")
+# bf16: float32 weights under bf16 autocast; bf16-master: bf16 weights, float32 master copies
+# and optimizer state; fp16: float32 weights under float16 autocast with a loss scaler
+DTYPES = ("float32", "float64", "bf16", "bf16-master", "fp16")
+LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # the shape after warm-up (train/optim.lr_at)
 # sizes refused before anything is allocated (the schedule's own limits are in
 # chimera.schedules.registry): a micro-batch is (B, seq_len) tokens on every first stage
 # below a second the ranks cannot even rendezvous; above a week is no timeout (and overflows C)
 MIN_COMM_TIMEOUT_S, MAX_COMM_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
-LIMITS = {"micro_batch_size": 65536, "data_parallel": 1024, "threads": 1024, "eval_batches": 10000}
+LIMITS = {"micro_batch_size": 65536, "data_parallel": 1024, "threads": 1024, "eval_batches": 10000,
+          "grad_accum": 65536}
+RESUME_ALLOWABLE = ("data",)  # refused on --resume unless named in --resume-allow
 
 
 class ConfigError(UserError):
@@ -82,6 +89,17 @@ class TrainConfig:
     spike_factor: float = 2.0  # a loss above this times its recent median is in doubt; 0: off
     eval_every: int = 0  # held-out loss every K steps and at the end; 0: never
     eval_batches: int = 8  # mini-batches of the held-out split per evaluation (the same ones each time)
+    # -- issue 25: the knobs people expect, and watching a run ---------------------------
+    lr_schedule: str = "cosine"  # after warm-up: cosine | linear | wsd | constant, down to min_lr_ratio
+    wsd_decay: float = 0.2  # wsd: the last fraction of the steps decays (the rest holds the peak)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_accum: int = 1  # mini-batches summed per optimizer step (the step's batch is K times larger)
+    compile: bool = False  # torch.compile every stage module (nn.Module.compile: names unchanged)
+    tensorboard: str | None = None  # a folder for TensorBoard event files (rank 0 writes them)
+    peak_flops: float | None = None  # per rank, for model FLOPs utilization (default: see peak_flops_per_rank)
+    resume_allow: tuple[str, ...] = ()  # fields a --resume may change that it refuses otherwise (data)
 
     def __post_init__(self) -> None:
         """Values only: no file is read and nothing is built (that is :meth:`preflight`)."""
@@ -107,6 +125,7 @@ class TrainConfig:
         self.data_spec  # the data flags' values (--token-dtype, --vocab-size, --text-field)
         self._check_checkpoint_values()
         self._check_eval()
+        self._check_knobs()
 
     def preflight(self) -> "TrainConfig":
         """Every check that reads files or builds something, so that a run that cannot start
@@ -125,6 +144,7 @@ class TrainConfig:
         if not self.reference:
             self.build_schedule()  # raises ConfigError on impossible layouts
         self._check_checkpoint_dir()
+        self._check_tensorboard()
         object.__setattr__(self, "_preflight_done", True)  # frozen: not a field, not compared
         return self
 
@@ -242,6 +262,45 @@ class TrainConfig:
             raise ConfigError(f"--eval-batches {self.eval_batches} exceeds the limit of "
                               f"{LIMITS['eval_batches']}")
 
+    def _check_knobs(self) -> None:
+        """The optimizer, schedule-shape, precision and monitoring flags (issue 25)."""
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, "
+                              f"got {self.lr_schedule!r}")
+        for name, lo, hi in (("min_lr_ratio", 0.0, 1.0), ("wsd_decay", 0.0, 1.0),
+                             ("adam_beta1", 0.0, 1.0), ("adam_beta2", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and lo <= value <= hi) or \
+                    (name.startswith("adam") and value == 1.0):
+                top = "< 1" if name.startswith("adam") else "<= 1"
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 and {top}, got {value!r}")
+        if not (isinstance(self.adam_eps, (int, float)) and 0 < self.adam_eps < math.inf):
+            raise ConfigError(f"--adam-eps must be a finite number > 0, got {self.adam_eps!r}")
+        if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 0):
+            raise ConfigError(f"--warmup must be an integer >= 0, got {self.warmup!r}")
+        if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) \
+                or not 1 <= self.grad_accum <= LIMITS["grad_accum"]:
+            raise ConfigError(f"--grad-accum must be an integer from 1 to {LIMITS['grad_accum']}, "
+                              f"got {self.grad_accum!r}")
+        if self.peak_flops is not None and not (isinstance(self.peak_flops, (int, float))
+                                                and 0 < self.peak_flops < math.inf):
+            raise ConfigError(f"--peak-flops must be a finite number > 0, got {self.peak_flops!r}")
+        if isinstance(self.resume_allow, str):  # "data" or "data,seed", as the flag takes it
+            object.__setattr__(self, "resume_allow",
+                               tuple(n.strip() for n in self.resume_allow.split(",") if n.strip()))
+        unknown = set(self.resume_allow) - set(RESUME_ALLOWABLE)
+        if unknown:
+            raise ConfigError(f"--resume-allow takes {', '.join(RESUME_ALLOWABLE)}, got "
+                              f"{', '.join(sorted(unknown))}")
+        if self.dtype == "bf16-master" and self.shard_optimizer:
+            raise ConfigError("--dtype bf16-master with --shard-optimizer is not supported yet: "
+                              "the sharded optimizer updates slices of the parameters themselves")
+
+    def _check_tensorboard(self) -> None:
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("--tensorboard needs the tensorboard package: pip install "
+                              "'chimera-pipeline[torch]' (or tensorboard)")
+
     def _check_unowned(self) -> None:
         """A directory holding checkpoints belongs to their run: only --resume continues it."""
         from chimera.train import checkpoint, lease  # lazy: it imports torch
@@ -261,14 +320,37 @@ class TrainConfig:
         if path is None:
             return  # nothing yet: --resume starts from scratch (the same command restarts)
         try:
-            meta = checkpoint.verify(path, self.model, self.model_source.fingerprint())
+            meta = checkpoint.verify(path)  # intact; the model is compared field by field below
         except checkpoint.CheckpointError as exc:
             raise ConfigError(f"--resume: {exc}") from None
+        self._check_changes(path, meta)
         data = meta.get("data") or {}
         if "mask_id" in data and data["mask_id"] != self.mask_id:  # older checkpoints: no record
             raise ConfigError(f"--resume: checkpoint {path} was trained with mask id "
                               f"{data['mask_id']}, this run's data masks with {self.mask_id}: "
                               "resume on the run's data and tokenizer")
+
+    def _check_changes(self, path, meta: dict) -> None:
+        """Refuse what a resume must not change, one line per field; keep what it accepts
+        (``resume_changes``) for the launcher to announce."""
+        refused, accepted = resume.compare(meta, self, self.model_source.fingerprint())
+        if len(refused) == 1:  # one line, as every refusal of bad input
+            raise ConfigError(f"--resume: {path} was written by another run: {refused[0].strip()}; "
+                              f"{resume.REFUSES}")
+        if refused:
+            raise ConfigError("\n".join([f"--resume: {path} was written by a run this one may not "
+                                          f"continue; what differs:", *refused, resume.SUMMARY]))
+        object.__setattr__(self, "_resume_changes", (path, accepted))  # frozen: not a field
+
+    @property
+    def resume_changes(self) -> list[str]:
+        """What ``--resume`` found changed and accepts, one line each (after ``preflight``)."""
+        return self.__dict__.get("_resume_changes", (None, []))[1]
+
+    @property
+    def resume_from(self):
+        """The checkpoint ``resume_changes`` were found against (after ``preflight``)."""
+        return self.__dict__.get("_resume_changes", (None, []))[0]
 
     # -- derived ------------------------------------------------------------------
     @property
@@ -281,7 +363,13 @@ class TrainConfig:
 
     @property
     def global_batch(self) -> int:
+        """Sequences per pass of the schedule (an optimizer step sums ``grad_accum`` of them)."""
         return self.data_parallel * self.n_micro * self.micro_batch_size
+
+    @property
+    def step_batch(self) -> int:
+        """Sequences per optimizer step: ``grad_accum`` mini-batches of ``global_batch``."""
+        return self.global_batch * self.grad_accum
 
     @cached_property
     def data_spec(self):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from chimera.train import lease as leases
 from chimera.train.config import TrainConfig
 from chimera.train.keeper import Keeper
 from chimera.train.loop import NonFiniteLoss, StepLog, Trainer, log_line, peak_rss_mb
+from chimera.train.watch import Watch, model_flops_per_token, peak_flops_per_rank
 
 
 class TrainingFailed(RuntimeError):
@@ -115,6 +117,7 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
     start = checkpoint.restore(trainer, cfg.checkpoint_dir) if cfg.resume else 0
     trace_step = cfg.trace_step if cfg.trace_step is not None else cfg.steps - 1
     bar = _progress(cfg, start) if rank == 0 else None
+    watch = Watch(trainer, cfg.tensorboard, rank) if cfg.tensorboard else None  # times every step
     logs: list[StepLog] = []
     record: list = []
     log_file = _open_log(cfg.log_json, start) if (cfg.log_json and rank == 0) else None
@@ -132,6 +135,8 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
                 began = time.perf_counter()
                 log.val_loss = trainer.evaluate()
                 log.eval_seconds = time.perf_counter() - began
+            if watch is not None:
+                watch.after_step(log, trainer.last_records)
             logs.append(log)
             if hooks is not None:
                 hooks(trainer, step, log)
@@ -139,8 +144,7 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
                 log_file.write(log_line(log) + "\n")
                 log_file.flush()
             if log.skipped and rank == 0:
-                print(f"step {step}: loss {log.loss} / grad norm {log.grad_norm} not finite: "
-                      "skipped (no optimizer step)", file=sys.stderr)
+                print(_skip_message(trainer, log), file=sys.stderr)
             if bar is not None:
                 _show(bar, logs)
             keeper.after_step(step, log)
@@ -152,7 +156,24 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
             bar.close()
         if log_file:
             log_file.close()
+        if watch is not None:
+            watch.close()
     return _collect(trainer, cfg, logs, record, result_path)
+
+
+def _skip_message(trainer: Trainer, log: StepLog) -> str:
+    if trainer.scaler is not None and math.isfinite(log.loss):  # fp16: expected now and then
+        return (f"step {log.step}: float16 gradients overflowed: skipped (no optimizer step), "
+                f"loss scale now {trainer.scaler.scale:g}")
+    return (f"step {log.step}: loss {log.loss} / grad norm {log.grad_norm} not finite: skipped "
+            "(no optimizer step)")
+
+
+def _announce(cfg: TrainConfig) -> None:
+    """A resume that changes accepted settings says so, once (not applied silently)."""
+    if cfg.resume_changes and os.environ.get("RANK", "0") == "0":
+        print(f"chimera train: resuming from {cfg.resume_from} with these changes:\n"
+              + "\n".join(cfg.resume_changes), file=sys.stderr, flush=True)
 
 
 def _show(bar, logs: list[StepLog]) -> None:
@@ -215,6 +236,9 @@ def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> d
         "config": cfg.to_dict(),
         "steps": [vars(l) for l in logs],
         "ranks": gathered,
+        # model FLOPs utilization: the summary's, against the peak it names
+        "model_flops_per_token": model_flops_per_token(trainer.source),
+        "peak_flops": peak_flops_per_rank(cfg.peak_flops, trainer.device),
     }
     if result_path:
         with open(result_path, "w") as f:
@@ -268,6 +292,7 @@ def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     opened already (``chimera train`` checks it first), so it is not read again.
     """
     cfg.preflight()  # data, model, schedule, checkpoints: refused before any process starts
+    _announce(cfg)
     faults.active()  # a malformed CHIMERA_FAULT fails here, before any process starts
     _say_what_resume_skips(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.reference:

@@ -25,8 +25,13 @@ from chimera.runtime.pipeline import PipelineRuntime
 from chimera.runtime.shared import TieSync
 from chimera.train import faults
 from chimera.train.config import WIRE_DTYPES, TrainConfig
+from chimera.train.optim import lr_at, make_optimizer  # noqa: F401 (lr_at: the loop's schedule)
+from chimera.train.precision import LossScaler, MasterWeights
 
-DTYPE = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
+# --dtype -> (the parameters' dtype, the autocast dtype or None)
+DTYPE = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32,
+         "bf16-master": torch.bfloat16, "fp16": torch.float32}
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -59,29 +64,6 @@ class RunResult:
     records: list[list[tuple]] = field(default_factory=list)  # per rank: (action, start, end, cpu)
     peak_rss_mb: list[float] = field(default_factory=list)
     final_params: dict | None = None  # model-wide name -> tensor, when asked for
-
-
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
-    warm = cfg.warmup_steps
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    progress = (step - warm) / max(1, cfg.steps - warm)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def make_optimizer(params, cfg: TrainConfig, matrix: list[bool] | None = None) -> torch.optim.Optimizer:
-    """AdamW; matrices decay, biases and norms do not (as nanoGPT). ``matrix`` says which
-    are matrices where the tensors are flat pieces of parameters (a sharded optimizer)."""
-    params = list(params)
-    matrix = [p.dim() >= 2 for p in params] if matrix is None else matrix
-    decay = [p for p, m in zip(params, matrix) if m]
-    rest = [p for p, m in zip(params, matrix) if not m]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    # fused: one kernel per tensor, ~5x faster than the per-parameter loop on a CPU core, and
-    # elementwise like it, so every replica and the reference still update bit-identically
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95),
-                             fused=True)
 
 
 def stage_ranges(cfg: TrainConfig, source, n_stages: int) -> list[range]:
@@ -141,7 +123,10 @@ class Trainer:
         if cfg.eval_every:
             check_heldout(self.corpus, self.source.kind, self.source.seq_len)
         self.dtype = DTYPE[cfg.dtype]
-        self.autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
+        self.autocast = AUTOCAST.get(cfg.dtype)
+        self.scaler = LossScaler() if cfg.dtype == "fp16" else None
+        self.master: MasterWeights | None = None  # bf16-master: the optimizer's float32 copies
+        self.last_records: list[ActionRecord] = []  # the last step's action times, when recorded
         if cfg.reference:
             self._build_reference()
         else:
@@ -150,8 +135,18 @@ class Trainer:
     # -- construction -----------------------------------------------------------------
     def _build_reference(self) -> None:
         self.model = self.source.whole(self.cfg.seed).to(self.device, self.dtype)  # ties: one Parameter
-        self.optimizer = make_optimizer(self.model.parameters(), self.cfg)
-        self.params = list(self.model.parameters())
+        if self.cfg.compile:
+            self.model.compile()  # in place: parameter names (checkpoint keys) are unchanged
+        self._make_optimizer(list(self.model.parameters()))
+
+    def _make_optimizer(self, params: list[torch.Tensor], matrix: list[bool] | None = None) -> None:
+        """``self.params``, what the optimizer updates and clipping scales: the parameters, or
+        with bf16-master their float32 masters."""
+        if self.cfg.dtype == "bf16-master":
+            self.master = MasterWeights(params)
+            params = self.master.masters
+        self.params = params
+        self.optimizer = make_optimizer(params, self.cfg, matrix)
 
     def _build_pipeline(self) -> None:
         cfg = self.cfg
@@ -173,30 +168,37 @@ class Trainer:
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
         tensors = self.runtime.optimizer_parameters()
-        self.params = [t for t, _ in tensors]  # what the optimizer updates and clipping scales
-        self.optimizer = make_optimizer(self.params, cfg, [m for _, m in tensors])
+        self._make_optimizer([t for t, _ in tensors], [m for _, m in tensors])
 
     def _stage_factory(self, stage: int) -> torch.nn.Module:
-        return self.source.stage(self.ranges[stage], self.cfg.seed, self.ties).to(self.dtype)
+        module = self.source.stage(self.ranges[stage], self.cfg.seed, self.ties).to(self.dtype)
+        if self.cfg.compile:
+            module.compile()  # in place: parameter names (checkpoint keys) are unchanged
+        return module
 
     # -- one step -------------------------------------------------------------------------
     def batch(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-        return get_batch(self.corpus, step, self.cfg.global_batch, self.source.seq_len,
+        """Training: the ``step_batch`` rows of optimizer step ``step``; held-out: a mini-batch."""
+        rows = self.cfg.step_batch if split == "train" else self.cfg.global_batch
+        return get_batch(self.corpus, step, rows, self.source.seq_len,
                          self.cfg.seed, self.source.kind, split=split,
                          vocab_size=self.source.vocab_size)
 
     def step(self, step: int, record: list[ActionRecord] | None = None, on_grads=None) -> StepLog:
-        """Forward, backward, gradient sync, clipping and the optimizer step of ``step``.
+        """Forward, backward and gradient sync of ``grad_accum`` mini-batches, clipping and
+        the optimizer step of ``step``.
 
         ``on_grads(trainer)``, if given, sees the synchronized gradients before clipping.
         """
         start = time.perf_counter()
         inputs, targets = self.batch(step)
+        if record is None and self.cfg.tensorboard:  # --tensorboard times every step
+            record = []
+        self.last_records = record if record is not None else []
         try:
-            if self.cfg.reference:
-                loss = self._reference_backward(inputs, targets)
-            else:
-                loss = self._pipeline_backward(inputs, targets, record)
+            loss = self._backward(inputs, targets, record)
+            if self.master is not None:
+                self.master.grads_to_masters()
             if on_grads is not None:
                 on_grads(self)
             norm = self._clip()
@@ -204,38 +206,82 @@ class Trainer:
             raise faults.explain(exc, self.schedule, self.grid) from exc
         lr = lr_at(self.cfg, step)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
-        if skipped and not self.cfg.skip_nonfinite:
+        overflow = skipped and self.scaler is not None and math.isfinite(loss)
+        if self.scaler is not None:  # float16 overflowed: a smaller scale, not an error
+            self.scaler.update(overflow)
+        if skipped and not (self.cfg.skip_nonfinite or overflow):
             raise NonFiniteLoss(f"step {step}: the loss ({loss}) or the gradient norm ({norm}) is not "
                                 "finite; stopped before the optimizer step (lower --lr, check the "
                                 "data, or pass --skip-nonfinite to skip such steps)", loss, norm)
         if not skipped:  # loss and norm are all-reduced: every rank takes the same branch
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            if not self.cfg.reference:
-                self.runtime.gather_parameters()  # sharded: every replica gets every slice
-        tokens = inputs.numel()
-        return StepLog(step, loss, lr, norm, time.perf_counter() - start, tokens, skipped)
+            self._optimizer_step(lr)
+        return StepLog(step, loss, lr, norm, time.perf_counter() - start, inputs.numel(), skipped)
 
-    def _reference_backward(self, inputs, targets) -> float:
+    def _optimizer_step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if self.master is not None:
+            self.master.masters_to_params()
+        if not self.cfg.reference:
+            self.runtime.gather_parameters()  # sharded: every replica gets every slice
+
+    def _backward(self, inputs, targets, record) -> float:
+        """The step's loss (unscaled); the summed gradients of its ``grad_accum`` mini-batches
+        left in the parameters' .grad, divided by the loss scale where there is one."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.cfg.reference:
+            loss = self._reference_backward(inputs, targets, scale)
+        else:  # the micro-batches' loss weights carried the scale
+            loss = self._pipeline_backward(inputs, targets, record, scale) / scale
+        if self.scaler is not None:
+            held = [p.grad for p in self.params] if self.cfg.reference else self.runtime.grad_tensors()
+            self.scaler.unscale_([g for g in held if g is not None])
+        return loss
+
+    def _accumulated(self, inputs, targets):
+        """The step's batch as ``grad_accum`` mini-batches of ``global_batch`` rows each."""
+        rows = self.cfg.global_batch
+        return [(inputs[i:i + rows], targets[i:i + rows]) for i in range(0, inputs.shape[0], rows)]
+
+    def _reference_backward(self, inputs, targets, scale: float = 1.0) -> float:
+        """The step's loss; the gradients of ``scale`` times it in .grad."""
         self.optimizer.zero_grad(set_to_none=False)
-        loss = self._reference_loss(inputs, targets)
-        if self.source.sums:
-            loss = loss / self.source.token_count(targets)
-        loss.backward()
-        return float(loss.detach())
+        if self.master is not None:
+            self.model.zero_grad(set_to_none=False)
+        total = 0.0
+        for x, t in self._accumulated(inputs, targets):
+            loss = self._reference_loss(x, t)
+            # each mini-batch's share of the step's mean: its rows, or its summed tokens
+            loss = loss / self.source.token_count(targets) if self.source.sums else \
+                loss * (x.shape[0] / inputs.shape[0])
+            (loss * scale).backward()
+            total += float(loss.detach())
+        return total
 
     def _reference_loss(self, inputs, targets) -> torch.Tensor:
         """The single-process model's loss: a mean, or a sum over target tokens (``sums``)."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast is not None):
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
+                            enabled=self.autocast is not None):
             out = self.model(inputs.to(self.device))
             return self.source.loss_fn(out, targets.to(self.device))
 
-    def _pipeline_backward(self, inputs, targets, record) -> float:
-        data = self._micro_data(inputs, targets)
-        self.runtime.zero_grad()
-        local = self.runtime.run(data, record)  # on the device: read once per step, here
-        self.tie_sync.reduce_grads()
+    def _pipeline_backward(self, inputs, targets, record, scale: float = 1.0) -> float:
+        """``scale`` times the step's loss, and the gradients of it. Every mini-batch runs the
+        whole schedule (its gradient sync included); the sums of the earlier ones are put
+        aside and added back, as ``Pipeline.step(accumulate=True)`` does."""
+        weight = loss_weights(self.source, targets, self.rows, 1)[0] * scale
+        parts = self._accumulated(inputs, targets)
+        kept, local = None, 0.0
+        for i, (x, t) in enumerate(parts):
+            if i:
+                kept = [g.clone() for g in self.runtime.grad_tensors()]
+            self.runtime.zero_grad()
+            last = i == len(parts) - 1
+            local = local + self.runtime.run(self._micro_data(x, t, weight), record if last else None)
+            self.tie_sync.reduce_grads()
+            for g, k in zip(self.runtime.grad_tensors(), kept or []):
+                g += k
         total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
         faults.collective("all-reduce of the loss", dist.all_reduce, total)
         return float(total.item())
@@ -349,9 +395,24 @@ class Trainer:
         return total
 
     def equalize_ties(self) -> None:
-        """Every copy of a tied weight takes its first stage's value (after a load)."""
+        """Every copy of a tied weight takes its first stage's value (after a load); with
+        bf16-master, every parameter first takes its master's (what was loaded)."""
+        if self.master is not None:
+            self.master.masters_to_params()
         if not self.cfg.reference:
             self.tie_sync.equalize()
+
+    def run_state(self) -> dict:
+        """What a checkpoint's ``meta.json`` keeps of the run beyond tensors: fp16's loss scale."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.scale, "loss_scale_good_steps": self.scaler.good_steps}
+
+    def load_run_state(self, run: dict) -> None:
+        """The loss scale a checkpoint kept (every rank reads the same ``meta.json``)."""
+        if self.scaler is not None and "loss_scale" in run:
+            self.scaler.scale = float(run["loss_scale"])
+            self.scaler.good_steps = int(run.get("loss_scale_good_steps", 0))
 
     def whole_optimizer_state(self, empty: bool = False) -> dict:
         """Where the optimizer is sharded: each parameter's whole AdamW state, gathered over
@@ -379,12 +440,18 @@ class Trainer:
         return sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                    for t in st.values() if isinstance(t, torch.Tensor))
 
+    def _saved(self, p: torch.Tensor) -> torch.Tensor:
+        """What a checkpoint holds for parameter ``p``: itself, or with bf16-master its master
+        (the float32 weights the optimizer state belongs to)."""
+        return p if self.master is None else self.master.master_of()[id(p)]
+
     def replica_parameters(self) -> list[tuple[str, int, torch.Tensor]]:
-        """(model-wide name, pipe, parameter) for every replica this rank holds."""
+        """(model-wide name, pipe, parameter) for every replica this rank holds (masters,
+        with bf16-master)."""
         if self.cfg.reference:
-            return [(self.source.key(n), 0, p) for n, p in self.model.named_parameters()]
+            return [(self.source.key(n), 0, self._saved(p)) for n, p in self.model.named_parameters()]
         self.runtime.finish_gather()  # sharded: the last step's all-gathers are complete
-        return [(self.source.key(n), pipe, p)
+        return [(self.source.key(n), pipe, self._saved(p))
                 for (pipe, stage), module in sorted(self.runtime.modules.items())
                 for n, p in module.named_parameters()]
 
@@ -398,7 +465,7 @@ class Trainer:
         if self.grid.w != 0:
             return {}
         elsewhere = self.tie_sync.counted_elsewhere()
-        return {self.source.key(n): p
+        return {self.source.key(n): self._saved(p)
                 for (pipe, stage), module in sorted(self.runtime.modules.items())
                 if pipe == 0 for n, p in module.named_parameters() if id(p) not in elsewhere}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from chimera.ir import Action, Schedule
@@ -66,11 +67,17 @@ def summary(result: dict, schedule: Schedule | None) -> str:
     held = [(s["step"] + 1, s["val_loss"]) for s in result["steps"] if s.get("val_loss") is not None]
     if held:
         lines.append(f"  held-out loss {held[0][1]:.4f} after {held[0][0]} steps -> {held[-1][1]:.4f} "
-                     f"after {held[-1][0]} ({cfg.get('eval_batches')} mini-batches of the held-out "
-                     "split)")
+                     f"after {held[-1][0]} (perplexity {perplexity(held[0][1]):.2f} -> "
+                     f"{perplexity(held[-1][1]):.2f}; {cfg.get('eval_batches')} mini-batches of "
+                     "the held-out split)")
     lines += [
         f"  throughput {tok_s:,.0f} tokens/s (median step {step_s * 1000:.1f} ms after warm-up)",
     ]
+    if result.get("model_flops_per_token") and result.get("peak_flops"):
+        ranks = len(result["ranks"])
+        used = tok_s * result["model_flops_per_token"] / (ranks * result["peak_flops"])
+        lines.append(f"  model FLOPs utilization {used:.2%} of {result['peak_flops']:.3g} FLOP/s "
+                     f"per rank x {ranks} (--peak-flops)")
     if schedule is not None:
         t = measured_timeline(schedule, result)
         if t is not None:
@@ -88,3 +95,9 @@ def summary(result: dict, schedule: Schedule | None) -> str:
     if cuda:
         lines.append("  peak CUDA memory per rank (MB): " + ", ".join(f"{c:.0f}" for c in cuda))
     return "\n".join(lines)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss) of a mean cross-entropy in nats: inf past float range (a diverged run), NaN
+    for NaN."""
+    return math.inf if loss > 700 else math.exp(loss)

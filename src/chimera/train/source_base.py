@@ -40,6 +40,10 @@ class ModelSource:
     def layer_costs(self) -> list[float]:
         raise NotImplementedError
 
+    def layer_flops(self) -> list[float]:
+        """Forward FLOPs per token of each layer (model FLOPs utilization counts 3x their sum)."""
+        raise NotImplementedError
+
     def build_layer(self, index: int, seed: int) -> nn.Module:
         raise NotImplementedError
 

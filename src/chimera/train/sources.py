@@ -25,6 +25,7 @@ from torch import nn
 
 from chimera.data import model_vocab
 from chimera.errors import UserError
+from chimera.modelcfg import flops_per_token
 from chimera.models import (PRESETS, ModelConfig, build_layers, get_config, layer_costs, layer_names,
                             loss_fn)
 from chimera.train.checkpoint import model_fingerprint
@@ -48,6 +49,9 @@ class PresetSource(ModelSource):
     def layer_costs(self) -> list[float]:
 
         return layer_costs(self.config)
+
+    def layer_flops(self) -> list[float]:
+        return flops_per_token(self.config)
 
     def build_layer(self, index: int, seed: int) -> nn.Module:
 
