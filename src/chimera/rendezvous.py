@@ -66,7 +66,7 @@ from chimera.errors import UserError
 from chimera.ir import Action, Op, Schedule
 from chimera.validation_error import ValidationError
 
-MODES = ("pair", "rank")
+MODES = ("pair", "rank", "strict")  # strictest last
 ISEND, IRECV, WAIT = "isend", "irecv", "wait"
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
 COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
@@ -85,6 +85,7 @@ class Issued:
     group: tuple[int, ...] = ()  # a collective: global ranks of the stage group
     stage: int = -1
     target: int = -1
+    size: int = 0  # a collective: elements of its buffer (a reduce-scatter's input)
 
     def describe(self, calls: list["Issued"]) -> str:
         if self.kind == ISEND:
@@ -94,7 +95,8 @@ class Issued:
         if self.kind in COLLECTIVES:
             name = {ALL_REDUCE: "allreduce", REDUCE_SCATTER: "reduce-scatter",
                     ALL_GATHER: "parameter all-gather"}[self.kind]
-            return f"{name} of stage {self.stage} over ranks {_ranks_text(self.group)}"
+            return (f"{name} of stage {self.stage} ({self.size} elements) over ranks "
+                    f"{_ranks_text(self.group)}")
         return f"wait for {calls[self.target].describe(calls)}"
 
 
@@ -105,16 +107,29 @@ def stage_group(schedule: Schedule, stage: int, data_parallel: int = 1) -> tuple
                          for d in schedule.placement.replicas(stage)}))
 
 
-def issued_ops(plan: CommPlan, rank: int, data_parallel: int = 1,
-               buckets: bool = True, sharded: bool = False) -> list[Issued]:
+SYNTHETIC: dict[int, tuple[int, ...]] = {}  # no sizes given: every stage two buckets of one
+
+
+def bucket_sizes(sizes: dict[int, tuple[int, ...]] | None, stage: int) -> tuple[int, ...]:
+    """Element counts of ``stage``'s gradient buckets in launch order (their sum: the flat
+    buffer); () for a stage with nothing to train. Without ``sizes``, (1, 1): enough to tell
+    a bucketed replica (two collectives) from an unbucketed one (one of two elements)."""
+    if sizes is None or stage not in sizes:
+        return (1, 1)
+    return tuple(sizes[stage])
+
+
+def issued_ops(plan: CommPlan, rank: int, data_parallel: int = 1, buckets: bool = True,
+               sharded: bool = False, sizes: dict[int, tuple[int, ...]] | None = None) -> list[Issued]:
     """The ``torch.distributed`` calls global ``rank`` makes, in order, executing ``plan``.
 
     ``buckets``: the runtime reduces a replica bucket by bucket inside its last backward
-    where ``plan.early`` allows (what it does on CUDA); False: one allreduce at its Launch
-    (``bucket_bytes=0``, what it does on CPU). ``sharded``: the optimizer is sharded over
-    each stage group (module docstring); the calls of two iterations."""
+    where ``plan.early`` allows (the device plan, :func:`chimera.runtime.sync.comm_choices`);
+    False: one allreduce at its Launch (the CPU plan). ``sharded``: the optimizer is sharded
+    over each stage group (module docstring); the calls of two iterations. ``sizes``: per
+    stage its buckets' element counts (:func:`bucket_sizes`)."""
     depth = plan.schedule.ranks
-    calls = _pipeline_calls(plan, rank % depth, data_parallel, buckets, sharded)
+    calls = _pipeline_calls(plan, rank % depth, data_parallel, buckets, sharded, sizes)
     return _shifted(calls, (rank // depth) * depth)
 
 
@@ -122,70 +137,90 @@ def _shifted(calls: list[Issued], base: int) -> list[Issued]:
     """``calls`` of pipeline copy 0 as made in the copy whose first global rank is ``base``."""
     if base == 0:
         return calls
-    return [Issued(c.kind, c.step, c.peer + base, c.message, c.group, c.stage, c.target)
+    return [Issued(c.kind, c.step, c.peer + base, c.message, c.group, c.stage, c.target, c.size)
             if c.peer >= 0 else c for c in calls]
 
 
 def _pipeline_calls(plan: CommPlan, d: int, data_parallel: int, buckets: bool,
-                    sharded: bool = False) -> list[Issued]:
+                    sharded: bool = False, sizes=None) -> list[Issued]:
     """The calls of pipeline rank ``d`` in copy 0 (the other copies differ only in peers)."""
     calls: list[Issued] = []
     gathers: dict[tuple[int, int], int] = {}  # replica -> its all-gather not waited for yet
+    it = _Iteration(calls, gathers, plan, d, data_parallel, sizes, sharded)
     for _ in range(2 if sharded else 1):
-        _iteration(calls, gathers, plan, d, data_parallel, buckets and not sharded, sharded)
+        it.run(buckets and not sharded)
     return calls
 
 
-def _iteration(calls: list[Issued], gathers: dict[tuple[int, int], int], plan: CommPlan, d: int,
-               data_parallel: int, buckets: bool, sharded: bool) -> None:
-    """Append the calls of one iteration; with ``sharded``, a replica's first forward waits
-    for its pending all-gather, and the iteration ends with the next all-gathers."""
-    s = plan.schedule
-    early_b = plan.early[d] if buckets else frozenset()
-    early = {(a.pipe, a.stage) for a in early_b}
-    reduce = REDUCE_SCATTER if sharded else ALL_REDUCE
-    posted: dict[Message, int] = {}
-    sends: list[int] = []
-    reduces: list[int] = []
-    for i, step in enumerate(plan.steps[d]):
-        if isinstance(step, Post):
-            posted[step.message] = len(calls)
-            calls.append(Issued(IRECV, i, step.message.ranks(s)[0], step.message))
-        elif isinstance(step, Launch):
-            if (step.pipe, step.stage) not in early:
-                _collective(calls, reduces, reduce, s, i, step.stage, data_parallel)
-        elif step.op in (Op.SEND_F, Op.SEND_B):
-            msg = Message.of(step, s.stages)
-            sends.append(len(calls))
-            calls.append(Issued(ISEND, i, msg.ranks(s)[1], msg))
-        elif step.op in (Op.RECV_F, Op.RECV_B):
-            calls.append(Issued(WAIT, i, target=_posted(plan, d, i, step, posted)))
-        elif step.op is Op.F and (step.pipe, step.stage) in gathers:
-            calls.append(Issued(WAIT, i, target=gathers.pop((step.pipe, step.stage))))
-        elif step.op is Op.B and step in early_b:
-            _collective(calls, reduces, reduce, s, i, step.stage, data_parallel)
-        elif step.op is Op.STEP:
-            calls += [Issued(WAIT, i, target=t) for t in sends + reduces]
-            sends, reduces = [], []
-            if sharded:  # PipelineRuntime.gather_parameters, after the optimizer step
-                calls += [Issued(WAIT, i, target=t) for t in gathers.values()]
-                gathers.clear()
-                for p, stage in sorted(s.placement.held(d), key=lambda k: (k[1], k[0])):
-                    index = len(calls)
-                    if _collective(calls, [], ALL_GATHER, s, i, stage, data_parallel):
-                        gathers[(p, stage)] = index
+class _Iteration:
+    """Appends the calls of one iteration of pipeline rank ``d``; with ``sharded``, a
+    replica's first forward waits for its pending all-gather, and the iteration ends with the
+    next all-gathers (a stage with nothing to train has no shard: an allreduce, no gather)."""
 
+    def __init__(self, calls, gathers, plan: CommPlan, d: int, data_parallel: int, sizes,
+                 sharded: bool):
+        self.calls, self.gathers, self.plan, self.d = calls, gathers, plan, d
+        self.dp, self.sizes, self.sharded = data_parallel, sizes, sharded
 
-def _collective(calls: list[Issued], issued: list[int], kind: str, s: Schedule, i: int,
-                stage: int, data_parallel: int) -> bool:
-    """Append ``kind`` over ``stage``'s group (and its index to ``issued``); a group of one
-    rank has nothing to reduce or gather and makes no call."""
-    group = stage_group(s, stage, data_parallel)
-    if len(group) == 1:
-        return False
-    issued.append(len(calls))
-    calls.append(Issued(kind, i, group=group, stage=stage))
-    return True
+    def run(self, buckets: bool) -> None:
+        calls, s, d = self.calls, self.plan.schedule, self.d
+        early_b = self.plan.early[d] if buckets else frozenset()
+        early = {(a.pipe, a.stage) for a in early_b}
+        posted: dict[Message, int] = {}
+        sends: list[int] = []  # STEP waits for the sends, then the collectives (Executor._step)
+        waits: list[int] = []
+        for i, step in enumerate(self.plan.steps[d]):
+            if isinstance(step, Post):
+                posted[step.message] = len(calls)
+                calls.append(Issued(IRECV, i, step.message.ranks(s)[0], step.message))
+            elif isinstance(step, Launch):
+                if (step.pipe, step.stage) not in early:
+                    self._reduce(waits, i, step.stage)
+            elif step.op in (Op.SEND_F, Op.SEND_B):
+                msg = Message.of(step, s.stages)
+                sends.append(len(calls))
+                calls.append(Issued(ISEND, i, msg.ranks(s)[1], msg))
+            elif step.op in (Op.RECV_F, Op.RECV_B):
+                calls.append(Issued(WAIT, i, target=_posted(self.plan, d, i, step, posted)))
+            elif step.op is Op.F and (step.pipe, step.stage) in self.gathers:
+                calls.append(Issued(WAIT, i, target=self.gathers.pop((step.pipe, step.stage))))
+            elif step.op is Op.B and step in early_b:
+                for size in bucket_sizes(self.sizes, step.stage):  # GradSync's buckets
+                    self._collective(waits, ALL_REDUCE, i, step.stage, size)
+            elif step.op is Op.STEP:
+                calls += [Issued(WAIT, i, target=t) for t in sends + waits]
+                if self.sharded:
+                    self._gather_parameters(i)
+
+    def _reduce(self, waits: list[int], i: int, stage: int) -> None:
+        """The collective at a Launch: one allreduce of the flat buffer (one element at least),
+        or a sharded replica's reduce-scatter."""
+        parts = bucket_sizes(self.sizes, stage)
+        kind = REDUCE_SCATTER if self.sharded and parts else ALL_REDUCE
+        self._collective(waits, kind, i, stage, max(sum(parts), 1))
+
+    def _gather_parameters(self, i: int) -> None:
+        """As ``PipelineRuntime.gather_parameters`` after the optimizer step: wait for gathers
+        no forward waited for, then one all-gather per sharded replica, stages in order."""
+        calls, s = self.calls, self.plan.schedule
+        calls += [Issued(WAIT, i, target=t) for t in self.gathers.values()]
+        self.gathers.clear()
+        for p, stage in sorted(s.placement.held(self.d), key=lambda k: (k[1], k[0])):
+            if not bucket_sizes(self.sizes, stage):
+                continue  # nothing to train: no shard
+            index = len(calls)
+            if self._collective([], ALL_GATHER, i, stage, sum(bucket_sizes(self.sizes, stage))):
+                self.gathers[(p, stage)] = index
+
+    def _collective(self, issued: list[int], kind: str, i: int, stage: int, size: int) -> bool:
+        """Append ``kind`` over ``stage``'s group (and its index to ``issued``); a group of one
+        rank has nothing to reduce or gather and makes no call."""
+        group = stage_group(self.plan.schedule, stage, self.dp)
+        if len(group) == 1:
+            return False
+        issued.append(len(self.calls))
+        self.calls.append(Issued(kind, i, group=group, stage=stage, size=size))
+        return True
 
 
 def _posted(plan: CommPlan, d: int, i: int, step: Action, posted: dict[Message, int]) -> int:
@@ -206,19 +241,62 @@ class RendezvousDeadlock(ValidationError):
         super().__init__(problem, schedule, rank, index)
 
 
-def check(plan: CommPlan, mode: str = "pair", data_parallel: int = 1,
-          lazy_communicators: bool = False, buckets: bool = True, sharded: bool = False) -> None:
-    """Replay ``plan`` under NCCL's rules (module docstring); raise RendezvousDeadlock if
-    some rank can never finish its iteration. ``buckets`` and ``sharded`` as in
-    :func:`issued_ops`."""
+class CollectiveMismatch(ValidationError):
+    """Members of a stage group issue different collectives (kind, size or count): NCCL would
+    hang, or reduce one member's bucket with another's."""
+
+
+def check(plan: CommPlan, mode: str = "strict", data_parallel: int = 1,
+          lazy_communicators: bool = False, buckets: bool = True, sharded: bool = False,
+          sizes: dict[int, tuple[int, ...]] | None = None) -> None:
+    """Replay ``plan`` under NCCL's rules (module docstring): first every stage group's
+    collectives are compared member by member (kind, size, count; raise CollectiveMismatch),
+    then the replay raises RendezvousDeadlock if some rank can never finish its iteration.
+    ``buckets``, ``sharded`` and ``sizes`` as in :func:`issued_ops`."""
     if mode not in MODES:
         raise UserError(f"unknown stream mode {mode!r}; choose one of {', '.join(MODES)}")
     if data_parallel < 1:
         raise UserError(f"data_parallel must be at least 1, got {data_parallel}")
     depth = plan.schedule.ranks
-    copy0 = [_pipeline_calls(plan, d, data_parallel, buckets, sharded) for d in range(depth)]
+    copy0 = [_pipeline_calls(plan, d, data_parallel, buckets, sharded, sizes) for d in range(depth)]
     calls = [_shifted(c, w * depth) for w in range(data_parallel) for c in copy0]
+    compare_groups(plan, calls)
     _Replay(plan, calls, mode, lazy_communicators).run()
+
+
+def compare_groups(plan: CommPlan, calls: list[list[Issued]]) -> None:
+    """Every member of a stage group issues the same sequence of (kind, size) on it."""
+    seqs: dict[int, dict[int, list[Issued]]] = {}  # stage -> member -> its collectives
+    for r, mine in enumerate(calls):
+        for c in mine:
+            if c.kind in COLLECTIVES:
+                seqs.setdefault(c.stage, {}).setdefault(r, []).append(c)
+    for stage, members in sorted(seqs.items()):
+        group = next(iter(members.values()))[0].group
+        ranks = {m: members.get(m, []) for m in group}
+        first, want = group[0], ranks[group[0]]
+        for m, got in ranks.items():
+            for k in range(max(len(got), len(want))):
+                a = want[k] if k < len(want) else None
+                c = got[k] if k < len(got) else None
+                if a is None or c is None or (a.kind, a.size) != (c.kind, c.size):
+                    raise _mismatch(plan, stage, k, (first, a), (m, c), calls)
+
+
+def _mismatch(plan: CommPlan, stage: int, k: int, one, other, calls) -> CollectiveMismatch:
+    depth = plan.schedule.ranks
+
+    def text(rank, c):
+        if c is None:
+            return f"rank {rank} issues none"
+        step = plan.steps[rank % depth][c.step]
+        return f"rank {rank} issues {c.describe(calls[rank])} at {step}"
+    rank, c = other if other[1] is not None else one
+    index = min(_action_index(plan.steps[rank % depth], c.step),
+                len(plan.schedule.programs[rank % depth]) - 1)
+    return CollectiveMismatch(f"stage {stage}'s group: collective #{k} differs between its "
+                              f"members: {text(*one)}; {text(*other)}", plan.schedule,
+                              rank % depth, index)
 
 
 class _Replay:
@@ -228,8 +306,7 @@ class _Replay:
         self.pc = [0] * n
         self.done = [bytearray(len(c)) for c in calls]
         self.streams: dict[object, deque[tuple[int, int]]] = {}
-        self.fifo = [deque() for _ in range(n)]  # per rank: indices of its queued collectives
-        self.arrived: dict[tuple, int] = {}  # (group, stage, k) -> members at the head
+        self.arrived: dict[tuple, dict[int, object]] = {}  # collective -> member -> its stream
         self.coll_id = [self._number_collectives(c) for c in calls]
         self.first = [self._first_uses(r, c) for r, c in enumerate(calls)] if lazy else []
         self.created: set[tuple] = set()
@@ -240,14 +317,14 @@ class _Replay:
     @staticmethod
     def _number_collectives(calls: list[Issued]) -> dict[int, tuple]:
         """NCCL matches the k-th collective on a communicator with every member's k-th, which
-        must be of the same kind. Each stage has its own group, even where two have the same
-        members."""
+        must be of the same kind and size. Each stage has its own group, even where two have
+        the same members."""
         count: dict[int, int] = {}
         out = {}
         for i, c in enumerate(calls):
             if c.kind in COLLECTIVES:
                 k = count[c.stage] = count.get(c.stage, -1) + 1
-                out[i] = (c.group, c.stage, k, c.kind)
+                out[i] = (c.group, c.stage, k, c.kind, c.size)
         return out
 
     def _first_uses(self, rank: int, calls: list[Issued]) -> dict[int, tuple]:
@@ -265,7 +342,13 @@ class _Replay:
                 out[i] = comm
         return out
 
-    def _stream(self, rank: int, peer: int):
+    def _stream(self, rank: int, c: Issued):
+        """The FIFO ``c`` joins: per pair of ranks, per rank (p2p), or one per rank for all."""
+        if c.kind in COLLECTIVES:
+            return rank if self.mode == "strict" else ("collectives", rank)
+        return self._p2p_stream(rank, c.peer)
+
+    def _p2p_stream(self, rank: int, peer: int):
         return (rank, peer) if self.mode == "pair" else rank
 
     # -- the replay ---------------------------------------------------------------------
@@ -286,15 +369,12 @@ class _Replay:
             if c.kind == WAIT and not done[c.target]:
                 return  # woken by _complete
             self.pc[r] = i + 1  # before queueing: a completion looks at where the rank is
-            if c.kind in COLLECTIVES:
-                self.fifo[r].append(i)
-                if len(self.fifo[r]) == 1:
-                    self._collectives_from(r)
-            elif c.kind != WAIT:
-                queue = self.streams.setdefault(self._stream(r, c.peer), deque())
+            if c.kind != WAIT:
+                key = self._stream(r, c)
+                queue = self.streams.setdefault(key, deque())
                 queue.append((r, i))
                 if len(queue) == 1:
-                    self._match_from(self._stream(r, c.peer))
+                    self._progress(key)
 
     def _communicator_ready(self, r: int, i: int) -> bool:
         comm = self.first[r][i]
@@ -315,44 +395,46 @@ class _Replay:
         if pc < len(self.calls[r]) and self.calls[r][pc].target == i:
             self.ready.append(r)
 
-    def _match_from(self, key) -> None:
-        """Complete sends and receives at the heads of their streams, as long as they pair."""
+    def _progress(self, key) -> None:
+        """Complete what the heads of the streams allow, starting from stream ``key``: a send
+        and its receive at the heads of their streams, a collective at the head of every
+        member's."""
         todo = [key]
         while todo:
             key = todo.pop()
             queue = self.streams[key]
-            if not queue:
-                continue
-            r, i = queue[0]
-            c = self.calls[r][i]
-            other = self._stream(c.peer, r)
-            peer_queue = self.streams.get(other)
-            if not peer_queue:
-                continue
-            q, j = peer_queue[0]
-            d = self.calls[q][j]
-            if d.peer == r and d.kind != c.kind and d.message == c.message:
-                queue.popleft()
-                peer_queue.popleft()
-                self._complete(r, i)
-                self._complete(q, j)
-                todo += [key, other]
+            if queue:
+                r, i = queue[0]
+                done = self._collective(r, i, key) if self.calls[r][i].kind in COLLECTIVES \
+                    else self._message(r, i, key)
+                todo += done
 
-    def _collectives_from(self, rank: int) -> None:
-        """Count the collective now at the head of ``rank``'s FIFO; complete full ones."""
-        todo = [rank]
-        while todo:
-            r = todo.pop()
-            if not self.fifo[r]:
-                continue
-            ident = self.coll_id[r][self.fifo[r][0]]
-            n = self.arrived[ident] = self.arrived.get(ident, 0) + 1
-            if n < len(ident[0]):
-                continue
-            del self.arrived[ident]
-            for m in ident[0]:
-                self._complete(m, self.fifo[m].popleft())
-                todo.append(m)
+    def _message(self, r: int, i: int, key) -> list:
+        c = self.calls[r][i]
+        other = self._p2p_stream(c.peer, r)
+        peer_queue = self.streams.get(other)
+        if not peer_queue:
+            return []
+        q, j = peer_queue[0]
+        d = self.calls[q][j]
+        if d.peer != r or d.kind not in (ISEND, IRECV) or d.kind == c.kind or d.message != c.message:
+            return []
+        self.streams[key].popleft()
+        peer_queue.popleft()
+        self._complete(r, i)
+        self._complete(q, j)
+        return [key, other]
+
+    def _collective(self, r: int, i: int, key) -> list:
+        ident = self.coll_id[r][i]
+        arrived = self.arrived.setdefault(ident, {})
+        arrived[r] = key
+        if len(arrived) < len(ident[0]):
+            return []
+        del self.arrived[ident]
+        for m, k in arrived.items():
+            self._complete(m, self.streams[k].popleft()[1])
+        return list(arrived.values())
 
     # -- the report ---------------------------------------------------------------------
     def _deadlock(self) -> RendezvousDeadlock:
@@ -363,7 +445,8 @@ class _Replay:
         steps = self.plan.steps[first % depth]
         index = _action_index(steps, self.calls[first][self.pc[first]].step)
         index = min(index, len(s.programs[first % depth]) - 1)
-        streams = "one per pair of ranks" if self.mode == "pair" else "one per rank"
+        streams = {"pair": "one per pair of ranks", "rank": "one per rank",
+                   "strict": "one per rank, shared with the collectives"}[self.mode]
         comms = "lazily" if self.lazy else "eagerly"
         ranks = len(self.calls)
         problem = (f"rendezvous deadlock under NCCL semantics ({ranks} ranks; p2p streams: "
@@ -391,14 +474,13 @@ class _Replay:
             if queue:
                 r, i = queue[0]
                 c = self.calls[r][i]
-                name = f"stream {key[0]}<->{key[1]} on rank {key[0]}" if self.mode == "pair" \
-                    else f"p2p stream of rank {key}"
+                if isinstance(key, tuple) and key[0] == "collectives":
+                    name = f"collectives of rank {key[1]}"
+                elif isinstance(key, tuple):
+                    name = f"stream {key[0]}<->{key[1]} on rank {key[0]}"
+                else:
+                    name = f"{'stream' if self.mode == 'strict' else 'p2p stream'} of rank {key}"
                 out.append(f"{name}: {c.describe(self.calls[r])} ({self._step_text(r, c.step)})")
-        for r, fifo in enumerate(self.fifo):
-            if fifo:
-                c = self.calls[r][fifo[0]]
-                out.append(f"collectives of rank {r}: {c.describe(self.calls[r])} "
-                           f"({self._step_text(r, c.step)})")
         return out or ["(all empty: the ranks block on the CPU)"]
 
     def _step_text(self, r: int, step: int) -> str:
