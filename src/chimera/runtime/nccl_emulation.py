@@ -61,11 +61,12 @@ import torch.distributed as dist
 
 from chimera.errors import UserError
 from chimera.runtime.p2p import Transport
+from chimera.runtime.sync import DEVICE_PLAN_ENV
 
-__all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "collectives_from_env",
+__all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "agree", "collectives_from_env",
            "transport_from_env"]
 
-MODES = ("pair", "rank")
+MODES = ("pair", "rank", "strict")  # strictest last
 ENV = "CHIMERA_EMULATE_NCCL"
 PREFIX = "chimera-nccl-emulation"
 POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3  # store polling backs off from min to max while it waits
@@ -82,10 +83,26 @@ def transport_from_env(rank: int) -> Transport:
 
 
 def collectives_from_env(rank: int) -> "NcclEmulation | None":
-    """The emulation's collective stream for the stage allreduces (GradSync), or None (plain
-    ``dist.all_reduce``). Create it at the same point on every rank (its store keys count)."""
+    """The emulation's collective stream for the stage collectives (GradSync, the shards), or
+    None (plain ``dist``); in ``strict`` mode also the transport of every Mailbox (one stream
+    for everything). Create it at the same point on every rank (its store keys count)."""
     mode = os.environ.get(ENV, "")
     return NcclEmulation(rank, mode) if mode in MODES else None
+
+
+def agree(rank: int) -> None:
+    """Refuse, on every rank and in one line, a ``CHIMERA_EMULATE_NCCL`` or
+    ``CHIMERA_DEVICE_PLAN`` that differs across ranks: one rank emulating NCCL (or bucketing)
+    while its peer does not would only show as a communication timeout. One small collective
+    at start-up."""
+    mine = (os.environ.get(ENV, ""), os.environ.get(DEVICE_PLAN_ENV, ""))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if len(set(map(tuple, every))) > 1:
+        seen = "; ".join(f"rank {r}: {ENV}={e[0]!r} {DEVICE_PLAN_ENV}={e[1]!r}"
+                         for r, e in enumerate(every))
+        raise UserError(f"rank {rank}: the NCCL emulation and device plan must be set alike on "
+                        f"every rank ({seen})")
 
 
 class EmulatedWork:
@@ -275,7 +292,7 @@ class NcclEmulation(Transport):
             self.sent[dst] = k + 1
             gloo = dist.isend(tensor, dst=dst, tag=tag)
             op = _P2P(True, self.rank, dst, k, tag, tensor.numel(), gloo)
-            return self._issue(op, dst if self.mode == "pair" else "p2p")
+            return self._issue(op, self._p2p_stream(dst))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> EmulatedWork:
         with self.issuing:
@@ -283,7 +300,7 @@ class NcclEmulation(Transport):
             self.received[src] = k + 1
             gloo = dist.irecv(tensor, src=src, tag=tag)
             op = _P2P(False, src, self.rank, k, tag, tensor.numel(), gloo)
-            return self._issue(op, src if self.mode == "pair" else "p2p")
+            return self._issue(op, self._p2p_stream(src))
 
     def all_reduce(self, tensor: torch.Tensor, group) -> EmulatedWork:
         """gloo's async allreduce (sum) on ``group``, complete only once every member has it at
@@ -308,10 +325,14 @@ class NcclEmulation(Transport):
             self.reduced[name] = k + 1
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
             op = _Collective(kind, name, tuple(dist.get_process_group_ranks(group)), k, issue())
-            return self._issue(op, "collectives")
+            return self._issue(op, "all" if self.mode == "strict" else "collectives")
+
+    def _p2p_stream(self, peer: int) -> int | str:
+        return {"pair": peer, "rank": "p2p", "strict": "all"}[self.mode]
 
     def _issue(self, op: _Op, stream: int | str) -> EmulatedWork:
-        """Queue ``op`` on ``stream``: a peer's rank (pair mode), "p2p" or "collectives"."""
+        """Queue ``op`` on ``stream``: a peer's rank (pair mode), "p2p", "collectives" or, in
+        strict mode, "all"."""
         if self.stop.is_set():
             raise RuntimeError(f"rank {self.rank}: the NCCL emulation is closed")
         if stream not in self.streams:

@@ -22,7 +22,7 @@ import torch
 
 # Modules whose ``dist`` the runtime (and the trainer) call through.
 PATCHED = ("chimera.runtime.p2p", "chimera.runtime.sync", "chimera.runtime.pipeline",
-           "chimera.runtime.shard", "chimera.runtime.shared",
+           "chimera.runtime.shard", "chimera.runtime.shared", "chimera.runtime.nccl_emulation",
            "chimera.runtime.grid", "chimera.train.loop", "chimera.train.faults",
            "chimera.train.equivalence")
 
