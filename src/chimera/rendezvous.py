@@ -69,7 +69,9 @@ from chimera.validation_error import ValidationError
 MODES = ("pair", "rank", "strict")  # strictest last
 ISEND, IRECV, WAIT = "isend", "irecv", "wait"
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
-COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
+# collectives only a recorded run has (start-up, the trainer's and the API's own calls)
+OTHERS = ("broadcast", "broadcast_object_list", "all_gather_object", "barrier")
+COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER) + OTHERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +96,7 @@ class Issued:
             return f"irecv {self.message} from rank {self.peer}"
         if self.kind in COLLECTIVES:
             name = {ALL_REDUCE: "allreduce", REDUCE_SCATTER: "reduce-scatter",
-                    ALL_GATHER: "parameter all-gather"}[self.kind]
+                    ALL_GATHER: "parameter all-gather"}.get(self.kind, self.kind)
             return (f"{name} of stage {self.stage} ({self.size} elements) over ranks "
                     f"{_ranks_text(self.group)}")
         return f"wait for {calls[self.target].describe(calls)}"
@@ -496,3 +498,90 @@ def _action_index(steps, step: int) -> int:
 
 def _ranks_text(ranks) -> str:
     return ", ".join(map(str, ranks))
+
+
+# -- a recorded run -------------------------------------------------------------------------
+class RecordedError(UserError):
+    """A recorded run's calls do not complete, or do not match, under NCCL's rules."""
+
+
+def replay_recorded(log: list[list[tuple[str, dict]]], mode: str = "strict") -> int:
+    """Replay the calls a run made (``chimera.runtime.virtual.VirtualWorld(record=True)``)
+    under NCCL's rules in stream ``mode`` (default: one stream per rank for everything):
+    the k-th send from a to b meets the k-th receive at b from a (their tags and sizes must
+    agree), the k-th collective of a group every member's k-th (same kind and size). Raise
+    RecordedError if they do not match or some rank could never finish; return the number of
+    calls replayed."""
+    calls = [_recorded_calls(r, mine) for r, mine in enumerate(log)]
+    _check_recorded_pairs(log)
+    seqs: dict[int, dict[int, list[tuple]]] = {}
+    groups: dict[int, tuple[int, ...]] = {}
+    for r, mine in enumerate(calls):
+        for c in mine:
+            if c.kind in COLLECTIVES:
+                seqs.setdefault(c.stage, {}).setdefault(r, []).append((c.kind, c.size))
+                groups[c.stage] = c.group
+    for key, members in seqs.items():
+        if len({tuple(v) for v in members.values()}) > 1 or len(members) != len(groups[key]):
+            text = "; ".join(f"rank {m}: {v}" for m, v in sorted(members.items()))
+            raise RecordedError(f"group {key}: members issue different collectives ({text})")
+    _RecordedReplay(calls, mode).run()
+    return sum(map(len, calls))
+
+
+def _recorded_calls(rank: int, mine: list[tuple[str, dict]]) -> list[Issued]:
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+    out = []
+    for i, (kind, f) in enumerate(mine):
+        if kind == ISEND:
+            k = sent[f["peer"]] = sent.get(f["peer"], -1) + 1
+            out.append(Issued(ISEND, i, f["peer"], (rank, f["peer"], k)))
+        elif kind == IRECV:
+            k = received[f["peer"]] = received.get(f["peer"], -1) + 1
+            out.append(Issued(IRECV, i, f["peer"], (f["peer"], rank, k)))
+        elif kind == WAIT:
+            out.append(Issued(WAIT, i, target=f["target"]))
+        else:
+            out.append(Issued(f["name"], i, group=f["ranks"], stage=f["group"], size=f["size"]))
+    return out
+
+
+def _check_recorded_pairs(log) -> None:
+    """The k-th send from a to b and the k-th receive at b from a carry one tag and size."""
+    ends: dict[tuple, dict[str, tuple]] = {}
+    for rank, mine in enumerate(log):
+        count: dict[tuple, int] = {}
+        for kind, f in mine:
+            if kind in (ISEND, IRECV):
+                pair = (rank, f["peer"]) if kind == ISEND else (f["peer"], rank)
+                k = count[(kind, pair)] = count.get((kind, pair), -1) + 1
+                ends.setdefault((*pair, k), {})[kind] = (f["tag"], f["size"])
+    for (a, b, k), got in sorted(ends.items()):
+        if len(set(got.values())) > 1:
+            raise RecordedError(f"message #{k} from rank {a} to rank {b}: the send has (tag, "
+                                f"size) {got[ISEND]}, the receive {got[IRECV]}: NCCL would "
+                                "deliver the wrong tensor")
+
+
+class _RecordedReplay(_Replay):
+    """The replay of recorded calls: no plan, steps are call indices."""
+
+    def __init__(self, calls: list[list[Issued]], mode: str):
+        super().__init__(None, calls, mode, False)
+
+    def _deadlock(self) -> RecordedError:
+        stuck = [f"  rank {r} blocks at call #{self.pc[r]}: "
+                 f"{self.calls[r][self.pc[r]].describe(self.calls[r])}"
+                 for r, c in enumerate(self.calls) if self.pc[r] < len(c)]
+        return RecordedError(f"the recorded calls deadlock under NCCL semantics (mode {mode_text(self.mode)}):\n"
+                             + "\n".join(stuck) + "\nat the head of each stream:\n"
+                             + "\n".join(f"  {h}" for h in self._heads()))
+
+    def _step_text(self, r: int, step: int) -> str:
+        return f"call #{step}"
+
+
+def mode_text(mode: str) -> str:
+    return {"pair": "one stream per pair of ranks", "rank": "one p2p stream per rank",
+            "strict": "one stream per rank for p2p and collectives"}[mode]
