@@ -3,37 +3,44 @@
 gloo matches messages by tag and buffers them, so an order of calls that trains on CPU can
 hang on GPUs. This module replays, for every rank, the exact sequence of ``torch.distributed``
 calls the runtime makes for a :class:`~chimera.comm_plan.CommPlan` (:func:`issued_ops`: what
-:class:`~chimera.runtime.p2p.Mailbox` and :class:`~chimera.runtime.sync.GradSync` call, in
-order; a test records the real runtime's calls and compares) under these rules:
+:class:`~chimera.runtime.p2p.Mailbox`, :class:`~chimera.runtime.sync.GradSync` and the shards
+call, in order; a test records the real runtime's calls, sizes included, and compares)
+under these rules:
 
-- **Streams.** Each p2p call (``isend``/``irecv``) joins a FIFO stream when the rank's CPU
-  reaches it. Mode ``pair``: one stream per pair of ranks on each side, shared by both
-  directions (NCCL's lazily created 2-rank communicators). Mode ``rank``: one stream per
-  rank for all its p2p (``init_process_group(device_id=...)``: p2p then runs on the default
-  communicator, created at start-up).
+- **Streams.** Each call joins a FIFO stream when the rank's CPU reaches it. Mode ``pair``:
+  p2p on one stream per pair of ranks on each side, shared by both directions (NCCL's
+  lazily created 2-rank communicators); mode ``rank``: one p2p stream per rank
+  (``init_process_group(device_id=...)``). In both, a rank's collectives share one more
+  FIFO over all communicators (NCCL's rule for communicators used concurrently). Mode
+  ``strict``: one stream per rank for everything, p2p and collectives together, the worst
+  case NCCL's guide asks programs to survive and the model :mod:`chimera.comm_plan` proves
+  its order safe in. Every deadlock-free replay in ``strict`` is one in the other modes
+  (they only split its streams), and the validator replays all three.
 - **Rendezvous.** A send and its receive complete together, and only while both are at the
   head of their streams: a send larger than NCCL's buffer waits for the peer's receive, and
   nothing behind it on its stream moves meanwhile. (Small messages may slip through the
   buffer on real hardware; the check assumes none does.)
 - **CPU.** ``Work.wait`` blocks the rank's CPU until the op completed: a RECV waits for its
-  posted receive; STEP waits for every send, then every allreduce, in issue order. Compute,
-  posts, sends and launches never block.
-- **Collectives.** Each rank has one FIFO of collectives over all communicators (NCCL needs
-  one consistent order across communicators used concurrently); the k-th allreduce on a
-  group completes when it is at the head of every member's FIFO. On CUDA a replica whose
-  gradients the plan lets reduce bucket by bucket (``CommPlan.early``) issues its allreduce
-  inside its last backward (``buckets=True``; on CPU, one allreduce at the Launch); its
-  buckets are consecutive in every member's FIFO, so they count as one collective. A group
-  of one rank issues nothing.
+  posted receive; STEP waits for every send, then every collective, in issue order.
+  Compute, posts, sends and launches never block.
+- **Collectives.** The k-th collective on a group completes when it is at the head of
+  every member's stream. Before the replay, every group's collectives are compared member
+  by member, by kind, size and count (:func:`compare_groups`, a CollectiveMismatch naming
+  both members): NCCL would hang on a different count and mix buffers on a different size.
+  A replica the plan lets reduce bucket by bucket (``CommPlan.early``, the device plan:
+  ``buckets=True``) issues one allreduce per bucket inside its last backward, each its own
+  collective; otherwise one allreduce at its Launch. ``sizes`` gives each stage's bucket
+  sizes (:func:`bucket_sizes`; by default two buckets of one element, so that a bucketed
+  member never looks like an unbucketed one). A group of one rank issues nothing.
 - **Sharded optimizer** (``sharded=True``, ZeRO-1, :mod:`chimera.runtime.shard`): a replica's
-  collective at its Launch is a reduce-scatter on NCCL (never bucketed; off NCCL the runtime
-  runs an allreduce in that slot, gloo's reduce-scatter being slower); after STEP the rank issues
-  one parameter all-gather per replica, stages in order, and waits for each right before
-  its replica's first forward of the next iteration (prefetch). Those gathers are what
-  makes iterations interact, so a sharded replay runs two iterations, each ending as
-  ``PipelineRuntime.gather_parameters`` does (wait for gathers no forward waited for, then
-  issue the next ones). The k-th collective of a group must be of the same kind on every
-  member (an all-gather meeting a reduce-scatter never completes here).
+  collective at its Launch is a reduce-scatter (the device plan; never bucketed; the CPU
+  plan runs an allreduce in that slot); after STEP the rank issues one parameter all-gather
+  per replica, stages in order, and waits for each right before its replica's first forward
+  of the next iteration (prefetch). Those gathers are what makes iterations interact, so a
+  sharded replay runs two iterations, each ending as ``PipelineRuntime.gather_parameters``
+  does (wait for gathers no forward waited for, then issue the next ones). A stage with
+  nothing to train (``sizes[stage] == ()``) has no shard: one one-element allreduce, no
+  gather, and no bucket at all.
 - **Lazy communicators** (``lazy_communicators=True``): the first use of a communicator (a
   pair's first p2p call in ``pair`` mode, a group's first collective) blocks the CPU until
   every member reaches its own first use: NCCL creates it then. The runtime creates every
@@ -46,11 +53,18 @@ order; a test records the real runtime's calls and compares) under these rules:
   may complete stays so until it does), so removing those calls cannot create a deadlock:
   W = 2 passing implies W = 1 passing. The validator replays W = 2; tests replay both.
 
-Not modelled: timing (only whether progress is possible), buffering of small messages
-(which only hides deadlocks), p2p and collective kernels blocking each other across
-communicators, the start-up warm-up itself (its order is fixed and global), collectives
-outside the schedule (loss, gradient norm, checkpoints), and, without sharding, more than one
-iteration (after STEP everything is complete, so iterations do not interact).
+**A recorded run** (:func:`replay_recorded`): the calls and waits a run really made, logged
+by the virtual ranks (``chimera.runtime.virtual``, what ``benchmarks/gpu_check.py`` does on
+a GPU), including the start-up, the trainer's and the API's own collectives (loss, norm,
+ties, buffers, the batch fingerprint), replayed under the same rules: messages matched by
+order per pair (tags and sizes must agree), collectives by order per group.
+
+Not modelled by :func:`check`: timing (only whether progress is possible), buffering of
+small messages (which only hides deadlocks), the start-up warm-up (its order is fixed and
+global), collectives outside the schedule (loss, gradient norm, ties, buffers, the batch
+fingerprint, checkpoints: blocking, in one program order on every rank; a recorded run
+covers them), and, without sharding, more than one iteration (after STEP everything is
+complete, so iterations do not interact).
 
 The replay is event driven: each call is queued, matched and completed once, so it costs
 O(number of calls).

@@ -1,4 +1,4 @@
-"""NCCL's p2p (and allreduce) semantics emulated on gloo (``CHIMERA_EMULATE_NCCL=pair|rank``).
+"""NCCL's p2p and collective semantics emulated on gloo (``CHIMERA_EMULATE_NCCL=pair|rank|strict``).
 
 gloo matches messages by tag and lets either end run ahead, so a p2p order that hangs on
 GPUs can train fine on CPU. :class:`NcclEmulation` is a :class:`~chimera.runtime.p2p.Transport`
@@ -6,8 +6,11 @@ that makes the runtime's ``isend``/``irecv`` complete only as NCCL would let the
 
 - **Streams.** Each rank runs its p2p on FIFO streams: one per peer, shared by both
   directions (``pair``: NCCL's default, a communicator per pair of ranks), or one for all
-  of the rank's p2p (``rank``: one communicator with ``device_id``). A daemon thread per
-  stream takes the operations in issue order; an operation not at the head does not start.
+  of the rank's p2p (``rank``: one communicator with ``device_id``); its collectives on one
+  more. ``strict``: one stream per rank for p2p and collectives together, the strictest
+  model (:mod:`chimera.comm_plan` proves its order safe there); the runtime then shares one
+  emulation between its Mailboxes and its collectives. A daemon thread per stream takes the
+  operations in issue order; an operation not at the head does not start.
 - **No buffering, matching by order.** The k-th send from A to B matches the k-th receive
   at B from A (counted per ordered pair over the transport's life, across iterations). The
   two complete together, once both are at the head of their streams: each end, at its head,
@@ -32,10 +35,15 @@ Not emulated:
   communicators used concurrently see their operations in one order): one completes when
   every member has it at the head. The runtime routes the stage allreduces and, with a
   sharded optimizer, the reduce-scatters and the prefetched parameter all-gathers through
-  it (``collectives_from_env``); the loss and norm allreduces, communicator creation,
-  ``grid.warm_up``'s exchange and the API's tie and buffer collectives go straight to gloo,
-  and their order is checked by the validator's rendezvous replay only. p2p and
-  collectives are separate streams (as on NCCL: different communicators).
+  it (``collectives_from_env``), buckets included: with ``CHIMERA_DEVICE_PLAN`` a CPU run
+  issues the device path's collectives (:func:`chimera.runtime.sync.comm_choices`). The
+  loss and norm allreduces, communicator creation, ``grid.warm_up``'s exchange and the
+  API's tie, buffer and batch-fingerprint collectives go straight to gloo: they are
+  blocking and issued in one program order on every rank; a recorded virtual run
+  (:func:`chimera.rendezvous.replay_recorded`) replays them with the rest. p2p and
+  collectives are separate streams except in ``strict`` mode.
+- **Start-up.** :func:`agree` refuses, in one line on every rank, an emulation mode or
+  device plan that differs across ranks (it would only show as a timeout).
 - Timing: a rendezvous costs a few store round trips (microseconds on one host) and a
   thread hand-off, and the polling backs off to :data:`POLL_MAX_S`; CUDA stream semantics
   (a wait that only orders streams) do not exist on CPU.
@@ -264,10 +272,11 @@ def _settle(op: _Op) -> None:
 
 
 class NcclEmulation(Transport):
-    """The runtime's p2p (and allreduces, through :meth:`all_reduce`) under NCCL's rendezvous
-    semantics on gloo (see the module docstring).
+    """The runtime's p2p (and collectives, through :meth:`all_reduce` and its siblings) under
+    NCCL's rendezvous semantics on gloo (see the module docstring).
 
-    ``mode``: ``pair`` (one stream per peer) or ``rank`` (one stream for all p2p).
+    ``mode``: ``pair`` (one stream per peer), ``rank`` (one stream for all p2p) or
+    ``strict`` (one stream for p2p and collectives together).
     ``store``: the rendezvous store (default: the default process group's).
     """
 

@@ -4,12 +4,17 @@ Each replica's parameters get ``.grad`` views into one flat buffer (as DDP's
 ``gradient_as_bucket_view``), so backward accumulates straight into it and SYNC launches a
 single allreduce over the stage's replica group without copies. STEP waits for all of them.
 
-A replica whose last gradient comes from a full backward (B) does not wait for SYNC: during
-that backward, hooks launch the allreduce of each bucket (a contiguous slice of the flat
-buffer, last layers first: the order backward finishes them) as soon as all of its
-gradients are final, so the reduction overlaps the rest of the backward as in DDP. Buckets
-launch in a fixed order on every replica (a bucket waits for the ones before it), which is
-what matching collectives need; SYNC launches whatever is left.
+On the device path (:func:`comm_choices`), a replica whose stage the plan lets bucket
+(:attr:`chimera.comm_plan.CommPlan.early`: decided per stage, so every replica of the stage
+does the same) does not wait for its Launch: during its last backward, hooks launch the
+allreduce of each bucket (a contiguous slice of the flat buffer, last layers first: the
+order backward finishes them) as soon as all of its gradients are final, so the reduction
+overlaps the rest of the backward as in DDP. Buckets launch in a fixed order on every
+replica (a bucket waits for the ones before it) with the same boundaries (the same
+parameters), which is what matching collectives need; the Launch issues whatever is left.
+The plan allows it only where no send lies between that backward and the Launch, so the
+rank's order of operations is the same as without buckets (one stream per rank survives
+it); that leaves mostly stage 0, whose last backward sends nothing.
 """
 
 from __future__ import annotations
