@@ -240,7 +240,7 @@ def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int,
     from chimera.runtime.grid import ProcessGrid
     from chimera.runtime.p2p import Mailbox
     from chimera.runtime.pipeline import PipelineRuntime
-    from chimera.runtime.sync import GradSync, ReplicaGrads
+    from chimera.runtime.sync import CommChoices, GradSync, ReplicaGrads
 
     fake = _RecordingDist()
     for module in ("p2p", "sync", "grid", "shard"):
@@ -251,6 +251,7 @@ def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int,
     modules = {key: torch.nn.Linear(WIDTH, WIDTH) for key in grid.held()}
     runtime = PipelineRuntime.__new__(PipelineRuntime)  # the parts gather_parameters reads
     runtime.grid, runtime.gathering = grid, {}
+    runtime.choices = CommChoices(bucket_bytes, True)  # the device plan (the fake is NCCL)
     runtime.grads = {key: ReplicaGrads(m, None, len(grid.stage_ranks[key[1]]) if sharded else 1)
                      for key, m in modules.items()}
     runtime.shards = runtime._shards() if sharded else {}
@@ -311,12 +312,13 @@ HONEST = [(name, opts, d) for name, opts in
 def test_runtime_calls_equal_the_replayed_calls(monkeypatch, name, options, d):
     from chimera.runtime.sync import BUCKET_BYTES
 
-    # bucket_bytes 0: one allreduce per replica at its Launch (the runtime on CPU); otherwise
-    # buckets inside the last backward where the plan allows (on CUDA; a tiny model is one)
+    # bucket_bytes 0: one allreduce per replica at its Launch (the CPU plan); otherwise
+    # buckets inside the last backward where the plan allows (the device plan; at 8 bytes the
+    # tiny model's stage is two buckets, at BUCKET_BYTES one)
     for sync in SYNC_MODES:
         plan = plan_comm(lower(build(name, d, 2 * d, **options), sync))
         for w in (1, 2):
-            for bucket_bytes in (0, BUCKET_BYTES):
+            for bucket_bytes in (0, 8, BUCKET_BYTES):
                 for rank in range(w * d):
                     got = _record(monkeypatch, plan, rank, w, bucket_bytes)
                     want = _replayed(plan, rank, w, bucket_bytes > 0, False,

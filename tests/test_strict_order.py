@@ -320,3 +320,23 @@ def test_emulation_set_on_one_rank_is_refused(monkeypatch, spawn_world):
     for rank, message in enumerate(spawn_world(_mixed_env_rank, 2)):
         assert message.startswith(f"rank {rank}: the NCCL emulation and device plan must be set alike")
         assert "\n" not in message and "rank 1: CHIMERA_EMULATE_NCCL='strict'" in message
+
+
+def test_device_plan_switch(monkeypatch):
+    import torch
+
+    from chimera.errors import UserError
+    from chimera.runtime.sync import BUCKET_BYTES, DEVICE_PLAN_ENV, CommChoices, comm_choices
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(DEVICE_PLAN_ENV, raising=False)
+    assert comm_choices(cpu) == CommChoices(0, False)  # the CPU path
+    assert comm_choices(cpu, nccl=True) == CommChoices(BUCKET_BYTES, True)
+    assert comm_choices(torch.device("cuda", 0)) == CommChoices(BUCKET_BYTES, True)
+    monkeypatch.setenv(DEVICE_PLAN_ENV, "1")
+    assert comm_choices(cpu) == CommChoices(BUCKET_BYTES, True)
+    monkeypatch.setenv(DEVICE_PLAN_ENV, "4096")
+    assert comm_choices(cpu) == CommChoices(4096, True)
+    monkeypatch.setenv(DEVICE_PLAN_ENV, "yes")
+    with pytest.raises(UserError, match="CHIMERA_DEVICE_PLAN='yes'"):
+        comm_choices(cpu)

@@ -141,3 +141,51 @@ def test_device_plan_on_virtual_ranks_replays_strictly(monkeypatch, schedule, st
     r = check_virtual(cfg, replay=True)
     assert r["replicas_identical"] and r["max_grad_rel_err"] < 1e-10, r
     assert r["replayed_calls"] > 0
+
+
+def _tied_bn_rank(rank, schedule, n, shard):
+    """api.Pipeline with a tie across stages and BatchNorm buffers (their syncs) and the batch
+    fingerprint, two steps: every collective of the API besides the schedule's own."""
+    import torch
+    from torch import nn
+
+    import chimera.api as chimera
+
+    def layers():
+        first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+        if not shard:  # ties with a sharded optimizer are refused
+            last.weight = first.weight
+        return [m.double() for m in (first, nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 4), last)]
+
+    pipe = chimera.Pipeline(layers, nn.functional.mse_loss, schedule=schedule, micro_batches=n,
+                            micro_batch_size=2, shard_optimizer=shard,
+                            partition=[range(0, 3), range(3, 5)])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2 * n, 4, generator=g, dtype=torch.float64), torch.randn(2 * n, 4, generator=g, dtype=torch.float64)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        pipe.step(x, y)
+        opt.step()
+    pipe.sync_parameters()
+
+
+@pytest.mark.parametrize("schedule,n,shard", [("chimera", 4, False), ("1f1b", 3, False),
+                                              ("gems", 3, True)])
+def test_api_collectives_replay_strictly(monkeypatch, schedule, n, shard):
+    """The API's own collectives (tie and buffer syncs, the batch fingerprint, the loss) and
+    the schedule's, as the virtual ranks really issued them, on one stream per rank."""
+    import collections
+
+    from chimera.rendezvous import replay_recorded
+    from chimera.runtime.sync import DEVICE_PLAN_ENV
+    from chimera.runtime.virtual import VirtualWorld, run_virtual
+
+    monkeypatch.setenv(DEVICE_PLAN_ENV, "64")
+    world = VirtualWorld(2, record=True)
+    run_virtual(2, lambda rank: _tied_bn_rank(rank, schedule, n, shard), world)
+    assert replay_recorded(world.recorded(), "strict") > 0
+    names = collections.Counter(f.get("name") for mine in world.recorded() for _, f in mine)
+    assert names["all_reduce"] >= 6  # fingerprint, buffers, (ties), loss: per step
+    if shard:
+        assert names["reduce_scatter"] and names["all_gather"]
