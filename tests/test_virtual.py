@@ -53,8 +53,11 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     table = (tmp_path / "gpu_check.md").read_text()
     for row in ("train float32", "train bf16", "checkpoint resume", "virtual chimera D=4",
-                "api.Pipeline", "profile", "host syncs"):
+                "api.Pipeline", "profile", "host syncs", "device plan: gems D=2 N=3",
+                "device plan: gems D=4 N=5", "device plan: chimera D=4 sharded optimizer",
+                "device plan: api.Pipeline frozen stage"):
         assert row in table
+    assert "| NO |" not in table and "calls replayed with one stream per rank" in table
     assert (tmp_path / "gpu_profile.json").exists()
 
 
