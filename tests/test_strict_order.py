@@ -226,7 +226,6 @@ def test_trainer_under_strict_emulation_wide(strict_env):
 
 
 def _frozen_layers():
-    import torch
     from torch import nn
 
     layers = [nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)]
@@ -234,18 +233,29 @@ def _frozen_layers():
     return [layer.double() for layer in layers]
 
 
-def _api_rank(rank, world, out, schedule, n, shard):
-    """The API with a frozen stage under the strict emulation and the device plan, against
-    the same layers in one process (``Pipeline`` seeds the layers with 0)."""
+def _tied_layers():
+    from torch import nn
+
+    first, tied = nn.Linear(4, 4), nn.Linear(4, 4)
+    tied.weight = first.weight  # one logical parameter in stages 0 and 1
+    layers = [first, nn.Tanh(), nn.Linear(4, 4), tied, nn.Tanh(), nn.Linear(4, 2)]
+    return [layer.double() for layer in layers]
+
+
+def _api_rank(rank, world, out, schedule, n, shard, tied=False):
+    """The API with a frozen stage (or a tie across stages: its gradient sync) under the
+    strict emulation and the device plan, against the same layers in one process
+    (``Pipeline`` seeds the layers with 0)."""
     import torch
     from torch import nn
 
     import chimera.api as chimera
     from chimera.byo import seeded
 
-    pipe = chimera.Pipeline(_frozen_layers, nn.functional.mse_loss, schedule=schedule,
+    make = _tied_layers if tied else _frozen_layers
+    pipe = chimera.Pipeline(make, nn.functional.mse_loss, schedule=schedule,
                             micro_batches=n, micro_batch_size=2, shard_optimizer=shard,
-                            partition=[range(0, 2), range(2, 5)])
+                            partition=[range(0, 2), range(2, 6 if tied else 5)])
     g = torch.Generator().manual_seed(5)
     x, y = (torch.randn(2 * n, 4, generator=g, dtype=torch.float64),
             torch.randn(2 * n, 2, generator=g, dtype=torch.float64))
@@ -257,7 +267,7 @@ def _api_rank(rank, world, out, schedule, n, shard):
         opt.step()
     params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
     with seeded(0):
-        ref = nn.Sequential(*_frozen_layers())
+        ref = nn.Sequential(*make())
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
     ref_losses = []
     for _ in range(2):
@@ -266,7 +276,7 @@ def _api_rank(rank, world, out, schedule, n, shard):
         loss.backward()
         ref_opt.step()
         ref_losses.append(float(loss))
-    ref_params = dict(ref.named_parameters())
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))  # a tie under both names
     err = max(float((p - ref_params[n]).abs().max()) for n, p in params.items())
     rt = pipe.runtime
     torch.save({"losses": losses, "ref_losses": ref_losses, "param_err": err,
@@ -287,6 +297,17 @@ def test_api_frozen_stage_under_strict_emulation(strict_env, spawn_world, schedu
         assert all(stage != 0 for _, stage in r["shards"])  # the frozen stage has no shard
         if shard:  # the device plan's reduce-scatters, through the one stream
             assert r["kinds"].get("reduce-scatter", 0) >= 2 and r["kinds"].get("all-gather")
+
+
+@pytest.mark.parametrize("schedule,n", [("1f1b", 3), ("gems", 3)])
+def test_api_tie_under_strict_emulation(strict_env, spawn_world, schedule, n):
+    """A tie across ranks (1f1b: an allreduce over its holders) or on both (gems: a local
+    sum), the batch fingerprint and the loss on the strict emulation's one stream."""
+    for r in spawn_world(functools.partial(_api_rank, schedule=schedule, n=n, shard=False,
+                                           tied=True), 2):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-12)
+        assert r["param_err"] < 1e-12
+        assert r["kinds"]["allreduce"] >= 4  # fingerprint and loss per step, at least
 
 
 def _mixed_env_rank(rank, world, out):

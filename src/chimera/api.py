@@ -108,13 +108,14 @@ def _fingerprint(tree) -> torch.Tensor:
     return out
 
 
-def _check_same_batch(tree) -> None:
+def _check_same_batch(tree, runtime: PipelineRuntime) -> None:
     """Every rank takes its own rows from the mini-batch it is given, so all must be given the
     same one (a per-rank seed or a per-rank data loader would silently pair one rank's
-    inputs with another's targets): compare fingerprints, one small allreduce."""
+    inputs with another's targets): compare fingerprints, one small allreduce (in the rank's
+    one order of operations: ``PipelineRuntime.all_reduce``)."""
     mine = _fingerprint(tree)
     both = torch.cat([mine, -mine]).to(collective_device())
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    runtime.all_reduce(both, op=dist.ReduceOp.MAX)
     high, low = both[:4].cpu(), -both[4:].cpu()
     if not torch.equal(high, low):
         raise UserError("the ranks were given different mini-batches: every rank must pass the "
@@ -273,7 +274,7 @@ class Pipeline:
         if targets is not None:
             self._check_rows(targets, "targets")
         if self.check_batch:
-            _check_same_batch((inputs, targets))
+            _check_same_batch((inputs, targets), self.runtime)
         self.runtime.prepare(_rows(inputs, 0, rows, dev),
                              None if targets is None else _rows(targets, 0, rows, dev))
         weight = scale * self._loss_weight(targets)
@@ -332,7 +333,7 @@ class Pipeline:
             sync_buffers(self.runtime)
         for t, k in zip(self.runtime.grad_tensors(), kept or []):
             t += k
-        dist.all_reduce(loss)
+        self.runtime.all_reduce(loss)
         return float(loss)
 
     @torch.no_grad()
@@ -344,7 +345,7 @@ class Pipeline:
         if self.runtime.shards:
             self.runtime.gather_parameters()
         loss = self.runtime.run_forward(data)
-        dist.all_reduce(loss)
+        self.runtime.all_reduce(loss)
         loss = None if targets is None else float(loss)
         if not return_outputs:
             return loss

@@ -36,12 +36,13 @@ Not emulated:
   every member has it at the head. The runtime routes the stage allreduces and, with a
   sharded optimizer, the reduce-scatters and the prefetched parameter all-gathers through
   it (``collectives_from_env``), buckets included: with ``CHIMERA_DEVICE_PLAN`` a CPU run
-  issues the device path's collectives (:func:`chimera.runtime.sync.comm_choices`). The
-  loss and norm allreduces, communicator creation, ``grid.warm_up``'s exchange and the
-  API's tie, buffer and batch-fingerprint collectives go straight to gloo: they are
-  blocking and issued in one program order on every rank; a recorded virtual run
-  (:func:`chimera.rendezvous.replay_recorded`) replays them with the rest. p2p and
-  collectives are separate streams except in ``strict`` mode.
+  issues the device path's collectives (:func:`chimera.runtime.sync.comm_choices`). In
+  ``strict`` mode the tie and buffer syncs and the API's batch fingerprint and loss take
+  the same stream (``PipelineRuntime.all_reduce``). The trainer's loss and norm
+  allreduces, checkpoints, communicator creation and ``grid.warm_up``'s exchange go
+  straight to gloo: they are blocking and issued in one program order on every rank; a
+  recorded virtual run (:func:`chimera.rendezvous.replay_recorded`) replays them with the
+  rest. p2p and collectives are separate streams except in ``strict`` mode.
 - **Start-up.** :func:`agree` refuses, in one line on every rank, an emulation mode or
   device plan that differs across ranks (it would only show as a timeout).
 - Timing: a rendezvous costs a few store round trips (microseconds on one host) and a
@@ -311,11 +312,14 @@ class NcclEmulation(Transport):
             op = _P2P(False, src, self.rank, k, tag, tensor.numel(), gloo)
             return self._issue(op, self._p2p_stream(src))
 
-    def all_reduce(self, tensor: torch.Tensor, group) -> EmulatedWork:
-        """gloo's async allreduce (sum) on ``group``, complete only once every member has it at
-        the head of its collective stream (see the module docstring)."""
+    def all_reduce(self, tensor: torch.Tensor, group=None, op=None) -> EmulatedWork:
+        """gloo's async allreduce (``op``, default sum) on ``group`` (default: every rank),
+        complete only once every member has it at the head of its collective stream (see the
+        module docstring)."""
+        group = group or dist.group.WORLD
+        op = dist.ReduceOp.SUM if op is None else op
         return self._collective("allreduce", group, lambda: dist.all_reduce(
-            tensor, group=group, async_op=True))
+            tensor, op=op, group=group, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group) -> EmulatedWork:
         """gloo's async reduce-scatter (sum), gated as :meth:`all_reduce`."""

@@ -280,6 +280,18 @@ class PipelineRuntime:
             return (bounds[msg.source_stage].nbytes(backward=False),)
         return (bounds[msg.stage].nbytes(backward=True),)
 
+    def all_reduce(self, tensor: torch.Tensor, group=None, op=None) -> None:
+        """A blocking allreduce outside the schedule (tie and buffer syncs, the API's batch
+        fingerprint and loss): under the strict NCCL emulation on the rank's one stream, so
+        it takes its place in the rank's order as on NCCL; else ``dist.all_reduce``."""
+        if self.emulation is None or self.emulation.mode != "strict":
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
+            return
+        ranks = dist.get_process_group_ranks(group) if group is not None else \
+            list(range(dist.get_world_size()))
+        wait_work(self.emulation.all_reduce(tensor, group, op), self.sync.timeout, self.grid.rank,
+                  f"allreduce with {peers_text(self.grid.rank, ranks)}", ranks)
+
     def parameters(self) -> list[nn.Parameter]:
         self.finish_gather()
         return [p for m in self.modules.values() for p in m.parameters()]
