@@ -172,7 +172,8 @@ def check_frozen(device: torch.device) -> dict:
 
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(6, 8, generator=gen, dtype=torch.float64), torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    x = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    y = torch.randn(6, 4, generator=gen, dtype=torch.float64)
     world = VirtualWorld(2, record=True)
     got = run_virtual(2, lambda rank: _frozen_rank(rank, device, x, y), world)
     replayed = replay_recorded(world.recorded(), "strict")

@@ -164,7 +164,8 @@ def _tied_bn_rank(rank, schedule, n, shard):
                             micro_batch_size=2, shard_optimizer=shard,
                             partition=[range(0, 3), range(3, 5)])
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(2 * n, 4, generator=g, dtype=torch.float64), torch.randn(2 * n, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(2 * n, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(2 * n, 4, generator=g, dtype=torch.float64)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     for _ in range(2):
         opt.zero_grad()

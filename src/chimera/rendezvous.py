@@ -413,7 +413,8 @@ class _RecordedReplay(_Replay):
         stuck = [f"  rank {r} blocks at call #{self.pc[r]}: "
                  f"{self.calls[r][self.pc[r]].describe(self.calls[r])}"
                  for r, c in enumerate(self.calls) if self.pc[r] < len(c)]
-        return RecordedError(f"the recorded calls deadlock under NCCL semantics (mode {mode_text(self.mode)}):\n"
+        return RecordedError("the recorded calls deadlock under NCCL semantics "
+                             f"({mode_text(self.mode)}):\n"
                              + "\n".join(stuck) + "\nat the head of each stream:\n"
                              + "\n".join(f"  {h}" for h in self._heads()))
 

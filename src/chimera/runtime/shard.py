@@ -13,11 +13,12 @@ the stages a rank runs later overlap the forwards it runs first, as FSDP's prefe
 
 On the CPU path (gloo, the virtual ranks; :func:`chimera.runtime.sync.comm_choices`) the
 reduction is an allreduce of the whole flat gradient, whose owned slice is then copied out:
-gloo's reduce-scatter took more than its allreduce of the same buffer (two processes here, 12.8 MB: 19 ms wall and 14 ms of CPU against 12 and 7),
-and with two replicas both add each element once, so the values are the same. The device
-path (NCCL, or ``CHIMERA_DEVICE_PLAN`` on CPU) keeps the reduce-scatter, which moves half the
-bytes. A replica with nothing to train (frozen layers) has no shard: it keeps the one-element
-allreduce every replica of its stage issues alike, and no all-gather.
+gloo's reduce-scatter took more than its allreduce of the same buffer (two processes here,
+12.8 MB: 19 ms wall and 14 ms of CPU against 12 and 7), and with two replicas both add each
+element once, so the values are the same. The device path (NCCL, or ``CHIMERA_DEVICE_PLAN``
+on CPU) keeps the reduce-scatter, which moves half the bytes. A replica with nothing to
+train (frozen layers) has no shard: it keeps the one-element allreduce every replica of its
+stage issues alike, and no all-gather.
 
 The slicing is the one ``PipelineRuntime.owned_sq_norm`` already uses (slice k of size
 ceil(numel / n)), so the global norm reads each owned slice once. Parameters become views
