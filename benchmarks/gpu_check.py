@@ -9,7 +9,13 @@ on CPU). What one device can show, each as one row of the table:
 - ``api``: ``chimera.api.Pipeline`` on the GPU (NCCL group of one) against one device;
 - ``resume``: a checkpoint written on CUDA and resumed gives the losses of a straight run;
 - ``virtual``: all D ranks of chimera D=4 (and 1f1b, zb-v) in one process on the GPU, every
-  rank a thread, p2p as copies: gradients against single-device training (float64);
+  rank a thread, p2p as copies: gradients against single-device training (float64); every
+  rank's ``dist`` calls are recorded and replayed under NCCL's strictest model (one stream
+  per rank for p2p and collectives: ``chimera.rendezvous.replay_recorded``);
+- ``device plan``: the same with the device path's collectives cut small
+  (``CHIMERA_DEVICE_PLAN``, several buckets per stage), where they broke before: GEMS with
+  odd N (buckets decided per stage), the sharded optimizer (reduce-scatters and prefetched
+  all-gathers), and a frozen stage under ``api.Pipeline`` (no shard, one allreduce);
 - ``host syncs``: ``torch.cuda.set_sync_debug_mode`` counts host syncs in one pipeline
   iteration of every virtual rank (target 0: the loss is read once per step, outside);
 - ``profile``: per-layer F/B/I/W on the device, written as a ``chimera.profile/1`` file
@@ -39,7 +45,9 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
-from chimera.runtime.virtual import run_virtual  # noqa: E402
+from chimera.runtime.sync import DEVICE_PLAN_ENV  # noqa: E402
+from chimera.runtime.virtual import VirtualWorld, run_virtual  # noqa: E402
+from chimera.rendezvous import replay_recorded  # noqa: E402
 from chimera.train.config import TrainConfig  # noqa: E402
 from chimera.train.equivalence import check_virtual  # noqa: E402
 from chimera.train.loop import Trainer  # noqa: E402
@@ -86,17 +94,109 @@ def _cfg(schedule: str, dtype: str = "float64", **kw) -> TrainConfig:
                        dtype=dtype, steps=2, **kw)
 
 
+def _virtual_row(name: str, cfg: TrainConfig, device: torch.device) -> dict:
+    """Virtual ranks on the device against one device, every call replayed strictly."""
+    start = time.perf_counter()
+    r = check_virtual(cfg, device, replay=True)
+    ok = r["max_grad_rel_err"] < 1e-10 and r["replicas_identical"] and not r["missing"]
+    return {"check": name, "ok": ok,
+            "detail": f"max grad rel err {r['max_grad_rel_err']:.1e}, loss rel err "
+                      f"{r['max_loss_rel_err']:.1e}, replicas identical {r['replicas_identical']}, "
+                      f"{r['replayed_calls']} calls replayed with one stream per rank "
+                      f"({time.perf_counter() - start:.1f}s)"}
+
+
 def check_virtual_ranks(device: torch.device) -> list[dict]:
+    return [_virtual_row(f"virtual {schedule} D=4 float64", _cfg(schedule), device)
+            for schedule in ("chimera", "1f1b", "zb-v")]
+
+
+class _DevicePlan:
+    """``CHIMERA_DEVICE_PLAN`` set for a while: the device path's choices (on the CPU too),
+    with small buckets so that every stage issues several."""
+
+    def __init__(self, value: str = "65536"):
+        self.value, self.saved = value, None
+
+    def __enter__(self):
+        self.saved = os.environ.get(DEVICE_PLAN_ENV)
+        os.environ[DEVICE_PLAN_ENV] = self.value
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop(DEVICE_PLAN_ENV, None)
+        else:
+            os.environ[DEVICE_PLAN_ENV] = self.saved
+
+
+def check_device_plan(device: torch.device) -> list[dict]:
+    """Issue 23's rows: GEMS with odd N, the sharded optimizer, a frozen stage."""
     rows = []
-    for schedule in ("chimera", "1f1b", "zb-v"):
-        start = time.perf_counter()
-        r = check_virtual(_cfg(schedule), device)
-        ok = r["max_grad_rel_err"] < 1e-10 and r["replicas_identical"] and not r["missing"]
-        rows.append({"check": f"virtual {schedule} D=4 float64", "ok": ok,
-                     "detail": f"max grad rel err {r['max_grad_rel_err']:.1e}, loss rel err "
-                               f"{r['max_loss_rel_err']:.1e}, replicas identical "
-                               f"{r['replicas_identical']} ({time.perf_counter() - start:.1f}s)"})
+    with _DevicePlan():
+        for stages, n in ((2, 3), (4, 5)):
+            cfg = TrainConfig(schedule="gems", stages=stages, micro_batches=n, micro_batch_size=2,
+                              dtype="float64", steps=2)
+            rows.append(_virtual_row(f"device plan: gems D={stages} N={n} (odd N) float64", cfg, device))
+        rows.append(_virtual_row("device plan: chimera D=4 sharded optimizer float64",
+                                 _cfg("chimera", shard_optimizer=True), device))
+        rows.append(check_frozen(device))
     return rows
+
+
+def _frozen_layers():
+    layers = [torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+              torch.nn.Linear(8, 4)]
+    layers[0].requires_grad_(False)  # stage 0: nothing to train
+    return [layer.double() for layer in layers]
+
+
+def _frozen_rank(rank: int, device: torch.device, x, y) -> dict:
+    import chimera.api as chimera
+
+    pipe = chimera.Pipeline(_frozen_layers, torch.nn.functional.mse_loss, schedule="gems",
+                            micro_batches=3, micro_batch_size=2, shard_optimizer=True,
+                            partition=[range(0, 2), range(2, 5)], device=device)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        losses.append(pipe.step(x, y))
+        opt.step()
+    return {"losses": losses, "params": {n: p.detach().cpu() for n, p in pipe.named_parameters()},
+            "shards": sorted(pipe.runtime.shards)}
+
+
+def check_frozen(device: torch.device) -> dict:
+    """api.Pipeline, gems D=2 N=3, sharded, stage 0 frozen, on virtual ranks on the device,
+    every call replayed strictly, against the same layers on one device."""
+    from chimera.byo import seeded
+
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    y = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    world = VirtualWorld(2, record=True)
+    got = run_virtual(2, lambda rank: _frozen_rank(rank, device, x, y), world)
+    replayed = replay_recorded(world.recorded(), "strict")
+    with seeded(0):  # what Pipeline does with seed=0
+        ref = torch.nn.Sequential(*_frozen_layers()).to(device)
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    ref_losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ref(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        ref_losses.append(float(loss.detach()))
+    ref_params = {n: p.detach().cpu() for n, p in ref.named_parameters()}
+    err = max(float((p - ref_params[n]).abs().max()) for r in got for n, p in r["params"].items())
+    loss_err = max(abs(a - b) for r in got for a, b in zip(r["losses"], ref_losses))
+    no_frozen_shard = all(stage != 0 for r in got for _, stage in r["shards"])
+    return {"check": "device plan: api.Pipeline frozen stage, sharded, gems D=2 N=3",
+            "ok": err < 1e-10 and loss_err < 1e-10 and no_frozen_shard,
+            "detail": f"max |param diff| {err:.1e}, max |loss diff| {loss_err:.1e}, frozen stage "
+                      f"unsharded {no_frozen_shard}, {replayed} calls replayed with one stream "
+                      f"per rank ({time.perf_counter() - start:.1f}s)"}
 
 
 def check_host_syncs(device: torch.device) -> tuple[list[dict], dict]:
@@ -239,6 +339,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, fn in (("train", lambda: check_train(args.device, tmp)),
                          ("virtual", lambda: check_virtual_ranks(device)),
+                         ("device plan", lambda: check_device_plan(device)),
                          ("api", lambda: check_api(args.device, tmp)),
                          ("profile", lambda: check_profile(args.device, os.path.join(args.out, "gpu_profile.json"),
                                                            args.profile_model))):

@@ -1,13 +1,16 @@
 """Training under the NCCL emulation (CHIMERA_EMULATE_NCCL) equals plain gloo; bad orders hang.
 
 One spawned process group per world size (2, 4 and 8 ranks) runs every configuration of
-that size: each schedule is built once, then trained two steps on plain gloo and under the
-emulation in both stream modes (the Mailbox's transport swapped between runs, the weights
-restored), and every rank compares its losses and gradients with the plain run. The world
+that size with the device path's plan (CHIMERA_DEVICE_PLAN: buckets, reduce-scatters): each
+schedule is built once, then trained two steps on plain gloo and under the emulation in
+every stream mode (per pair, per rank, and strict: p2p and collectives on one stream; the
+Mailbox's transport swapped between runs, the weights restored), and every rank compares
+its losses and gradients with the plain run. The world
 of two also runs the old receive order (each receive posted right before its wait), which
 gloo completes and the emulation must stop with a CommTimeout, a pair of ranks whose k-th
 messages disagree, and allreduces on two groups issued in opposite orders. Last, ``chimera
-train`` under CHIMERA_EMULATE_NCCL=pair gives the losses of the plain run.
+train`` under CHIMERA_EMULATE_NCCL=pair, and =strict with the device plan, gives the losses
+of the plain run.
 """
 
 import datetime
@@ -28,6 +31,7 @@ from chimera.runtime.executor import MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.nccl_emulation import ENV, MODES, NcclEmulation, transport_from_env
 from chimera.runtime.p2p import CommTimeout, Transport, wait_work
+from chimera.runtime.sync import DEVICE_PLAN_ENV
 from chimera.runtime.pipeline import PipelineRuntime
 from chimera.schedules import build
 from chimera.validate import validate
@@ -214,6 +218,9 @@ def _from_env() -> list[str]:
 
 
 def _worker(rank, world, out):
+    # every runtime takes the device path's plan: buckets (several per stage at 64 bytes) and
+    # reduce-scatters, the collectives a GPU run issues
+    os.environ[DEVICE_PLAN_ENV] = "64"
     results = [_compare(name, opts, stages, n, dp)
                for stages, dp, rows in WORLDS[world] for name, opts, n in rows]
     report = {"compare": results}
@@ -286,10 +293,11 @@ def test_env_var_selects_the_transport(world2):
     assert seen[3].startswith(f"{ENV}='bogus'")
 
 
-def _train_cli(cli_env, tmp_path, env_value):
-    log = tmp_path / f"log-{env_value or 'plain'}.jsonl"
+def _train_cli(cli_env, tmp_path, env_value, device_plan=""):
+    log = tmp_path / f"log-{env_value or 'plain'}-{device_plan}.jsonl"
     env = dict(cli_env)
     env.pop(ENV, None)
+    env[DEVICE_PLAN_ENV] = device_plan
     if env_value:
         env[ENV] = env_value
     r = subprocess.run([sys.executable, "-m", "chimera", "train", "--steps", "2", "--no-progress",
@@ -300,4 +308,7 @@ def _train_cli(cli_env, tmp_path, env_value):
 
 @pytest.mark.slow
 def test_cli_train_under_emulation(tmp_path, cli_env):
-    assert _train_cli(cli_env, tmp_path, "pair") == pytest.approx(_train_cli(cli_env, tmp_path, None), rel=1e-6)
+    plain = _train_cli(cli_env, tmp_path, None)
+    assert _train_cli(cli_env, tmp_path, "pair") == pytest.approx(plain, rel=1e-6)
+    # the device path's buckets (4 KiB: several per stage) on one stream per rank
+    assert _train_cli(cli_env, tmp_path, "strict", "4096") == pytest.approx(plain, rel=1e-6)

@@ -210,13 +210,13 @@ class _RecordingDist:
         return self._call("irecv", src, tag)
 
     def all_reduce(self, tensor, group=None, async_op=False):
-        return self._call("all_reduce", group)
+        return self._call("all_reduce", group, tensor.numel())
 
     def reduce_scatter_single(self, output, input, group=None, async_op=False):
-        return self._call("reduce_scatter", group)
+        return self._call("reduce_scatter", group, input.numel())
 
     def all_gather_single(self, output, input, group=None, async_op=False):
-        return self._call("all_gather", group)
+        return self._call("all_gather", group, output.numel())
 
     def new_group(self, ranks, **kw):
         return _Group(ranks)
@@ -240,7 +240,7 @@ def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int,
     from chimera.runtime.grid import ProcessGrid
     from chimera.runtime.p2p import Mailbox
     from chimera.runtime.pipeline import PipelineRuntime
-    from chimera.runtime.sync import GradSync, ReplicaGrads
+    from chimera.runtime.sync import CommChoices, GradSync, ReplicaGrads
 
     fake = _RecordingDist()
     for module in ("p2p", "sync", "grid", "shard"):
@@ -251,6 +251,7 @@ def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int,
     modules = {key: torch.nn.Linear(WIDTH, WIDTH) for key in grid.held()}
     runtime = PipelineRuntime.__new__(PipelineRuntime)  # the parts gather_parameters reads
     runtime.grid, runtime.gathering = grid, {}
+    runtime.choices = CommChoices(bucket_bytes, True)  # the device plan (the fake is NCCL)
     runtime.grads = {key: ReplicaGrads(m, None, len(grid.stage_ranks[key[1]]) if sharded else 1)
                      for key, m in modules.items()}
     runtime.shards = runtime._shards() if sharded else {}
@@ -270,17 +271,32 @@ def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int,
         if sharded:
             runtime.gather_parameters()
     stage_of = {id(g): stage for stage, g in grid.stage_groups.items() if g is not None}
-    return [(c[0], stage_of[id(c[1])], tuple(c[1].ranks)) if c[0] in rv.COLLECTIVES else c
+    return [(c[0], stage_of[id(c[1])], tuple(c[1].ranks), c[2]) if c[0] in rv.COLLECTIVES else c
             for c in fake.log]
 
 
-def _replayed(plan: CommPlan, rank: int, w: int, buckets: bool, sharded: bool = False) -> list[tuple]:
+def _sizes(plan: CommPlan, w: int, bucket_bytes: int, sharded: bool = False) -> dict:
+    """Per stage, the element counts of the tiny model's buckets (as GradSync cuts them)."""
+    import torch
+
+    from chimera.runtime.sync import ReplicaGrads
+
+    out = {}
+    for stage in range(plan.schedule.stages):
+        n = len(rv.stage_group(plan.schedule, stage, w)) if sharded else 1
+        grads = ReplicaGrads(torch.nn.Linear(WIDTH, WIDTH), None, n)
+        out[stage] = tuple(end - start for start, end, _ in grads.buckets(bucket_bytes or 1))
+    return out
+
+
+def _replayed(plan: CommPlan, rank: int, w: int, buckets: bool, sharded: bool = False,
+              sizes: dict | None = None) -> list[tuple]:
     out = []
-    for c in rv.issued_ops(plan, rank, w, buckets, sharded):
+    for c in rv.issued_ops(plan, rank, w, buckets, sharded, sizes):
         if c.kind in (rv.ISEND, rv.IRECV):
             out.append((c.kind, c.peer, c.message.tag(plan.schedule)))
         elif c.kind in rv.COLLECTIVES:
-            out.append((c.kind, c.stage, c.group))
+            out.append((c.kind, c.stage, c.group, c.size))
         else:
             out.append(("wait", c.target))
     return out
@@ -296,15 +312,17 @@ HONEST = [(name, opts, d) for name, opts in
 def test_runtime_calls_equal_the_replayed_calls(monkeypatch, name, options, d):
     from chimera.runtime.sync import BUCKET_BYTES
 
-    # bucket_bytes 0: one allreduce per replica at its Launch (the runtime on CPU); otherwise
-    # buckets inside the last backward where the plan allows (on CUDA; a tiny model is one)
+    # bucket_bytes 0: one allreduce per replica at its Launch (the CPU plan); otherwise
+    # buckets inside the last backward where the plan allows (the device plan; at 8 bytes the
+    # tiny model's stage is two buckets, at BUCKET_BYTES one)
     for sync in SYNC_MODES:
         plan = plan_comm(lower(build(name, d, 2 * d, **options), sync))
         for w in (1, 2):
-            for bucket_bytes in (0, BUCKET_BYTES):
+            for bucket_bytes in (0, 8, BUCKET_BYTES):
                 for rank in range(w * d):
                     got = _record(monkeypatch, plan, rank, w, bucket_bytes)
-                    want = _replayed(plan, rank, w, buckets=bucket_bytes > 0)
+                    want = _replayed(plan, rank, w, bucket_bytes > 0, False,
+                                     _sizes(plan, w, bucket_bytes))
                     assert got == want, f"{name} {options} D={d} sync={sync} W={w} rank {rank}"
                     assert any(c[0] == "isend" for c in got)
 
@@ -333,7 +351,7 @@ def test_sharded_runtime_calls_equal_the_replayed_calls(monkeypatch, name, optio
     for w in (1, 2):
         for rank in range(w * d):
             got = _record(monkeypatch, plan, rank, w, BUCKET_BYTES, sharded=True)
-            want = _replayed(plan, rank, w, buckets=True, sharded=True)
+            want = _replayed(plan, rank, w, True, True, _sizes(plan, w, BUCKET_BYTES, True))
             assert got == want, f"{name} {options} D={d} W={w} rank {rank}"
             if w == 1 and name == "1f1b":
                 assert not {c[0] for c in got} & set(rv.COLLECTIVES)  # no stage has a group

@@ -53,8 +53,11 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     table = (tmp_path / "gpu_check.md").read_text()
     for row in ("train float32", "train bf16", "checkpoint resume", "virtual chimera D=4",
-                "api.Pipeline", "profile", "host syncs"):
+                "api.Pipeline", "profile", "host syncs", "device plan: gems D=2 N=3",
+                "device plan: gems D=4 N=5", "device plan: chimera D=4 sharded optimizer",
+                "device plan: api.Pipeline frozen stage"):
         assert row in table
+    assert "| NO |" not in table and "calls replayed with one stream per rank" in table
     assert (tmp_path / "gpu_profile.json").exists()
 
 
@@ -67,3 +70,126 @@ def test_a_pipe_without_micro_batches_still_syncs(schedule):
                       dtype="float64", steps=2)
     r = check_virtual(cfg)
     assert r["replicas_identical"] and r["max_grad_rel_err"] < 1e-10, r
+
+
+def test_a_gradient_hook_on_another_thread_runs_as_its_rank():
+    """CUDA's autograd runs a backward on its device thread, not the rank's: GradSync's
+    bucket allreduces (gradient hooks) must still be issued as the rank that registered them."""
+    import threading
+
+    import torch
+
+    from chimera.runtime.virtual import run_virtual
+
+    def body(rank):
+        import chimera.runtime.sync as sync
+        w = torch.nn.Parameter(torch.ones(2))
+        seen = []
+        w.register_post_accumulate_grad_hook(lambda p: seen.append(sync.dist.get_rank()))
+        device_thread = threading.Thread(target=lambda: (w * 2).sum().backward())
+        device_thread.start()
+        device_thread.join()
+        return seen
+
+    assert run_virtual(2, body) == [[0], [1]]
+
+
+def _sends_first(rank):
+    import torch
+
+    import chimera.runtime.p2p as p2p
+    p2p.dist.isend(torch.ones(3), 1 - rank, tag=rank)  # both ranks send first: gloo buffers
+    p2p.dist.irecv(torch.zeros(3), 1 - rank, tag=1 - rank).wait()
+
+
+def _send_then_allreduce(rank):
+    import torch
+
+    import chimera.runtime.p2p as p2p
+    d = p2p.dist
+    if rank == 0:  # the shape of issue 23: rank 0 sends, then reduces; rank 1 the other way
+        d.isend(torch.ones(3), 1, tag=0)
+        d.all_reduce(torch.ones(2), async_op=True).wait()
+    else:
+        work = d.all_reduce(torch.ones(2), async_op=True)
+        d.irecv(torch.zeros(3), 0, tag=0).wait()
+        work.wait()
+
+
+@pytest.mark.parametrize("body,modes_ok", [(_sends_first, ()), (_send_then_allreduce, ("pair", "rank"))])
+def test_recorded_calls_are_replayed_under_nccl_rules(body, modes_ok):
+    from chimera.rendezvous import MODES, RecordedError, replay_recorded
+    from chimera.runtime.virtual import VirtualWorld, run_virtual
+
+    world = VirtualWorld(2, record=True)
+    run_virtual(2, body, world)  # the virtual world buffers like gloo: it completes
+    for mode in MODES:
+        if mode in modes_ok:
+            assert replay_recorded(world.recorded(), mode) > 0
+        else:
+            with pytest.raises(RecordedError, match="deadlock under NCCL semantics"):
+                replay_recorded(world.recorded(), mode)
+
+
+@pytest.mark.parametrize("schedule,stages,n,shard", [("gems", 2, 3, False), ("gems", 4, 5, False),
+                                                     ("chimera", 2, 4, True)])
+def test_device_plan_on_virtual_ranks_replays_strictly(monkeypatch, schedule, stages, n, shard):
+    """What gpu_check runs on the GPU: the device path's buckets (or reduce-scatters), every
+    call recorded and replayed with one stream per rank, gradients of one process."""
+    from chimera.runtime.sync import DEVICE_PLAN_ENV
+
+    monkeypatch.setenv(DEVICE_PLAN_ENV, "256")
+    cfg = TrainConfig(schedule=schedule, stages=stages, micro_batches=n, micro_batch_size=2,
+                      dtype="float64", steps=2, shard_optimizer=shard)
+    r = check_virtual(cfg, replay=True)
+    assert r["replicas_identical"] and r["max_grad_rel_err"] < 1e-10, r
+    assert r["replayed_calls"] > 0
+
+
+def _tied_bn_rank(rank, schedule, n, shard):
+    """api.Pipeline with a tie across stages and BatchNorm buffers (their syncs) and the batch
+    fingerprint, two steps: every collective of the API besides the schedule's own."""
+    import torch
+    from torch import nn
+
+    import chimera.api as chimera
+
+    def layers():
+        first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+        if not shard:  # ties with a sharded optimizer are refused
+            last.weight = first.weight
+        return [m.double() for m in (first, nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 4), last)]
+
+    pipe = chimera.Pipeline(layers, nn.functional.mse_loss, schedule=schedule, micro_batches=n,
+                            micro_batch_size=2, shard_optimizer=shard,
+                            partition=[range(0, 3), range(3, 5)])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * n, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(2 * n, 4, generator=g, dtype=torch.float64)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        pipe.step(x, y)
+        opt.step()
+    pipe.sync_parameters()
+
+
+@pytest.mark.parametrize("schedule,n,shard", [("chimera", 4, False), ("1f1b", 3, False),
+                                              ("gems", 3, True)])
+def test_api_collectives_replay_strictly(monkeypatch, schedule, n, shard):
+    """The API's own collectives (tie and buffer syncs, the batch fingerprint, the loss) and
+    the schedule's, as the virtual ranks really issued them, on one stream per rank."""
+    import collections
+
+    from chimera.rendezvous import replay_recorded
+    from chimera.runtime.sync import DEVICE_PLAN_ENV
+    from chimera.runtime.virtual import VirtualWorld, run_virtual
+
+    monkeypatch.setenv(DEVICE_PLAN_ENV, "64")
+    world = VirtualWorld(2, record=True)
+    run_virtual(2, lambda rank: _tied_bn_rank(rank, schedule, n, shard), world)
+    assert replay_recorded(world.recorded(), "strict") > 0
+    names = collections.Counter(f.get("name") for mine in world.recorded() for _, f in mine)
+    assert names["all_reduce"] >= 6  # fingerprint, buffers, (ties), loss: per step
+    if shard:
+        assert names["reduce_scatter"] and names["all_gather"]

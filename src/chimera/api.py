@@ -72,6 +72,7 @@ from chimera.runtime.clip import clip_by_global_norm_
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.launch_local import SpawnError, spawn
+from chimera.runtime.p2p import peers_text, wait_work
 from chimera.runtime.pipeline import PipelineRuntime, ProbeError
 from chimera.runtime.shared import TieSync, counters, sync_buffers
 from chimera.schedules import build, require_runnable
@@ -136,21 +137,24 @@ class _BatchCheck:
     same one (a per-rank seed or a per-rank data loader would silently pair one rank's
     inputs with another's targets): compare fingerprints, one small allreduce.
 
-    The allreduce is started here and its answer read by :meth:`wait`, so its latency (a ring
-    over every rank) hides behind the step's compute instead of delaying every rank's first
-    action; the step waits for it before it returns, so a mismatch is refused before the
-    caller's optimizer step. Every rank starts it at the same point of its step: one place
-    in the order of its communication."""
+    The allreduce is started here (in the rank's one order of operations:
+    ``PipelineRuntime.all_reduce_async``, first of the step on every rank) and its answer
+    read by :meth:`wait`, so its latency (a ring over every rank) hides behind the step's
+    compute instead of delaying every rank's first action; the step waits for it before it
+    returns, so a mismatch is refused before the caller's optimizer step."""
 
-    def __init__(self, tree):
-        self.mine = _fingerprint(tree)
-        self.both = torch.cat([self.mine, -self.mine]).to(collective_device())
-        self.work = dist.all_reduce(self.both, op=dist.ReduceOp.MAX, async_op=True)
+    def __init__(self, tree, runtime: PipelineRuntime):
+        self.runtime = runtime
+        mine = _fingerprint(tree)
+        self.both = torch.cat([mine, -mine]).to(collective_device())
+        self.work = runtime.all_reduce_async(self.both, op=dist.ReduceOp.MAX)
 
     def wait(self) -> None:
         if self.work is None:
             return
-        self.work.wait()
+        rank, ranks = self.runtime.grid.rank, list(range(dist.get_world_size()))
+        wait_work(self.work, self.runtime.sync.timeout, rank,
+                  f"batch fingerprint allreduce with {peers_text(rank, ranks)}", ranks)
         self.work = None
         high, low = self.both[:4].cpu(), -self.both[4:].cpu()
         if not torch.equal(high, low):
@@ -331,7 +335,7 @@ class Pipeline:
         self._check_rows(inputs, "inputs")
         if targets is not None:
             self._check_rows(targets, "targets")
-        check = _BatchCheck((inputs, targets)) if self.check_batch else None
+        check = _BatchCheck((inputs, targets), self.runtime) if self.check_batch else None
         example = _rows(inputs, 0, rows, dev)
         if check is not None and signature(example) != self.runtime.signature:
             check.wait()  # a new shape is probed with collectives: the ranks must agree first
@@ -395,7 +399,7 @@ class Pipeline:
             t += k
         if check is not None:
             check.wait()
-        dist.all_reduce(loss)
+        self.runtime.all_reduce(loss)
         return float(loss)
 
     @torch.no_grad()
@@ -410,7 +414,7 @@ class Pipeline:
         loss = self.runtime.run_forward(data)
         if check is not None:
             check.wait()
-        dist.all_reduce(loss)
+        self.runtime.all_reduce(loss)
         loss = None if targets is None else float(loss)
         if not return_outputs:
             return loss

@@ -1,36 +1,53 @@
 """The order in which each rank issues its communication: safe under NCCL by construction.
 
-NCCL does not match messages by tag and does not buffer large ones: between a pair of ranks
-(or, with ``device_id``, for all of a rank's p2p) operations run one after another on one
-FIFO stream, and a send completes only while the peer's matching receive is at the head of
-the peer's stream. Collectives complete only when every member has reached them, and
-communicators used concurrently must see their operations in one order on every rank.
-gloo hides all of this, so an order that trains on CPU can hang on GPUs.
+NCCL does not match messages by tag and does not buffer large ones: a send completes only
+while the peer's matching receive is at the head of the peer's stream, and a collective
+only once every member has it at the head of its stream. Which operations share a stream
+depends on the set-up: p2p per pair of ranks (lazily created 2-rank communicators), all of a
+rank's p2p (``device_id``), and, in the worst case that NCCL's guide asks programs to
+survive for communicators used concurrently, **all** of a rank's operations, p2p and
+collectives together. gloo hides all of this, so an order that trains on CPU can hang on GPUs.
 
-The plan below makes every stream's operations a subsequence of one global order of
-messages, which is deadlock-free whatever the stream mode (per pair or per rank):
+**What this module builds.** One global order of every communication operation of an
+iteration, messages and stage collectives (allreduce, its buckets, or a sharded replica's
+reduce-scatter) together; every rank issues its own operations as a subsequence of it:
 
-- **Global order.** A message's position is the time its SEND is issued in a simulated run
-  of the lowered schedule (unit costs, ties by the simulator's execution order). Causality
-  makes this order agree with every program: if a rank consumes message r before it sends
-  m, r was sent before m.
-- **Sends** stay where lowering put them, right after their producer.
-- **Receives** are posted (:class:`Post`) as early as the order allows: right after the
-  rank's last send that precedes them in the global order, and never later than the RECV
-  that waits for them. So each rank's stream holds its sends and receives in global order.
-  By induction on that order, the earliest incomplete message always has both ends issued
-  and at the head of their streams (everything before it on either stream is earlier,
-  hence complete), so it completes.
-- **Collectives.** The allreduce of a stage group is ordered globally by the time its last
-  member reaches SYNC (ties by stage). A rank :class:`Launch`-es its replicas' allreduces
-  in that order: a SYNC whose predecessors are not launched yet waits (in the plan, not on
-  the CPU) until they are; STEP launches whatever is left, then waits. Every member of
-  every group thus issues collectives in one order, and none blocks compute before STEP.
+- **Keys.** A unit-cost simulation of the lowered schedule (:mod:`chimera.sim.engine`) gives
+  each action a key (start time, index in the simulator's execution order). A message's key
+  is its SEND's; a stage's collective's key is the largest key of its members' SYNCs. The
+  simulator's order is topological, and whatever follows a RECV on a rank starts no earlier
+  than the message's send, so keys grow along every rank's program, and everything after a
+  RECV of message m has a larger key than m.
+- **Sends** stay where lowering put them, right after their producer (their keys are fixed).
+- **Posts and launches** (:class:`Post`, :class:`Launch`) are merged in by key: each is
+  issued as soon as every operation of the rank with a smaller key is issued and, for a
+  launch, the rank has reached its replica's SYNC (a launch never needs to wait on the CPU:
+  by the key properties above, a SYNC precedes every send and RECV with a larger key). A
+  post is never later than the RECV that waits for it.
+- **Buckets** (:attr:`CommPlan.early`) are decided per stage, never per rank: a stage's
+  replicas reduce bucket by bucket inside their last backward only if, on every member,
+  nothing but posts (moved in front of that backward) lies between the backward and the
+  stage's launch, so issuing the buckets there does not change the rank's order; otherwise
+  every member issues one collective at its launch. Every member of a group therefore
+  issues the same collectives, of the same sizes, in the same position of the order.
+
+**What is proved, under which model.** Each rank issues its operations in increasing key
+order. Take the smallest-key operation not yet complete: every participant has issued it (a
+rank blocks only on an operation it issued before, which has a smaller key, hence is
+complete), and everything ahead of it on any stream has a smaller key, hence is complete;
+so it is at the head everywhere and completes. By induction every operation completes, in
+the strictest model (one FIFO stream per rank for p2p and collectives together, sends never
+buffered, communicators created before the first iteration), and therefore in every model
+that splits those streams further (per pair, p2p apart from collectives). Between
+iterations every rank waits for all of its operations at STEP; a sharded optimizer's
+parameter all-gathers are issued after the step, stages in order on every rank, ahead of
+the next iteration's operations. :mod:`chimera.rendezvous` replays the resulting calls in
+each model (and :mod:`chimera.validate` runs it on every lowered schedule); the proof does
+not cover collectives outside the schedule (loss, norm, ties, buffers, the API's batch
+fingerprint, checkpoints), which are blocking and issued in one program order on every rank.
 
 This is what torch's ``_add_send_recv`` achieves with a lock-step simulation, and stronger
-than DualPipe's "one ``batch_isend_irecv`` before each compute", which does not cover
-interleaved, doubling/halving or zero-bubble schedules (the rendezvous check in
-:mod:`chimera.validate` replays every plan under NCCL's rules). The runtime executes the
+than DualPipe's "one ``batch_isend_irecv`` before each compute". The runtime executes the
 plan's :attr:`CommPlan.steps` item by item; nothing about the order is decided at run time.
 """
 
@@ -39,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from chimera.ir import Action, Op, Schedule, ScheduleError, finishing_op, other_end, peer_stage
+from chimera.ir import Action, Op, Schedule, ScheduleError, other_end, peer_stage
 from chimera.sim.cost import CostModel
 from chimera.sim.engine import compile_schedule
 
@@ -91,7 +108,8 @@ class Post:
 
 @dataclass(frozen=True)
 class Launch:
-    """Issue the gradient allreduce of the replica (pipe, stage) on the stage's group."""
+    """Issue the gradient collective of the replica (pipe, stage) on the stage's group: its
+    allreduce (or what is left of its buckets), or a sharded replica's reduce-scatter."""
 
     pipe: int
     stage: int
@@ -105,11 +123,13 @@ Step = Action | Post | Launch
 
 @dataclass(frozen=True)
 class CommPlan:
-    """Per rank, the program with its receive posts and allreduce launches in place.
+    """Per rank, the program with its receive posts and collective launches in place.
 
     ``steps[r]`` is what rank r executes, in order; ``early[r]`` are the B actions inside
-    which a replica's allreduce may start bucket by bucket (as DDP): its last backward, when
-    every allreduce before it in the rank's order is already launched by then.
+    which a replica's collective may be issued bucket by bucket (as DDP): its last backward,
+    for stages where every replica can do so without changing its rank's order (the same
+    decision on every member); ``order`` is each message's position in the global order and
+    ``collective_order`` the stages in the order of their collectives.
     """
 
     schedule: Schedule
@@ -128,113 +148,130 @@ def plan_comm(schedule: Schedule) -> CommPlan:
     """The communication plan of a lowered ``schedule`` (see the module docstring)."""
     if not schedule.lowered:
         raise ScheduleError("plan_comm needs a lowered schedule (chimera.passes.lower)")
-    order, sync_time = _global_order(schedule)
-    stage_key = {stage: (max(times), stage) for stage, times in sync_time.items()}
-    collective_order = tuple(sorted(stage_key, key=stage_key.__getitem__))
-    steps, early = [], []
-    for rank, prog in enumerate(schedule.programs):
-        with_posts = _place_posts(schedule, rank, prog, order)
-        placed, ok = _place_launches(schedule, rank, with_posts, collective_order)
-        steps.append(tuple(placed))
-        early.append(ok)
-    return CommPlan(schedule, tuple(steps), tuple(early), order, collective_order)
+    message_key, collective_key = _keys(schedule)
+    order = {msg: k for k, msg in enumerate(sorted(message_key, key=message_key.__getitem__))}
+    collective_order = tuple(sorted(collective_key, key=collective_key.__getitem__))
+    steps = [_merge(schedule, rank, prog, message_key, collective_key)
+             for rank, prog in enumerate(schedule.programs)]
+    early = _buckets_per_stage(schedule, steps)
+    return CommPlan(schedule, tuple(map(tuple, steps)), early, order, collective_order)
 
 
-def _global_order(schedule: Schedule) -> tuple[dict[Message, int], dict[int, list[float]]]:
-    """Each message's position (by simulated send time), and each stage's SYNC times."""
+Key = tuple[float, int]  # (simulated start time, index in the simulator's execution order)
+
+
+def _keys(schedule: Schedule) -> tuple[dict[Message, Key], dict[int, Key]]:
+    """Each message's key (its SEND's) and each stage collective's (its last member's SYNC)."""
     compiled = compile_schedule(schedule)
     split = schedule.split_backward
     cost = CostModel.unit(1.0, 2.0, 1.0, 1.0) if split else CostModel.unit(1.0, 2.0)
-    times = compiled.times(cost)
-    sends, syncs = [], {}
+    start = compiled.times(cost).start
+    messages: dict[Message, Key] = {}
+    collectives: dict[int, Key] = {}
     for i, (_, a) in enumerate(compiled.order):
         if a.op in (Op.SEND_F, Op.SEND_B):
-            sends.append((times.start[i], i, Message.of(a, schedule.stages)))
+            messages[Message.of(a, schedule.stages)] = (start[i], i)
         elif a.op is Op.SYNC:
-            syncs.setdefault(a.stage, []).append(times.start[i])
-    sends.sort()
-    return {msg: k for k, (_, _, msg) in enumerate(sends)}, syncs
+            collectives[a.stage] = max(collectives.get(a.stage, (-1.0, -1)), (start[i], i))
+    return messages, collectives
 
 
-def _place_posts(schedule: Schedule, rank: int, prog, order: dict[Message, int]) -> list[Step]:
-    """``prog`` with a Post before the first point where it may go (see module docstring)."""
-    stages = schedule.stages
-    received = [Message.of(a, stages) for a in prog if a.op in (Op.RECV_F, Op.RECV_B)]
-    incoming = sorted((order[msg], msg) for msg in received)
+class _Pending:
+    """A rank's posts and launches sorted by key; the head goes out once the rank may issue it."""
+
+    def __init__(self, rank: int, items: list[tuple[Key, Post | Launch]]):
+        self.rank, self.items, self.next = rank, sorted(items, key=lambda x: x[0]), 0
+        self.synced: set[int] = set()  # stages whose SYNC the rank has passed
+
+    def flush(self, out: list, below: Key, forced: bool, inclusive: bool = False) -> None:
+        """Issue the items with a key below ``below`` (or equal, ``inclusive``), in key order;
+        ``forced``: the next action needs them (a send or receive with that key)."""
+        items = self.items
+        while self.next < len(items):
+            key, item = items[self.next]
+            if key > below or (key == below and not inclusive):
+                return
+            if isinstance(item, Launch) and item.stage not in self.synced:
+                if forced:  # the key properties (module docstring) rule this out
+                    raise ScheduleError(f"rank {self.rank}: {item} would come before its SYNC")
+                return
+            out.append(item)
+            self.next += 1
+
+
+def _merge(schedule: Schedule, rank: int, prog, message_key: dict[Message, Key],
+           collective_key: dict[int, Key]) -> list[Step]:
+    """``prog`` with its posts and launches merged in by key (module docstring)."""
+    stages, end = schedule.stages, (float("inf"), 0)
+    pending = _Pending(rank, [(message_key[m], Post(m)) for m in _received(prog, stages)]
+                       + [(collective_key[r[1]], Launch(*r)) for r in _synced(schedule, rank, prog)])
+    sends = [message_key[Message.of(a, stages)] for a in prog if a.op in (Op.SEND_F, Op.SEND_B)]
     out: list[Step] = []
-    k = 0
+    sent = 0
     for a in prog:
         if a.op in (Op.SEND_F, Op.SEND_B):
-            limit = order[Message.of(a, stages)]  # receives earlier than this send go before it
+            pending.flush(out, sends[sent], forced=True)
+            sent += 1
         elif a.op in (Op.RECV_F, Op.RECV_B):
-            limit = order[Message.of(a, stages)] + 1  # at the latest, right before its wait
-        else:
-            limit = -1
-        while k < len(incoming) and incoming[k][0] < limit:
-            out.append(Post(incoming[k][1]))
-            k += 1
+            pending.flush(out, message_key[Message.of(a, stages)], forced=True, inclusive=True)
+        elif a.op is Op.STEP:
+            pending.flush(out, end, forced=True)
         out.append(a)
-    if k != len(incoming):  # cannot happen for a validated schedule: every RECV posts
-        raise ScheduleError(f"rank {rank}: receives {incoming[k][1]} and later were never posted")
+        if a.op is Op.SYNC:
+            pending.synced.add(a.stage)
+        # as early as possible: whatever comes before the rank's next send in the order
+        pending.flush(out, sends[sent] if sent < len(sends) else end, forced=False)
     return out
 
 
-def _place_launches(schedule: Schedule, rank: int, steps: list[Step],
-                    collective_order: tuple[int, ...]) -> tuple[list[Step], frozenset]:
-    """Launch each held replica's allreduce at its SYNC, in the global order of stages."""
-    held = {stage: (pipe, stage) for pipe, stage in schedule.placement.held(rank)}
-    synced = [a for a in steps if isinstance(a, Action) and a.op is Op.SYNC]
-    if len({a.stage for a in synced}) != len(synced):
+def _received(prog, stages: int) -> list[Message]:
+    return [Message.of(a, stages) for a in prog if a.op in (Op.RECV_F, Op.RECV_B)]
+
+
+def _synced(schedule: Schedule, rank: int, prog) -> list[tuple[int, int]]:
+    """The (pipe, stage) replicas whose SYNC is in ``prog`` (one per stage)."""
+    synced = [(a.pipe, a.stage) for a in prog if a.op is Op.SYNC]
+    if len({s for _, s in synced}) != len(synced):
         raise ScheduleError(f"rank {rank} holds two replicas of one stage; their allreduces "
                             "would not match across the stage's group")
-    queue = _LaunchQueue([held[s] for s in collective_order
-                          if s in held and any(a.stage == s for a in synced)])
-    out: list[Step] = []
-    early: set[Action] = set()
-    last_grad = _last_gradient_actions(schedule, steps)
-    for a in steps:
-        if not isinstance(a, Action):
-            out.append(a)
-        elif a.op is Op.STEP:  # everything left goes out before the step waits for it
-            out += queue.due(everything=True)
-            out.append(a)
-        else:
-            if a in last_grad and queue.is_next(a.stage):
-                early.add(a)  # every earlier allreduce is out: buckets may go inside a
-            out.append(a)
-            if a.op is Op.SYNC:
-                out += queue.due(ready=a.stage)
-    return out, frozenset(early)
+    return synced
 
 
-class _LaunchQueue:
-    """A rank's replicas in the global order of their allreduces: one launches once it is
-    ready and every replica before it has launched."""
+def _buckets_per_stage(schedule: Schedule, steps: list[list[Step]]) -> tuple[frozenset, ...]:
+    """Per rank, the last backwards inside which a replica reduces bucket by bucket: only for
+    stages where every member can do so without changing its order (module docstring); the
+    posts between such a backward and its launch move in front of the backward."""
+    if schedule.split_backward:  # the last gradient comes from W: nothing to bucket inside B
+        return tuple(frozenset() for _ in steps)
+    spans: dict[int, list[tuple[int, int, int]]] = {}  # stage -> (rank, B index, Launch index)
+    for rank, st in enumerate(steps):
+        for stage, span in _bucket_spans(st).items():
+            spans.setdefault(stage, []).append((rank, *span))
+    early: list[set[Action]] = [set() for _ in steps]
+    for stage, members in spans.items():
+        if len(members) != len(schedule.placement.replicas(stage)):
+            continue  # a member cannot: none does
+        for rank, b, launch in members:
+            st = steps[rank]
+            posts = [x for x in st[b + 1:launch] if isinstance(x, Post)]
+            rest = [x for x in st[b + 1:launch] if not isinstance(x, Post)]
+            st[b:launch] = posts + [st[b]] + rest
+            early[rank].add(st[b + len(posts)])
+    return tuple(frozenset(e) for e in early)
 
-    def __init__(self, replicas: list[tuple[int, int]]):
-        self.replicas, self.ready, self.launched = replicas, set(), 0
 
-    def is_next(self, stage: int) -> bool:
-        return self.launched < len(self.replicas) and self.replicas[self.launched][1] == stage
-
-    def due(self, ready: int | None = None, everything: bool = False) -> list[Launch]:
-        """Mark ``ready`` (a stage), then the launches now due, in order."""
-        if everything:
-            self.ready.update(stage for _, stage in self.replicas)
-        elif ready is not None:
-            self.ready.add(ready)
-        out = []
-        while self.launched < len(self.replicas) and self.replicas[self.launched][1] in self.ready:
-            out.append(Launch(*self.replicas[self.launched]))
-            self.launched += 1
-        return out
-
-
-def _last_gradient_actions(schedule: Schedule, steps: list[Step]) -> set[Action]:
-    """The B actions after which a replica's gradients are final (buckets may reduce inside)."""
-    grad = finishing_op(schedule.split_backward)
-    last: dict[tuple[int, int], Action] = {}
-    for a in steps:
-        if isinstance(a, Action) and a.op is grad:
-            last[(a.pipe, a.stage)] = a
-    return {a for a in last.values() if a.op is Op.B}
+def _bucket_spans(steps: list[Step]) -> dict[int, tuple[int, int]]:
+    """stage -> (index of the replica's last B, index of its Launch) where only actions that
+    issue nothing (compute, waits, SYNC) or posts lie between the two."""
+    last_b: dict[tuple[int, int], int] = {}
+    out = {}
+    for i, x in enumerate(steps):
+        if isinstance(x, Action) and x.op is Op.B:
+            last_b[(x.pipe, x.stage)] = i
+        elif isinstance(x, Launch) and (x.pipe, x.stage) in last_b:
+            b = last_b[(x.pipe, x.stage)]
+            between = steps[b + 1:i]
+            if not any(isinstance(y, Launch) or (isinstance(y, Action) and y.op in
+                                                 (Op.SEND_F, Op.SEND_B)) for y in between):
+                out[x.stage] = (b, i)
+    return out

@@ -2,38 +2,45 @@
 
 gloo matches messages by tag and buffers them, so an order of calls that trains on CPU can
 hang on GPUs. This module replays, for every rank, the exact sequence of ``torch.distributed``
-calls the runtime makes for a :class:`~chimera.comm_plan.CommPlan` (:func:`issued_ops`: what
-:class:`~chimera.runtime.p2p.Mailbox` and :class:`~chimera.runtime.sync.GradSync` call, in
-order; a test records the real runtime's calls and compares) under these rules:
+calls the runtime makes for a :class:`~chimera.comm_plan.CommPlan` (:func:`chimera.issued.issued_ops`:
+what :class:`~chimera.runtime.p2p.Mailbox`, :class:`~chimera.runtime.sync.GradSync` and the
+shards call, in order; a test records the real runtime's calls, sizes included, and
+compares) under these rules:
 
-- **Streams.** Each p2p call (``isend``/``irecv``) joins a FIFO stream when the rank's CPU
-  reaches it. Mode ``pair``: one stream per pair of ranks on each side, shared by both
-  directions (NCCL's lazily created 2-rank communicators). Mode ``rank``: one stream per
-  rank for all its p2p (``init_process_group(device_id=...)``: p2p then runs on the default
-  communicator, created at start-up).
+- **Streams.** Each call joins a FIFO stream when the rank's CPU reaches it. Mode ``pair``:
+  p2p on one stream per pair of ranks on each side, shared by both directions (NCCL's
+  lazily created 2-rank communicators); mode ``rank``: one p2p stream per rank
+  (``init_process_group(device_id=...)``). In both, a rank's collectives share one more
+  FIFO over all communicators (NCCL's rule for communicators used concurrently). Mode
+  ``strict``: one stream per rank for everything, p2p and collectives together, the worst
+  case NCCL's guide asks programs to survive and the model :mod:`chimera.comm_plan` proves
+  its order safe in. Every deadlock-free replay in ``strict`` is one in the other modes
+  (they only split its streams), and the validator replays all three.
 - **Rendezvous.** A send and its receive complete together, and only while both are at the
   head of their streams: a send larger than NCCL's buffer waits for the peer's receive, and
   nothing behind it on its stream moves meanwhile. (Small messages may slip through the
   buffer on real hardware; the check assumes none does.)
 - **CPU.** ``Work.wait`` blocks the rank's CPU until the op completed: a RECV waits for its
-  posted receive; STEP waits for every send, then every allreduce, in issue order. Compute,
-  posts, sends and launches never block.
-- **Collectives.** Each rank has one FIFO of collectives over all communicators (NCCL needs
-  one consistent order across communicators used concurrently); the k-th allreduce on a
-  group completes when it is at the head of every member's FIFO. On CUDA a replica whose
-  gradients the plan lets reduce bucket by bucket (``CommPlan.early``) issues its allreduce
-  inside its last backward (``buckets=True``; on CPU, one allreduce at the Launch); its
-  buckets are consecutive in every member's FIFO, so they count as one collective. A group
-  of one rank issues nothing.
+  posted receive; STEP waits for every send, then every collective, in issue order.
+  Compute, posts, sends and launches never block.
+- **Collectives.** The k-th collective on a group completes when it is at the head of
+  every member's stream. Before the replay, every group's collectives are compared member
+  by member, by kind, size and count (:func:`compare_groups`, a CollectiveMismatch naming
+  both members): NCCL would hang on a different count and mix buffers on a different size.
+  A replica the plan lets reduce bucket by bucket (``CommPlan.early``, the device plan:
+  ``buckets=True``) issues one allreduce per bucket inside its last backward, each its own
+  collective; otherwise one allreduce at its Launch. ``sizes`` gives each stage's bucket
+  sizes (:func:`bucket_sizes`; by default two buckets of one element, so that a bucketed
+  member never looks like an unbucketed one). A group of one rank issues nothing.
 - **Sharded optimizer** (``sharded=True``, ZeRO-1, :mod:`chimera.runtime.shard`): a replica's
-  collective at its Launch is a reduce-scatter on NCCL (never bucketed; off NCCL the runtime
-  runs an allreduce in that slot, gloo's reduce-scatter being slower); after STEP the rank issues
-  one parameter all-gather per replica, stages in order, and waits for each right before
-  its replica's first forward of the next iteration (prefetch). Those gathers are what
-  makes iterations interact, so a sharded replay runs two iterations, each ending as
-  ``PipelineRuntime.gather_parameters`` does (wait for gathers no forward waited for, then
-  issue the next ones). The k-th collective of a group must be of the same kind on every
-  member (an all-gather meeting a reduce-scatter never completes here).
+  collective at its Launch is a reduce-scatter (the device plan; never bucketed; the CPU
+  plan runs an allreduce in that slot); after STEP the rank issues one parameter all-gather
+  per replica, stages in order, and waits for each right before its replica's first forward
+  of the next iteration (prefetch). Those gathers are what makes iterations interact, so a
+  sharded replay runs two iterations, each ending as ``PipelineRuntime.gather_parameters``
+  does (wait for gathers no forward waited for, then issue the next ones). A stage with
+  nothing to train (``sizes[stage] == ()``) has no shard: one one-element allreduce, no
+  gather, and no bucket at all.
 - **Lazy communicators** (``lazy_communicators=True``): the first use of a communicator (a
   pair's first p2p call in ``pair`` mode, a group's first collective) blocks the CPU until
   every member reaches its own first use: NCCL creates it then. The runtime creates every
@@ -46,11 +53,18 @@ order; a test records the real runtime's calls and compares) under these rules:
   may complete stays so until it does), so removing those calls cannot create a deadlock:
   W = 2 passing implies W = 1 passing. The validator replays W = 2; tests replay both.
 
-Not modelled: timing (only whether progress is possible), buffering of small messages
-(which only hides deadlocks), p2p and collective kernels blocking each other across
-communicators, the start-up warm-up itself (its order is fixed and global), collectives
-outside the schedule (loss, gradient norm, checkpoints), and, without sharding, more than one
-iteration (after STEP everything is complete, so iterations do not interact).
+**A recorded run** (:func:`replay_recorded`): the calls and waits a run really made, logged
+by the virtual ranks (``chimera.runtime.virtual``, what ``benchmarks/gpu_check.py`` does on
+a GPU), including the start-up, the trainer's and the API's own collectives (loss, norm,
+ties, buffers, the batch fingerprint), replayed under the same rules: messages matched by
+order per pair (tags and sizes must agree), collectives by order per group.
+
+Not modelled by :func:`check`: timing (only whether progress is possible), buffering of
+small messages (which only hides deadlocks), the start-up warm-up (its order is fixed and
+global), collectives outside the schedule (loss, gradient norm, ties, buffers, the batch
+fingerprint, checkpoints: blocking, in one program order on every rank; a recorded run
+covers them), and, without sharding, more than one iteration (after STEP everything is
+complete, so iterations do not interact).
 
 The replay is event driven: each call is queued, matched and completed once, so it costs
 O(number of calls).
@@ -59,143 +73,16 @@ O(number of calls).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
-from chimera.comm_plan import CommPlan, Launch, Message, Post
+from chimera.comm_plan import CommPlan
 from chimera.errors import UserError
-from chimera.ir import Action, Op, Schedule
+from chimera.ir import Schedule
+from chimera.issued import (ALL_GATHER, ALL_REDUCE, COLLECTIVES, IRECV, ISEND, OTHERS,  # noqa: F401
+                            REDUCE_SCATTER, WAIT, Issued, action_index, bucket_sizes, issued_ops,
+                            pipeline_calls, ranks_text, shifted, stage_group)
 from chimera.validation_error import ValidationError
 
-MODES = ("pair", "rank")
-ISEND, IRECV, WAIT = "isend", "irecv", "wait"
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
-COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
-
-
-@dataclass(frozen=True, slots=True)
-class Issued:
-    """One ``torch.distributed`` call of one rank. ``step`` indexes the rank's CommPlan steps
-    (the step that makes the call); ``target`` is, for a wait, the index of the awaited call
-    in the rank's list of calls."""
-
-    kind: str
-    step: int
-    peer: int = -1  # p2p: the other global rank
-    message: Message | None = None
-    group: tuple[int, ...] = ()  # a collective: global ranks of the stage group
-    stage: int = -1
-    target: int = -1
-
-    def describe(self, calls: list["Issued"]) -> str:
-        if self.kind == ISEND:
-            return f"isend {self.message} to rank {self.peer}"
-        if self.kind == IRECV:
-            return f"irecv {self.message} from rank {self.peer}"
-        if self.kind in COLLECTIVES:
-            name = {ALL_REDUCE: "allreduce", REDUCE_SCATTER: "reduce-scatter",
-                    ALL_GATHER: "parameter all-gather"}[self.kind]
-            return f"{name} of stage {self.stage} over ranks {_ranks_text(self.group)}"
-        return f"wait for {calls[self.target].describe(calls)}"
-
-
-def stage_group(schedule: Schedule, stage: int, data_parallel: int = 1) -> tuple[int, ...]:
-    """Global ranks of the replica group of ``stage`` (as ``ProcessGrid.build_groups``)."""
-    depth = schedule.ranks
-    return tuple(sorted({w * depth + d for w in range(data_parallel)
-                         for d in schedule.placement.replicas(stage)}))
-
-
-def issued_ops(plan: CommPlan, rank: int, data_parallel: int = 1,
-               buckets: bool = True, sharded: bool = False) -> list[Issued]:
-    """The ``torch.distributed`` calls global ``rank`` makes, in order, executing ``plan``.
-
-    ``buckets``: the runtime reduces a replica bucket by bucket inside its last backward
-    where ``plan.early`` allows (what it does on CUDA); False: one allreduce at its Launch
-    (``bucket_bytes=0``, what it does on CPU). ``sharded``: the optimizer is sharded over
-    each stage group (module docstring); the calls of two iterations."""
-    depth = plan.schedule.ranks
-    calls = _pipeline_calls(plan, rank % depth, data_parallel, buckets, sharded)
-    return _shifted(calls, (rank // depth) * depth)
-
-
-def _shifted(calls: list[Issued], base: int) -> list[Issued]:
-    """``calls`` of pipeline copy 0 as made in the copy whose first global rank is ``base``."""
-    if base == 0:
-        return calls
-    return [Issued(c.kind, c.step, c.peer + base, c.message, c.group, c.stage, c.target)
-            if c.peer >= 0 else c for c in calls]
-
-
-def _pipeline_calls(plan: CommPlan, d: int, data_parallel: int, buckets: bool,
-                    sharded: bool = False) -> list[Issued]:
-    """The calls of pipeline rank ``d`` in copy 0 (the other copies differ only in peers)."""
-    calls: list[Issued] = []
-    gathers: dict[tuple[int, int], int] = {}  # replica -> its all-gather not waited for yet
-    for _ in range(2 if sharded else 1):
-        _iteration(calls, gathers, plan, d, data_parallel, buckets and not sharded, sharded)
-    return calls
-
-
-def _iteration(calls: list[Issued], gathers: dict[tuple[int, int], int], plan: CommPlan, d: int,
-               data_parallel: int, buckets: bool, sharded: bool) -> None:
-    """Append the calls of one iteration; with ``sharded``, a replica's first forward waits
-    for its pending all-gather, and the iteration ends with the next all-gathers."""
-    s = plan.schedule
-    early_b = plan.early[d] if buckets else frozenset()
-    early = {(a.pipe, a.stage) for a in early_b}
-    reduce = REDUCE_SCATTER if sharded else ALL_REDUCE
-    posted: dict[Message, int] = {}
-    sends: list[int] = []
-    reduces: list[int] = []
-    for i, step in enumerate(plan.steps[d]):
-        if isinstance(step, Post):
-            posted[step.message] = len(calls)
-            calls.append(Issued(IRECV, i, step.message.ranks(s)[0], step.message))
-        elif isinstance(step, Launch):
-            if (step.pipe, step.stage) not in early:
-                _collective(calls, reduces, reduce, s, i, step.stage, data_parallel)
-        elif step.op in (Op.SEND_F, Op.SEND_B):
-            msg = Message.of(step, s.stages)
-            sends.append(len(calls))
-            calls.append(Issued(ISEND, i, msg.ranks(s)[1], msg))
-        elif step.op in (Op.RECV_F, Op.RECV_B):
-            calls.append(Issued(WAIT, i, target=_posted(plan, d, i, step, posted)))
-        elif step.op is Op.F and (step.pipe, step.stage) in gathers:
-            calls.append(Issued(WAIT, i, target=gathers.pop((step.pipe, step.stage))))
-        elif step.op is Op.B and step in early_b:
-            _collective(calls, reduces, reduce, s, i, step.stage, data_parallel)
-        elif step.op is Op.STEP:
-            calls += [Issued(WAIT, i, target=t) for t in sends + reduces]
-            sends, reduces = [], []
-            if sharded:  # PipelineRuntime.gather_parameters, after the optimizer step
-                calls += [Issued(WAIT, i, target=t) for t in gathers.values()]
-                gathers.clear()
-                for p, stage in sorted(s.placement.held(d), key=lambda k: (k[1], k[0])):
-                    index = len(calls)
-                    if _collective(calls, [], ALL_GATHER, s, i, stage, data_parallel):
-                        gathers[(p, stage)] = index
-
-
-def _collective(calls: list[Issued], issued: list[int], kind: str, s: Schedule, i: int,
-                stage: int, data_parallel: int) -> bool:
-    """Append ``kind`` over ``stage``'s group (and its index to ``issued``); a group of one
-    rank has nothing to reduce or gather and makes no call."""
-    group = stage_group(s, stage, data_parallel)
-    if len(group) == 1:
-        return False
-    issued.append(len(calls))
-    calls.append(Issued(kind, i, group=group, stage=stage))
-    return True
-
-
-def _posted(plan: CommPlan, d: int, i: int, step: Action, posted: dict[Message, int]) -> int:
-    msg = Message.of(step, plan.schedule.stages)
-    if msg not in posted:
-        raise ValidationError(f"rank {d}: {step} waits for a receive that was never posted",
-                              plan.schedule, d, _action_index(plan.steps[d], i))
-    return posted.pop(msg)
-
-
+MODES = ("pair", "rank", "strict")  # strictest last
 class RendezvousDeadlock(ValidationError):
     """The replay stopped with ranks left: ``stuck`` maps each stuck global rank to what it
     waits at; ``heads`` names the call at the head of each non-empty stream or FIFO."""
@@ -206,19 +93,62 @@ class RendezvousDeadlock(ValidationError):
         super().__init__(problem, schedule, rank, index)
 
 
-def check(plan: CommPlan, mode: str = "pair", data_parallel: int = 1,
-          lazy_communicators: bool = False, buckets: bool = True, sharded: bool = False) -> None:
-    """Replay ``plan`` under NCCL's rules (module docstring); raise RendezvousDeadlock if
-    some rank can never finish its iteration. ``buckets`` and ``sharded`` as in
-    :func:`issued_ops`."""
+class CollectiveMismatch(ValidationError):
+    """Members of a stage group issue different collectives (kind, size or count): NCCL would
+    hang, or reduce one member's bucket with another's."""
+
+
+def check(plan: CommPlan, mode: str = "strict", data_parallel: int = 1,
+          lazy_communicators: bool = False, buckets: bool = True, sharded: bool = False,
+          sizes: dict[int, tuple[int, ...]] | None = None) -> None:
+    """Replay ``plan`` under NCCL's rules (module docstring): first every stage group's
+    collectives are compared member by member (kind, size, count; raise CollectiveMismatch),
+    then the replay raises RendezvousDeadlock if some rank can never finish its iteration.
+    ``buckets``, ``sharded`` and ``sizes`` as in :func:`issued_ops`."""
     if mode not in MODES:
         raise UserError(f"unknown stream mode {mode!r}; choose one of {', '.join(MODES)}")
     if data_parallel < 1:
         raise UserError(f"data_parallel must be at least 1, got {data_parallel}")
     depth = plan.schedule.ranks
-    copy0 = [_pipeline_calls(plan, d, data_parallel, buckets, sharded) for d in range(depth)]
-    calls = [_shifted(c, w * depth) for w in range(data_parallel) for c in copy0]
+    copy0 = [pipeline_calls(plan, d, data_parallel, buckets, sharded, sizes) for d in range(depth)]
+    calls = [shifted(c, w * depth) for w in range(data_parallel) for c in copy0]
+    compare_groups(plan, calls)
     _Replay(plan, calls, mode, lazy_communicators).run()
+
+
+def compare_groups(plan: CommPlan, calls: list[list[Issued]]) -> None:
+    """Every member of a stage group issues the same sequence of (kind, size) on it."""
+    seqs: dict[int, dict[int, list[Issued]]] = {}  # stage -> member -> its collectives
+    for r, mine in enumerate(calls):
+        for c in mine:
+            if c.kind in COLLECTIVES:
+                seqs.setdefault(c.stage, {}).setdefault(r, []).append(c)
+    for stage, members in sorted(seqs.items()):
+        group = next(iter(members.values()))[0].group
+        ranks = {m: members.get(m, []) for m in group}
+        first, want = group[0], ranks[group[0]]
+        for m, got in ranks.items():
+            for k in range(max(len(got), len(want))):
+                a = want[k] if k < len(want) else None
+                c = got[k] if k < len(got) else None
+                if a is None or c is None or (a.kind, a.size) != (c.kind, c.size):
+                    raise _mismatch(plan, stage, k, (first, a), (m, c), calls)
+
+
+def _mismatch(plan: CommPlan, stage: int, k: int, one, other, calls) -> CollectiveMismatch:
+    depth = plan.schedule.ranks
+
+    def text(rank, c):
+        if c is None:
+            return f"rank {rank} issues none"
+        step = plan.steps[rank % depth][c.step]
+        return f"rank {rank} issues {c.describe(calls[rank])} at {step}"
+    rank, c = other if other[1] is not None else one
+    index = min(action_index(plan.steps[rank % depth], c.step),
+                len(plan.schedule.programs[rank % depth]) - 1)
+    return CollectiveMismatch(f"stage {stage}'s group: collective #{k} differs between its "
+                              f"members: {text(*one)}; {text(*other)}", plan.schedule,
+                              rank % depth, index)
 
 
 class _Replay:
@@ -228,8 +158,7 @@ class _Replay:
         self.pc = [0] * n
         self.done = [bytearray(len(c)) for c in calls]
         self.streams: dict[object, deque[tuple[int, int]]] = {}
-        self.fifo = [deque() for _ in range(n)]  # per rank: indices of its queued collectives
-        self.arrived: dict[tuple, int] = {}  # (group, stage, k) -> members at the head
+        self.arrived: dict[tuple, dict[int, object]] = {}  # collective -> member -> its stream
         self.coll_id = [self._number_collectives(c) for c in calls]
         self.first = [self._first_uses(r, c) for r, c in enumerate(calls)] if lazy else []
         self.created: set[tuple] = set()
@@ -240,14 +169,14 @@ class _Replay:
     @staticmethod
     def _number_collectives(calls: list[Issued]) -> dict[int, tuple]:
         """NCCL matches the k-th collective on a communicator with every member's k-th, which
-        must be of the same kind. Each stage has its own group, even where two have the same
-        members."""
+        must be of the same kind and size. Each stage has its own group, even where two have
+        the same members."""
         count: dict[int, int] = {}
         out = {}
         for i, c in enumerate(calls):
             if c.kind in COLLECTIVES:
                 k = count[c.stage] = count.get(c.stage, -1) + 1
-                out[i] = (c.group, c.stage, k, c.kind)
+                out[i] = (c.group, c.stage, k, c.kind, c.size)
         return out
 
     def _first_uses(self, rank: int, calls: list[Issued]) -> dict[int, tuple]:
@@ -265,7 +194,13 @@ class _Replay:
                 out[i] = comm
         return out
 
-    def _stream(self, rank: int, peer: int):
+    def _stream(self, rank: int, c: Issued):
+        """The FIFO ``c`` joins: per pair of ranks, per rank (p2p), or one per rank for all."""
+        if c.kind in COLLECTIVES:
+            return rank if self.mode == "strict" else ("collectives", rank)
+        return self._p2p_stream(rank, c.peer)
+
+    def _p2p_stream(self, rank: int, peer: int):
         return (rank, peer) if self.mode == "pair" else rank
 
     # -- the replay ---------------------------------------------------------------------
@@ -286,15 +221,12 @@ class _Replay:
             if c.kind == WAIT and not done[c.target]:
                 return  # woken by _complete
             self.pc[r] = i + 1  # before queueing: a completion looks at where the rank is
-            if c.kind in COLLECTIVES:
-                self.fifo[r].append(i)
-                if len(self.fifo[r]) == 1:
-                    self._collectives_from(r)
-            elif c.kind != WAIT:
-                queue = self.streams.setdefault(self._stream(r, c.peer), deque())
+            if c.kind != WAIT:
+                key = self._stream(r, c)
+                queue = self.streams.setdefault(key, deque())
                 queue.append((r, i))
                 if len(queue) == 1:
-                    self._match_from(self._stream(r, c.peer))
+                    self._progress(key)
 
     def _communicator_ready(self, r: int, i: int) -> bool:
         comm = self.first[r][i]
@@ -315,44 +247,46 @@ class _Replay:
         if pc < len(self.calls[r]) and self.calls[r][pc].target == i:
             self.ready.append(r)
 
-    def _match_from(self, key) -> None:
-        """Complete sends and receives at the heads of their streams, as long as they pair."""
+    def _progress(self, key) -> None:
+        """Complete what the heads of the streams allow, starting from stream ``key``: a send
+        and its receive at the heads of their streams, a collective at the head of every
+        member's."""
         todo = [key]
         while todo:
             key = todo.pop()
             queue = self.streams[key]
-            if not queue:
-                continue
-            r, i = queue[0]
-            c = self.calls[r][i]
-            other = self._stream(c.peer, r)
-            peer_queue = self.streams.get(other)
-            if not peer_queue:
-                continue
-            q, j = peer_queue[0]
-            d = self.calls[q][j]
-            if d.peer == r and d.kind != c.kind and d.message == c.message:
-                queue.popleft()
-                peer_queue.popleft()
-                self._complete(r, i)
-                self._complete(q, j)
-                todo += [key, other]
+            if queue:
+                r, i = queue[0]
+                done = self._collective(r, i, key) if self.calls[r][i].kind in COLLECTIVES \
+                    else self._message(r, i, key)
+                todo += done
 
-    def _collectives_from(self, rank: int) -> None:
-        """Count the collective now at the head of ``rank``'s FIFO; complete full ones."""
-        todo = [rank]
-        while todo:
-            r = todo.pop()
-            if not self.fifo[r]:
-                continue
-            ident = self.coll_id[r][self.fifo[r][0]]
-            n = self.arrived[ident] = self.arrived.get(ident, 0) + 1
-            if n < len(ident[0]):
-                continue
-            del self.arrived[ident]
-            for m in ident[0]:
-                self._complete(m, self.fifo[m].popleft())
-                todo.append(m)
+    def _message(self, r: int, i: int, key) -> list:
+        c = self.calls[r][i]
+        other = self._p2p_stream(c.peer, r)
+        peer_queue = self.streams.get(other)
+        if not peer_queue:
+            return []
+        q, j = peer_queue[0]
+        d = self.calls[q][j]
+        if d.peer != r or d.kind not in (ISEND, IRECV) or d.kind == c.kind or d.message != c.message:
+            return []
+        self.streams[key].popleft()
+        peer_queue.popleft()
+        self._complete(r, i)
+        self._complete(q, j)
+        return [key, other]
+
+    def _collective(self, r: int, i: int, key) -> list:
+        ident = self.coll_id[r][i]
+        arrived = self.arrived.setdefault(ident, {})
+        arrived[r] = key
+        if len(arrived) < len(ident[0]):
+            return []
+        del self.arrived[ident]
+        for m, k in arrived.items():
+            self._complete(m, self.streams[k].popleft()[1])
+        return list(arrived.values())
 
     # -- the report ---------------------------------------------------------------------
     def _deadlock(self) -> RendezvousDeadlock:
@@ -361,9 +295,10 @@ class _Replay:
         heads = self._heads()
         first = min(stuck, key=lambda r: (self.calls[r][self.pc[r]].kind != WAIT, r))
         steps = self.plan.steps[first % depth]
-        index = _action_index(steps, self.calls[first][self.pc[first]].step)
+        index = action_index(steps, self.calls[first][self.pc[first]].step)
         index = min(index, len(s.programs[first % depth]) - 1)
-        streams = "one per pair of ranks" if self.mode == "pair" else "one per rank"
+        streams = {"pair": "one per pair of ranks", "rank": "one per rank",
+                   "strict": "one per rank, shared with the collectives"}[self.mode]
         comms = "lazily" if self.lazy else "eagerly"
         ranks = len(self.calls)
         problem = (f"rendezvous deadlock under NCCL semantics ({ranks} ranks; p2p streams: "
@@ -381,8 +316,8 @@ class _Replay:
             comm = self.first[r][i]
             missing = sorted(set(comm[1]) - self.waiting_for.get(comm, set()))
             return (f"rank {r} blocks at {where}: creating the communicator of {comm[0]} "
-                    f"(ranks {_ranks_text(comm[1])}) for {c.describe(self.calls[r])}; "
-                    f"rank {_ranks_text(missing)} not there")
+                    f"(ranks {ranks_text(comm[1])}) for {c.describe(self.calls[r])}; "
+                    f"rank {ranks_text(missing)} not there")
         return f"rank {r} blocks at {where}: {c.describe(self.calls[r])}"
 
     def _heads(self) -> list[str]:
@@ -391,26 +326,102 @@ class _Replay:
             if queue:
                 r, i = queue[0]
                 c = self.calls[r][i]
-                name = f"stream {key[0]}<->{key[1]} on rank {key[0]}" if self.mode == "pair" \
-                    else f"p2p stream of rank {key}"
+                if isinstance(key, tuple) and key[0] == "collectives":
+                    name = f"collectives of rank {key[1]}"
+                elif isinstance(key, tuple):
+                    name = f"stream {key[0]}<->{key[1]} on rank {key[0]}"
+                else:
+                    name = f"{'stream' if self.mode == 'strict' else 'p2p stream'} of rank {key}"
                 out.append(f"{name}: {c.describe(self.calls[r])} ({self._step_text(r, c.step)})")
-        for r, fifo in enumerate(self.fifo):
-            if fifo:
-                c = self.calls[r][fifo[0]]
-                out.append(f"collectives of rank {r}: {c.describe(self.calls[r])} "
-                           f"({self._step_text(r, c.step)})")
         return out or ["(all empty: the ranks block on the CPU)"]
 
     def _step_text(self, r: int, step: int) -> str:
         return f"{self.plan.steps[r % self.plan.schedule.ranks][step]}"
 
 
-def _action_index(steps, step: int) -> int:
-    """Index in the rank's program of the action to mark for ``steps[step]``: itself, the
-    action a Launch follows (its SYNC or last backward), or the action a Post precedes."""
-    before = sum(1 for x in steps[:step] if isinstance(x, Action))
-    return max(0, before - 1) if isinstance(steps[step], Launch) else before
+# -- a recorded run -------------------------------------------------------------------------
+class RecordedError(UserError):
+    """A recorded run's calls do not complete, or do not match, under NCCL's rules."""
 
 
-def _ranks_text(ranks) -> str:
-    return ", ".join(map(str, ranks))
+def replay_recorded(log: list[list[tuple[str, dict]]], mode: str = "strict") -> int:
+    """Replay the calls a run made (``chimera.runtime.virtual.VirtualWorld(record=True)``)
+    under NCCL's rules in stream ``mode`` (default: one stream per rank for everything):
+    the k-th send from a to b meets the k-th receive at b from a (their tags and sizes must
+    agree), the k-th collective of a group every member's k-th (same kind and size). Raise
+    RecordedError if they do not match or some rank could never finish; return the number of
+    calls replayed."""
+    calls = [_recorded_calls(r, mine) for r, mine in enumerate(log)]
+    _check_recorded_pairs(log)
+    seqs: dict[int, dict[int, list[tuple]]] = {}
+    groups: dict[int, tuple[int, ...]] = {}
+    for r, mine in enumerate(calls):
+        for c in mine:
+            if c.kind in COLLECTIVES:
+                seqs.setdefault(c.stage, {}).setdefault(r, []).append((c.kind, c.size))
+                groups[c.stage] = c.group
+    for key, members in seqs.items():
+        if len({tuple(v) for v in members.values()}) > 1 or len(members) != len(groups[key]):
+            text = "; ".join(f"rank {m}: {v}" for m, v in sorted(members.items()))
+            raise RecordedError(f"group {key}: members issue different collectives ({text})")
+    _RecordedReplay(calls, mode).run()
+    return sum(map(len, calls))
+
+
+def _recorded_calls(rank: int, mine: list[tuple[str, dict]]) -> list[Issued]:
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+    out = []
+    for i, (kind, f) in enumerate(mine):
+        if kind == ISEND:
+            k = sent[f["peer"]] = sent.get(f["peer"], -1) + 1
+            out.append(Issued(ISEND, i, f["peer"], (rank, f["peer"], k)))
+        elif kind == IRECV:
+            k = received[f["peer"]] = received.get(f["peer"], -1) + 1
+            out.append(Issued(IRECV, i, f["peer"], (f["peer"], rank, k)))
+        elif kind == WAIT:
+            out.append(Issued(WAIT, i, target=f["target"]))
+        else:
+            out.append(Issued(f["name"], i, group=f["ranks"], stage=f["group"], size=f["size"]))
+    return out
+
+
+def _check_recorded_pairs(log) -> None:
+    """The k-th send from a to b and the k-th receive at b from a carry one tag and size."""
+    ends: dict[tuple, dict[str, tuple]] = {}
+    for rank, mine in enumerate(log):
+        count: dict[tuple, int] = {}
+        for kind, f in mine:
+            if kind in (ISEND, IRECV):
+                pair = (rank, f["peer"]) if kind == ISEND else (f["peer"], rank)
+                k = count[(kind, pair)] = count.get((kind, pair), -1) + 1
+                ends.setdefault((*pair, k), {})[kind] = (f["tag"], f["size"])
+    for (a, b, k), got in sorted(ends.items()):
+        if len(set(got.values())) > 1:
+            raise RecordedError(f"message #{k} from rank {a} to rank {b}: the send has (tag, "
+                                f"size) {got[ISEND]}, the receive {got[IRECV]}: NCCL would "
+                                "deliver the wrong tensor")
+
+
+class _RecordedReplay(_Replay):
+    """The replay of recorded calls: no plan, steps are call indices."""
+
+    def __init__(self, calls: list[list[Issued]], mode: str):
+        super().__init__(None, calls, mode, False)
+
+    def _deadlock(self) -> RecordedError:
+        stuck = [f"  rank {r} blocks at call #{self.pc[r]}: "
+                 f"{self.calls[r][self.pc[r]].describe(self.calls[r])}"
+                 for r, c in enumerate(self.calls) if self.pc[r] < len(c)]
+        return RecordedError("the recorded calls deadlock under NCCL semantics "
+                             f"({mode_text(self.mode)}):\n"
+                             + "\n".join(stuck) + "\nat the head of each stream:\n"
+                             + "\n".join(f"  {h}" for h in self._heads()))
+
+    def _step_text(self, r: int, step: int) -> str:
+        return f"call #{step}"
+
+
+def mode_text(mode: str) -> str:
+    return {"pair": "one stream per pair of ranks", "rank": "one p2p stream per rank",
+            "strict": "one stream per rank for p2p and collectives"}[mode]

@@ -122,12 +122,14 @@ def _dry_run(s: Schedule) -> None:
 
 
 def _check_rendezvous(s: Schedule) -> None:
-    """The runtime's calls for ``s`` (its CommPlan) finish under NCCL's rules, one stream per
-    pair of ranks or per rank, communicators created eagerly. Two data-parallel copies: then
-    every stage group reduces (with one copy, single-replica stages issue nothing), and more
-    copies run in lock-step with these two. Also with the optimizer sharded (two iterations:
-    the parameter all-gathers after STEP are waited for inside the next one)."""
+    """The runtime's calls for ``s`` (its CommPlan) finish under NCCL's rules in every stream
+    model, the strictest last (one stream per rank for p2p and collectives together),
+    communicators created eagerly, with the device plan's buckets (two per stage: a member
+    that bucketed where another did not is a CollectiveMismatch). Two data-parallel copies:
+    then every stage group reduces (with one copy, single-replica stages issue nothing), and
+    more copies run in lock-step with these two. Also with the optimizer sharded (two
+    iterations: the parameter all-gathers after STEP are waited for inside the next one)."""
     plan = comm_plan.plan_comm(s)
     for mode in rendezvous.MODES:
         for sharded in (False, True):
-            rendezvous.check(plan, mode, data_parallel=2, sharded=sharded)
+            rendezvous.check(plan, mode, data_parallel=2, buckets=True, sharded=sharded)

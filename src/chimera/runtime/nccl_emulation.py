@@ -1,4 +1,4 @@
-"""NCCL's p2p (and allreduce) semantics emulated on gloo (``CHIMERA_EMULATE_NCCL=pair|rank``).
+"""NCCL's p2p and collective semantics emulated on gloo (``CHIMERA_EMULATE_NCCL=pair|rank|strict``).
 
 gloo matches messages by tag and lets either end run ahead, so a p2p order that hangs on
 GPUs can train fine on CPU. :class:`NcclEmulation` is a :class:`~chimera.runtime.p2p.Transport`
@@ -6,8 +6,11 @@ that makes the runtime's ``isend``/``irecv`` complete only as NCCL would let the
 
 - **Streams.** Each rank runs its p2p on FIFO streams: one per peer, shared by both
   directions (``pair``: NCCL's default, a communicator per pair of ranks), or one for all
-  of the rank's p2p (``rank``: one communicator with ``device_id``). A daemon thread per
-  stream takes the operations in issue order; an operation not at the head does not start.
+  of the rank's p2p (``rank``: one communicator with ``device_id``); its collectives on one
+  more. ``strict``: one stream per rank for p2p and collectives together, the strictest
+  model (:mod:`chimera.comm_plan` proves its order safe there); the runtime then shares one
+  emulation between its Mailboxes and its collectives. A daemon thread per stream takes the
+  operations in issue order; an operation not at the head does not start.
 - **No buffering, matching by order.** The k-th send from A to B matches the k-th receive
   at B from A (counted per ordered pair over the transport's life, across iterations). The
   two complete together, once both are at the head of their streams: each end, at its head,
@@ -32,10 +35,16 @@ Not emulated:
   communicators used concurrently see their operations in one order): one completes when
   every member has it at the head. The runtime routes the stage allreduces and, with a
   sharded optimizer, the reduce-scatters and the prefetched parameter all-gathers through
-  it (``collectives_from_env``); the loss and norm allreduces, communicator creation,
-  ``grid.warm_up``'s exchange and the API's tie and buffer collectives go straight to gloo,
-  and their order is checked by the validator's rendezvous replay only. p2p and
-  collectives are separate streams (as on NCCL: different communicators).
+  it (``collectives_from_env``), buckets included: with ``CHIMERA_DEVICE_PLAN`` a CPU run
+  issues the device path's collectives (:func:`chimera.runtime.sync.comm_choices`). In
+  ``strict`` mode the tie and buffer syncs and the API's batch fingerprint and loss take
+  the same stream (``PipelineRuntime.all_reduce``). The trainer's loss and norm
+  allreduces, checkpoints, communicator creation and ``grid.warm_up``'s exchange go
+  straight to gloo: they are blocking and issued in one program order on every rank; a
+  recorded virtual run (:func:`chimera.rendezvous.replay_recorded`) replays them with the
+  rest. p2p and collectives are separate streams except in ``strict`` mode.
+- **Start-up.** :func:`agree` refuses, in one line on every rank, an emulation mode or
+  device plan that differs across ranks (it would only show as a timeout).
 - Timing: a rendezvous costs a few store round trips (microseconds on one host) and a
   thread hand-off, and the polling backs off to :data:`POLL_MAX_S`; CUDA stream semantics
   (a wait that only orders streams) do not exist on CPU.
@@ -61,11 +70,12 @@ import torch.distributed as dist
 
 from chimera.errors import UserError
 from chimera.runtime.p2p import Transport
+from chimera.runtime.sync import DEVICE_PLAN_ENV
 
-__all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "collectives_from_env",
+__all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "agree", "collectives_from_env",
            "transport_from_env"]
 
-MODES = ("pair", "rank")
+MODES = ("pair", "rank", "strict")  # strictest last
 ENV = "CHIMERA_EMULATE_NCCL"
 PREFIX = "chimera-nccl-emulation"
 POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3  # store polling backs off from min to max while it waits
@@ -84,10 +94,26 @@ def transport_from_env(rank: int, matches_by_tag: bool = False) -> Transport:
 
 
 def collectives_from_env(rank: int) -> "NcclEmulation | None":
-    """The emulation's collective stream for the stage allreduces (GradSync), or None (plain
-    ``dist.all_reduce``). Create it at the same point on every rank (its store keys count)."""
+    """The emulation's collective stream for the stage collectives (GradSync, the shards), or
+    None (plain ``dist``); in ``strict`` mode also the transport of every Mailbox (one stream
+    for everything). Create it at the same point on every rank (its store keys count)."""
     mode = os.environ.get(ENV, "")
     return NcclEmulation(rank, mode) if mode in MODES else None
+
+
+def agree(rank: int) -> None:
+    """Refuse, on every rank and in one line, a ``CHIMERA_EMULATE_NCCL`` or
+    ``CHIMERA_DEVICE_PLAN`` that differs across ranks: one rank emulating NCCL (or bucketing)
+    while its peer does not would only show as a communication timeout. One small collective
+    at start-up."""
+    mine = (os.environ.get(ENV, ""), os.environ.get(DEVICE_PLAN_ENV, ""))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if len(set(map(tuple, every))) > 1:
+        seen = "; ".join(f"rank {r}: {ENV}={e[0]!r} {DEVICE_PLAN_ENV}={e[1]!r}"
+                         for r, e in enumerate(every))
+        raise UserError(f"rank {rank}: the NCCL emulation and device plan must be set alike on "
+                        f"every rank ({seen})")
 
 
 class EmulatedWork:
@@ -249,10 +275,11 @@ def _settle(op: _Op) -> None:
 
 
 class NcclEmulation(Transport):
-    """The runtime's p2p (and allreduces, through :meth:`all_reduce`) under NCCL's rendezvous
-    semantics on gloo (see the module docstring).
+    """The runtime's p2p (and collectives, through :meth:`all_reduce` and its siblings) under
+    NCCL's rendezvous semantics on gloo (see the module docstring).
 
-    ``mode``: ``pair`` (one stream per peer) or ``rank`` (one stream for all p2p).
+    ``mode``: ``pair`` (one stream per peer), ``rank`` (one stream for all p2p) or
+    ``strict`` (one stream for p2p and collectives together).
     ``store``: the rendezvous store (default: the default process group's).
     """
 
@@ -277,7 +304,7 @@ class NcclEmulation(Transport):
             self.sent[dst] = k + 1
             gloo = dist.isend(tensor, dst=dst, tag=tag)
             op = _P2P(True, self.rank, dst, k, tag, tensor.numel(), gloo)
-            return self._issue(op, dst if self.mode == "pair" else "p2p")
+            return self._issue(op, self._p2p_stream(dst))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> EmulatedWork:
         with self.issuing:
@@ -285,13 +312,16 @@ class NcclEmulation(Transport):
             self.received[src] = k + 1
             gloo = dist.irecv(tensor, src=src, tag=tag)
             op = _P2P(False, src, self.rank, k, tag, tensor.numel(), gloo)
-            return self._issue(op, src if self.mode == "pair" else "p2p")
+            return self._issue(op, self._p2p_stream(src))
 
-    def all_reduce(self, tensor: torch.Tensor, group) -> EmulatedWork:
-        """gloo's async allreduce (sum) on ``group``, complete only once every member has it at
-        the head of its collective stream (see the module docstring)."""
+    def all_reduce(self, tensor: torch.Tensor, group=None, op=None) -> EmulatedWork:
+        """gloo's async allreduce (``op``, default sum) on ``group`` (default: every rank),
+        complete only once every member has it at the head of its collective stream (see the
+        module docstring)."""
+        group = group or dist.group.WORLD
+        op = dist.ReduceOp.SUM if op is None else op
         return self._collective("allreduce", group, lambda: dist.all_reduce(
-            tensor, group=group, async_op=True))
+            tensor, op=op, group=group, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group) -> EmulatedWork:
         """gloo's async reduce-scatter (sum), gated as :meth:`all_reduce`."""
@@ -310,10 +340,14 @@ class NcclEmulation(Transport):
             self.reduced[name] = k + 1
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
             op = _Collective(kind, name, tuple(dist.get_process_group_ranks(group)), k, issue())
-            return self._issue(op, "collectives")
+            return self._issue(op, "all" if self.mode == "strict" else "collectives")
+
+    def _p2p_stream(self, peer: int) -> int | str:
+        return {"pair": peer, "rank": "p2p", "strict": "all"}[self.mode]
 
     def _issue(self, op: _Op, stream: int | str) -> EmulatedWork:
-        """Queue ``op`` on ``stream``: a peer's rank (pair mode), "p2p" or "collectives"."""
+        """Queue ``op`` on ``stream``: a peer's rank (pair mode), "p2p", "collectives" or, in
+        strict mode, "all"."""
         if self.stop.is_set():
             raise RuntimeError(f"rank {self.rank}: the NCCL emulation is closed")
         if stream not in self.streams:

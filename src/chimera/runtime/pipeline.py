@@ -20,10 +20,10 @@ from chimera.ir import Op, Schedule, ScheduleError
 from chimera.runtime.boundary import BoundarySpec, Stage, call_layer, call_loss, describe, signature
 from chimera.runtime.executor import ActionRecord, Executor, MicroData
 from chimera.runtime.grid import ProcessGrid
-from chimera.runtime.nccl_emulation import collectives_from_env, transport_from_env
+from chimera.runtime.nccl_emulation import agree, collectives_from_env, transport_from_env
 from chimera.runtime.p2p import Mailbox, peers_text, wait_work
 from chimera.runtime.shard import StageShard
-from chimera.runtime.sync import BUCKET_BYTES, GradSync, ReplicaGrads
+from chimera.runtime.sync import GradSync, ReplicaGrads, comm_choices
 from chimera.sim.engine import Deadlock, simulate
 
 
@@ -138,6 +138,10 @@ class PipelineRuntime:
         self.wire_dtype = wire_dtype  # floating boundary leaves travel in it (None: as computed)
         self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
         grid.build_groups()
+        agree(grid.rank)  # an emulation or plan set on one rank only would hang, not fail
+        # the device path's choices on CUDA (or forced on CPU), per process but alike on every
+        # rank; where a replica buckets is the plan's, per stage (CommPlan.early)
+        self.choices = comm_choices(self.device, dist.get_backend() == "nccl")
         multiple = {key: len(grid.stage_ranks[key[1]]) if shard_optimizer else 1 for key in self.modules}
         self.grads = {key: ReplicaGrads(m, self.device, multiple[key]) for key, m in self.modules.items()}
         self.trainable = self._trainable()
@@ -147,13 +151,9 @@ class PipelineRuntime:
         self.shards = self._shards() if shard_optimizer else {}
         # NCCL: no timed (CPU-blocking, polling) waits; its timeout and watchdog catch hangs
         self.timeout = None if dist.get_backend() == "nccl" else comm_timeout
-        # Buckets reduced inside the last backward pay off where the allreduce runs beside the
-        # compute (NCCL); with gloo on CPU cores the reduction competes with the compute for the
-        # same cores and measured no faster than one allreduce per replica at SYNC
-        # (benchmarks/RESULTS.md, "Making the runtime fast").
-        buckets = BUCKET_BYTES if self.device.type == "cuda" else 0
-        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout, buckets,
-                             collectives_from_env(grid.rank), self.shards)
+        self.emulation = collectives_from_env(grid.rank)  # None: plain dist
+        self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout,
+                             self.choices.bucket_bytes, self.emulation, self.shards)
         self.executor = Executor(schedule, self.modules, loss_fn, None, self.sync,
                                  recompute, autocast, self.device, early=self.plan.early[grid.d])
         self.eval_schedule = forward_only(schedule)
@@ -190,13 +190,15 @@ class PipelineRuntime:
                                             zip(flat.split([t.numel() for t in same]), same)])
 
     def _shards(self) -> dict:
-        """ZeRO-1 (chimera.runtime.shard): per replica with a group, this rank's slice."""
+        """ZeRO-1 (chimera.runtime.shard): per replica with a group and something to train,
+        this rank's slice (a frozen stage is frozen on every replica: none has a shard)."""
         out = {}
         for key, g in self.grads.items():
             group = self.grid.stage_groups.get(key[1])
-            if group is not None:
+            if group is not None and g.params:
                 out[key] = StageShard.build(g.params, g.offsets, g.flat.numel(),
-                                            self.grid.stage_ranks[key[1]], self.grid.rank, group)
+                                            self.grid.stage_ranks[key[1]], self.grid.rank, group,
+                                            self.choices.reduce_scatter)
         return out
 
     def optimizer_parameters(self) -> list[tuple[torch.Tensor, bool]]:
@@ -265,9 +267,12 @@ class PipelineRuntime:
         self.executor.boundaries, self.executor.mailbox = self._probed[sig][:2]
 
     def _mailbox(self, plan, bounds: list) -> Mailbox:
+        # the strictest emulation runs every operation of the rank on one stream: p2p too
+        strict = self.emulation is not None and self.emulation.mode == "strict"
+        transport = self.emulation if strict else \
+            transport_from_env(self.grid.rank, dist.get_backend() == "gloo")
         return Mailbox(plan, self.grid, functools.partial(self._message_shape, bounds),
-                       torch.uint8, self.device, self.timeout,
-                       transport_from_env(self.grid.rank, dist.get_backend() == "gloo"))
+                       torch.uint8, self.device, self.timeout, transport)
 
     @staticmethod
     def _message_shape(bounds: list, msg: Message) -> tuple:
@@ -275,6 +280,23 @@ class PipelineRuntime:
         if msg.kind.name == "RECV_F":
             return (bounds[msg.source_stage].nbytes(backward=False),)
         return (bounds[msg.stage].nbytes(backward=True),)
+
+    def all_reduce(self, tensor: torch.Tensor, group=None, op=None) -> None:
+        """A blocking allreduce outside the schedule (tie and buffer syncs, the API's loss):
+        under the strict NCCL emulation on the rank's one stream, so it takes its place in
+        the rank's order as on NCCL; else ``dist.all_reduce``."""
+        ranks = dist.get_process_group_ranks(group) if group is not None else \
+            list(range(dist.get_world_size()))
+        wait_work(self.all_reduce_async(tensor, group, op), self.sync.timeout, self.grid.rank,
+                  f"allreduce with {peers_text(self.grid.rank, ranks)}", ranks)
+
+    def all_reduce_async(self, tensor: torch.Tensor, group=None, op=None):
+        """The same allreduce started, its work returned (the API's batch fingerprint: issued
+        when a step starts, read before it returns)."""
+        op = dist.ReduceOp.SUM if op is None else op
+        if self.emulation is None or self.emulation.mode != "strict":
+            return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        return self.emulation.all_reduce(tensor, group, op)
 
     def parameters(self) -> list[nn.Parameter]:
         self.finish_gather()

@@ -11,11 +11,14 @@ issued right after the optimizer step and each is waited for just before its rep
 first forward of the next iteration (``PipelineRuntime.gather_parameters``): the gathers of
 the stages a rank runs later overlap the forwards it runs first, as FSDP's prefetch.
 
-Off NCCL (gloo, the virtual ranks) the reduction is an allreduce of the whole flat gradient,
-whose owned slice is then copied out: gloo's reduce-scatter took more than its allreduce of
-the same buffer (two processes here, 12.8 MB: 19 ms wall and 14 ms of CPU against 12 and 7),
-and with two replicas both add each element once, so the values are the same. NCCL (and
-its emulation) keep the reduce-scatter, which moves half the bytes.
+On the CPU path (gloo, the virtual ranks; :func:`chimera.runtime.sync.comm_choices`) the
+reduction is an allreduce of the whole flat gradient, whose owned slice is then copied out:
+gloo's reduce-scatter took more than its allreduce of the same buffer (two processes here,
+12.8 MB: 19 ms wall and 14 ms of CPU against 12 and 7), and with two replicas both add each
+element once, so the values are the same. The device path (NCCL, or ``CHIMERA_DEVICE_PLAN``
+on CPU) keeps the reduce-scatter, which moves half the bytes. A replica with nothing to
+train (frozen layers) has no shard: it keeps the one-element allreduce every replica of its
+stage issues alike, and no all-gather.
 
 The slicing is the one ``PipelineRuntime.owned_sq_norm`` already uses (slice k of size
 ceil(numel / n)), so the global norm reads each owned slice once. Parameters become views
@@ -69,19 +72,24 @@ class StageShard:
     lo: int
     hi: int
     group: object
+    scatter: bool = True  # reduce by reduce-scatter (the device plan); else allreduce and copy
     params: list[nn.Parameter] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
 
     @classmethod
     def build(cls, params: list[nn.Parameter], offsets: list[int], padded: int, ranks: list[int],
-              rank: int, group) -> "StageShard":
+              rank: int, group, scatter: bool = True) -> "StageShard":
+        """``params`` must not be empty: a replica with nothing to train has no shard (its
+        one-element buffer cannot be cut into n slices; it keeps its allreduce)."""
         n, k = len(ranks), ranks.index(rank)
+        if not params or padded % n:
+            raise ValueError(f"a shard needs parameters and a multiple of {n} elements")
         size = padded // n
-        ref = params[0] if params else torch.zeros(())
+        ref = params[0]
         flat = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
         shard = cls(flat, torch.zeros(size, dtype=ref.dtype, device=ref.device), k * size,
-                    (k + 1) * size, group, list(params), list(offsets))
+                    (k + 1) * size, group, scatter, list(params), list(offsets))
         for p, off in zip(params, offsets):
             view = flat[off:off + p.numel()]
             view.copy_(p.detach().reshape(-1))
@@ -108,12 +116,13 @@ class StageShard:
 
     def reduce(self, flat_grad: torch.Tensor, collectives=None):
         """Async: the group's sum of slice k of ``flat_grad`` into ``self.grad`` (through the
-        NCCL emulation's collective stream when ``collectives`` is given). A reduce-scatter on
-        NCCL; off NCCL an allreduce of the whole ``flat_grad`` in place (gloo's reduce-scatter
-        is slower), whose owned slice is then copied out: ``flat_grad`` then holds the whole
-        sum, which nothing reads."""
-        if collectives is None and dist.get_backend(self.group) != "nccl":
-            work = dist.all_reduce(flat_grad, group=self.group, async_op=True)
+        NCCL emulation's collective stream when ``collectives`` is given). A reduce-scatter
+        with ``scatter`` (the device plan); else an allreduce of the whole ``flat_grad`` in
+        place (gloo's reduce-scatter is slower), whose owned slice is then copied out:
+        ``flat_grad`` then holds the whole sum, which nothing reads."""
+        if not self.scatter:
+            work = collectives.all_reduce(flat_grad, self.group) if collectives is not None \
+                else dist.all_reduce(flat_grad, group=self.group, async_op=True)
             return _SliceOfAllreduce(work, flat_grad[self.lo:self.hi], self.grad)
         if collectives is not None:
             return collectives.reduce_scatter(self.grad, flat_grad, self.group)

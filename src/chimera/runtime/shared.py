@@ -78,7 +78,7 @@ class TieSync:
             if s in values and self.grid.rank == self.grid.stage_ranks[s][0]:
                 total += values[s]
         if group is not None:
-            dist.all_reduce(total, group=group)
+            self.runtime.all_reduce(total, group)  # in the rank's one order (strict emulation)
         return total
 
     def reduce_grads(self) -> None:
@@ -138,7 +138,7 @@ def sync_buffers(runtime, before: dict[int, torch.Tensor] | None = None) -> None
         if not bufs[0]:
             continue
         flat = torch.stack([torch.cat([b.reshape(-1).double() for b in bs]) for bs in bufs]).sum(0)
-        dist.all_reduce(flat, group=group)
+        runtime.all_reduce(flat, group)  # in the rank's one order (strict emulation)
         flat /= place.pipes * grid.data_parallel
         for bs in bufs:
             offset = 0

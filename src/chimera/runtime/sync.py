@@ -4,25 +4,65 @@ Each replica's parameters get ``.grad`` views into one flat buffer (as DDP's
 ``gradient_as_bucket_view``), so backward accumulates straight into it and SYNC launches a
 single allreduce over the stage's replica group without copies. STEP waits for all of them.
 
-A replica whose last gradient comes from a full backward (B) does not wait for SYNC: during
-that backward, hooks launch the allreduce of each bucket (a contiguous slice of the flat
-buffer, last layers first: the order backward finishes them) as soon as all of its
-gradients are final, so the reduction overlaps the rest of the backward as in DDP. Buckets
-launch in a fixed order on every replica (a bucket waits for the ones before it), which is
-what matching collectives need; SYNC launches whatever is left.
+On the device path (:func:`comm_choices`), a replica whose stage the plan lets bucket
+(:attr:`chimera.comm_plan.CommPlan.early`: decided per stage, so every replica of the stage
+does the same) does not wait for its Launch: during its last backward, hooks launch the
+allreduce of each bucket (a contiguous slice of the flat buffer, last layers first: the
+order backward finishes them) as soon as all of its gradients are final, so the reduction
+overlaps the rest of the backward as in DDP. Buckets launch in a fixed order on every
+replica (a bucket waits for the ones before it) with the same boundaries (the same
+parameters), which is what matching collectives need; the Launch issues whatever is left.
+The plan allows it only where no send lies between that backward and the Launch, so the
+rank's order of operations is the same as without buckets (one stream per rank survives
+it); that leaves mostly stage 0, whose last backward sends nothing.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from chimera.errors import UserError
 from chimera.runtime.p2p import peers_text, wait_work
 
 BUCKET_BYTES = 4 * 2**20  # allreduce granularity inside the last backward (0: one allreduce at SYNC)
+DEVICE_PLAN_ENV = "CHIMERA_DEVICE_PLAN"
+
+
+@dataclass(frozen=True)
+class CommChoices:
+    """What the device path and the CPU path decide differently about a replica's gradient
+    collectives. ``bucket_bytes``: bucket size inside the last backward, where the plan
+    allows (:attr:`chimera.comm_plan.CommPlan.early`; 0: one allreduce at the Launch);
+    ``reduce_scatter``: a sharded replica reduces by reduce-scatter (else by an allreduce of
+    its whole buffer, whose owned slice is copied out)."""
+
+    bucket_bytes: int
+    reduce_scatter: bool
+
+
+def comm_choices(device: torch.device, nccl: bool = False) -> CommChoices:
+    """The device path's choices on CUDA or NCCL; the CPU path's elsewhere, where buckets
+    measured no faster (benchmarks/RESULTS.md, "Making the runtime fast") and gloo's
+    reduce-scatter is slower than its allreduce (:mod:`chimera.runtime.shard`).
+
+    ``CHIMERA_DEVICE_PLAN=1`` makes a CPU run take the device path's choices, so CPU tests
+    issue exactly the collectives a GPU run issues; ``CHIMERA_DEVICE_PLAN=BYTES`` (an integer
+    above 1) also sets the bucket size, so a tiny test model is cut into several buckets.
+    Every rank must see the same value (:func:`chimera.runtime.nccl_emulation.agree`)."""
+    value = os.environ.get(DEVICE_PLAN_ENV, "").strip()
+    if value and not value.isdigit():
+        raise UserError(f"{DEVICE_PLAN_ENV}={value!r}: 1 (the device plan) or a bucket size in "
+                        "bytes (or leave it unset)")
+    if device.type == "cuda" or nccl or value:
+        size = int(value) if value and int(value) > 1 else BUCKET_BYTES
+        return CommChoices(size, True)
+    return CommChoices(0, False)
 
 
 class ReplicaGrads:

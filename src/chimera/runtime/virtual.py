@@ -5,13 +5,21 @@ For a machine with one device (NCCL refuses two ranks on one GPU) and for quick 
 ``torch.distributed`` calls go to an in-process stand-in. The runtime code is the real one
 (plan, executor, mailbox, gradient sync); only the transport differs. Messages are matched
 by (source, destination, tag) and buffered, as gloo does: this checks values, not NCCL's
-ordering rules (the rendezvous check and the gloo emulation do that).
+ordering rules. For those, ``VirtualWorld(record=True)`` logs every rank's calls and waits
+(:meth:`VirtualWorld.recorded`), which :func:`chimera.rendezvous.replay_recorded` replays
+under NCCL's strictest model (what ``benchmarks/gpu_check.py`` does with a device run).
+
+Thread identity: each rank is a thread, and a call to ``dist`` finds its rank in
+thread-local state. On CUDA, autograd runs a backward on its own device thread, so a
+gradient hook (``GradSync``'s bucket allreduces) would call ``dist`` from a thread that is
+no rank; a hook registered by a rank's thread therefore runs as that rank (:func:`patched`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import sys
 import threading
 from collections import defaultdict, deque
@@ -21,8 +29,8 @@ from unittest import mock
 import torch
 
 # Modules whose ``dist`` the runtime (and the trainer) call through.
-PATCHED = ("chimera.runtime.p2p", "chimera.runtime.sync", "chimera.runtime.pipeline",
-           "chimera.runtime.shard", "chimera.runtime.shared",
+PATCHED = ("chimera.api", "chimera.runtime.p2p", "chimera.runtime.sync", "chimera.runtime.pipeline",
+           "chimera.runtime.shard", "chimera.runtime.shared", "chimera.runtime.nccl_emulation",
            "chimera.runtime.grid", "chimera.train.loop", "chimera.train.faults",
            "chimera.train.equivalence")
 
@@ -32,10 +40,13 @@ class VirtualAbort(RuntimeError):
 
 
 class _Work:
-    def __init__(self, world: "VirtualWorld", done: bool = False):
+    def __init__(self, world: "VirtualWorld", done: bool = False, call: int | None = None):
         self.world, self.done = world, done
+        self.call = call  # index of the call in its rank's record (VirtualWorld(record=True))
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self.call is not None:
+            self.world.record("wait", target=self.call)
         limit = None if timeout is None else timeout.total_seconds()
         with self.world.cond:
             ok = self.world.cond.wait_for(lambda: self.done or self.world.failed, limit)
@@ -56,10 +67,11 @@ class VirtualWorld:
     """The shared state of ``world`` virtual ranks; methods mirror ``torch.distributed``."""
 
     class ReduceOp:
-        SUM = "sum"
+        SUM, MAX = "sum", "max"
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, record: bool = False):
         self.world, self.local = world, threading.local()
+        self.log: list[list[tuple]] | None = [[] for _ in range(world)] if record else None
         self.cond = threading.Condition()
         self.failed = False
         self.sent: dict[tuple, deque] = defaultdict(deque)  # (src, dst, tag) -> tensors
@@ -68,6 +80,24 @@ class VirtualWorld:
         self.pending: dict[tuple, list] = {}  # (group key, seq) -> [(rank, payload, work)]
         self.group_count: dict[int, int] = defaultdict(int)
         self.everyone = _Group(-1, list(range(world)))
+
+    # -- the record -------------------------------------------------------------------
+    def record(self, kind: str, **fields) -> int | None:
+        """Log a call (or a wait) of the calling rank; its index in the rank's record."""
+        if self.log is None:
+            return None
+        mine = self.log[self.local.rank]
+        mine.append((kind, fields))
+        return len(mine) - 1
+
+    def recorded(self) -> list[list[tuple]]:
+        """Per rank, its calls in issue order: (kind, fields); kinds ``isend``/``irecv``
+        (peer, tag, size), ``collective`` (name, group key, ranks, size), ``wait`` (target)."""
+        return [list(r) for r in self.log or []]
+
+    def _collective_call(self, name: str, group, size: int) -> int | None:
+        g = group or self.everyone
+        return self.record("collective", name=name, group=g.key, ranks=tuple(g.ranks), size=size)
 
     # -- who am I ---------------------------------------------------------------------
     def get_rank(self, group=None) -> int:
@@ -93,6 +123,7 @@ class VirtualWorld:
     # -- p2p --------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, group=None) -> _Work:
         key = (self.local.rank, dst, tag)
+        call = self.record("isend", peer=dst, tag=tag, size=tensor.numel())
         with self.cond:
             if self.posted[key]:
                 buf, work = self.posted[key].popleft()
@@ -101,15 +132,16 @@ class VirtualWorld:
                 self.cond.notify_all()
             else:
                 self.sent[key].append(tensor.detach().clone())
-        return _Work(self, done=True)
+        return _Work(self, done=True, call=call)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, group=None) -> _Work:
         key = (src, self.local.rank, tag)
+        call = self.record("irecv", peer=src, tag=tag, size=tensor.numel())
         with self.cond:
             if self.sent[key]:
                 tensor.copy_(self.sent[key].popleft())
-                return _Work(self, done=True)
-            work = _Work(self)
+                return _Work(self, done=True, call=call)
+            work = _Work(self, call=call)
             self.posted[key].append((tensor, work))
             return work
 
@@ -120,13 +152,14 @@ class VirtualWorld:
         self.irecv(tensor, src, tag).wait()
 
     # -- collectives ------------------------------------------------------------------
-    def _collective(self, group, payload, finish) -> _Work:
+    def _collective(self, group, payload, finish, name: str = "", size: int = 0) -> _Work:
+        call = self._collective_call(name, group, size)
         group = group or self.everyone
         rank = self.local.rank
         with self.cond:
             self.calls[(rank, group.key)] += 1
             key = (group.key, self.calls[(rank, group.key)])
-            work = _Work(self)
+            work = _Work(self, call=call)
             entries = self.pending.setdefault(key, [])
             entries.append((rank, payload, work))
             if len(entries) == len(group.ranks):
@@ -139,10 +172,12 @@ class VirtualWorld:
 
     def all_reduce(self, tensor, op=None, group=None, async_op: bool = False):
         def finish(entries):
-            total = sum(t.detach().clone() for _, t, _ in entries)
+            values = [t.detach().clone() for _, t, _ in entries]
+            total = functools.reduce(torch.maximum, values) if op == self.ReduceOp.MAX \
+                else sum(values)
             for _, t, _ in entries:
                 t.copy_(total)
-        work = self._collective(group, tensor, finish)
+        work = self._collective(group, tensor, finish, "all_reduce", tensor.numel())
         return work if async_op else work.wait()
 
     def reduce_scatter_single(self, output, input, op=None, group=None, async_op: bool = False):
@@ -150,7 +185,7 @@ class VirtualWorld:
             total = sum(i.detach().clone() for _, (_, i), _ in entries)
             for k, (_, (o, _), _) in enumerate(entries):
                 o.copy_(total[k * o.numel():(k + 1) * o.numel()])
-        work = self._collective(group, (output, input), finish)
+        work = self._collective(group, (output, input), finish, "reduce_scatter", input.numel())
         return work if async_op else work.wait()
 
     def all_gather_single(self, output, input, group=None, async_op: bool = False):
@@ -158,7 +193,7 @@ class VirtualWorld:
             whole = torch.cat([i.detach().reshape(-1) for _, (_, i), _ in entries])
             for _, (o, _), _ in entries:
                 o.copy_(whole)
-        work = self._collective(group, (output, input), finish)
+        work = self._collective(group, (output, input), finish, "all_gather", output.numel())
         return work if async_op else work.wait()
 
     reduce_scatter_tensor = reduce_scatter_single  # the names before torch 2.13
@@ -169,7 +204,7 @@ class VirtualWorld:
             source = next(t for r, t, _ in entries if r == src).detach().clone()
             for _, t, _ in entries:
                 t.copy_(source)
-        work = self._collective(group, tensor, finish)
+        work = self._collective(group, tensor, finish, "broadcast", tensor.numel())
         return work if async_op else work.wait()
 
     def broadcast_object_list(self, objects: list, src: int = 0, group=None, **_) -> None:
@@ -177,17 +212,17 @@ class VirtualWorld:
             source = list(next(o for r, o, _ in entries if r == src))
             for _, o, _ in entries:
                 o[:] = source
-        self._collective(group, objects, finish).wait()
+        self._collective(group, objects, finish, "broadcast_object_list").wait()
 
     def all_gather_object(self, out: list, obj, group=None) -> None:
         def finish(entries):
             values = [o for _, (o, _), _ in entries]
             for _, (_, target), _ in entries:
                 target[:] = values
-        self._collective(group, (obj, out), finish).wait()
+        self._collective(group, (obj, out), finish, "all_gather_object").wait()
 
     def barrier(self, group=None, **_) -> None:
-        self._collective(group, None, lambda entries: None).wait()
+        self._collective(group, None, lambda entries: None, "barrier").wait()
 
     def fail(self) -> None:
         with self.cond:
@@ -197,22 +232,50 @@ class VirtualWorld:
 
 @contextlib.contextmanager
 def patched(world: VirtualWorld):
-    """The runtime's modules call ``world`` instead of ``torch.distributed``."""
+    """The runtime's modules call ``world`` instead of ``torch.distributed``, and gradient
+    hooks registered by a rank's thread run as that rank, whichever thread runs them."""
     with contextlib.ExitStack() as stack:
         for name in PATCHED:
             if name in sys.modules:
                 stack.enter_context(mock.patch.object(sys.modules[name], "dist", world))
+        original = torch.Tensor.register_post_accumulate_grad_hook
+        stack.enter_context(mock.patch.object(
+            torch.Tensor, "register_post_accumulate_grad_hook",
+            functools.partialmethod(_register_as_rank, world, original)))
         yield
 
 
-def run_virtual(world: int, fn: Callable[[int], object]) -> list:
+def _register_as_rank(tensor, world: VirtualWorld, original, hook):
+    """``tensor.register_post_accumulate_grad_hook(hook)``, the hook bound to the registering
+    rank: CUDA's autograd calls it on its device thread, shared by every virtual rank."""
+    rank = getattr(world.local, "rank", None)
+    if rank is None:
+        return original(tensor, hook)
+    return original(tensor, functools.partial(_run_as, world, rank, hook))
+
+
+def _run_as(world: VirtualWorld, rank: int, hook, *args):
+    saved = getattr(world.local, "rank", None)
+    world.local.rank = rank
+    try:
+        return hook(*args)
+    finally:
+        if saved is None:
+            del world.local.rank
+        else:
+            world.local.rank = saved
+
+
+def run_virtual(world: int, fn: Callable[[int], object], vw: VirtualWorld | None = None) -> list:
     """``fn(rank)`` for every rank on its own thread; their results, by rank. The first
-    failure is raised here (the other ranks stop waiting)."""
-    import chimera.runtime.pipeline  # noqa: F401  (import what PATCHED names before patching)
+    failure is raised here (the other ranks stop waiting). ``vw``: the world to use (one
+    made with ``record=True`` keeps every call for a replay)."""
+    import chimera.api  # noqa: F401  (import what PATCHED names before patching)
+    import chimera.runtime.pipeline  # noqa: F401
     import chimera.train.equivalence  # noqa: F401
     import chimera.train.loop  # noqa: F401
 
-    vw = VirtualWorld(world)
+    vw = vw or VirtualWorld(world)
     results: list = [None] * world
     errors: list = [None] * world
 

@@ -109,10 +109,19 @@ def check_equivalence(configs: list[TrainConfig]) -> list[dict]:
             return json.load(f)
 
 
-def check_virtual(cfg: TrainConfig, device: torch.device | None = None) -> dict:
+def check_virtual(cfg: TrainConfig, device: torch.device | None = None,
+                  replay: bool = False) -> dict:
     """The same report with every rank a thread of this process (``chimera.runtime.virtual``):
-    no process group, so it runs where only one device exists (all ranks on one GPU)."""
-    from chimera.runtime.virtual import run_virtual
+    no process group, so it runs where only one device exists (all ranks on one GPU).
+    ``replay``: every rank's ``dist`` calls are recorded and replayed under NCCL's strictest
+    model (:func:`chimera.rendezvous.replay_recorded`, raising if they would hang or
+    mismatch); the report then says how many calls were replayed."""
+    from chimera.rendezvous import replay_recorded
+    from chimera.runtime.virtual import VirtualWorld, run_virtual
 
     cfg.preflight()
-    return run_virtual(cfg.world, lambda rank: _one(rank, cfg, device))[0]
+    world = VirtualWorld(cfg.world, record=replay)
+    report = run_virtual(cfg.world, lambda rank: _one(rank, cfg, device), world)[0]
+    if replay:
+        report["replayed_calls"] = replay_recorded(world.recorded(), "strict")
+    return report

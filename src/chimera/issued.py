@@ -1,0 +1,192 @@
+"""The ``torch.distributed`` calls a rank makes executing a CommPlan, as data (no torch).
+
+:func:`issued_ops` lists, for one global rank, every call in the order the runtime makes it
+(:class:`~chimera.runtime.p2p.Mailbox`, :class:`~chimera.runtime.sync.GradSync`, the shards,
+``PipelineRuntime.gather_parameters``): posts, sends, waits, and the stage collectives with
+their sizes, buckets as separate collectives. :mod:`chimera.rendezvous` replays them under
+NCCL's rules; a test records the real runtime's calls and compares them with these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chimera.comm_plan import CommPlan, Launch, Message, Post
+from chimera.ir import Action, Op, Schedule
+from chimera.validation_error import ValidationError
+
+ISEND, IRECV, WAIT = "isend", "irecv", "wait"
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
+# collectives only a recorded run has (start-up, the trainer's and the API's own calls)
+OTHERS = ("broadcast", "broadcast_object_list", "all_gather_object", "barrier")
+COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER) + OTHERS
+
+
+@dataclass(frozen=True, slots=True)
+class Issued:
+    """One ``torch.distributed`` call of one rank. ``step`` indexes the rank's CommPlan steps
+    (the step that makes the call); ``target`` is, for a wait, the index of the awaited call
+    in the rank's list of calls."""
+
+    kind: str
+    step: int
+    peer: int = -1  # p2p: the other global rank
+    message: Message | None = None
+    group: tuple[int, ...] = ()  # a collective: global ranks of the stage group
+    stage: int = -1
+    target: int = -1
+    size: int = 0  # a collective: elements of its buffer (a reduce-scatter's input)
+
+    def describe(self, calls: list["Issued"]) -> str:
+        if self.kind == ISEND:
+            return f"isend {self.message} to rank {self.peer}"
+        if self.kind == IRECV:
+            return f"irecv {self.message} from rank {self.peer}"
+        if self.kind in COLLECTIVES:
+            name = {ALL_REDUCE: "allreduce", REDUCE_SCATTER: "reduce-scatter",
+                    ALL_GATHER: "parameter all-gather"}.get(self.kind, self.kind)
+            return (f"{name} of stage {self.stage} ({self.size} elements) over ranks "
+                    f"{ranks_text(self.group)}")
+        return f"wait for {calls[self.target].describe(calls)}"
+
+
+def stage_group(schedule: Schedule, stage: int, data_parallel: int = 1) -> tuple[int, ...]:
+    """Global ranks of the replica group of ``stage`` (as ``ProcessGrid.build_groups``)."""
+    depth = schedule.ranks
+    return tuple(sorted({w * depth + d for w in range(data_parallel)
+                         for d in schedule.placement.replicas(stage)}))
+
+
+SYNTHETIC: dict[int, tuple[int, ...]] = {}  # no sizes given: every stage two buckets of one
+
+
+def bucket_sizes(sizes: dict[int, tuple[int, ...]] | None, stage: int) -> tuple[int, ...]:
+    """Element counts of ``stage``'s gradient buckets in launch order (their sum: the flat
+    buffer); () for a stage with nothing to train. Without ``sizes``, (1, 1): enough to tell
+    a bucketed replica (two collectives) from an unbucketed one (one of two elements)."""
+    if sizes is None or stage not in sizes:
+        return (1, 1)
+    return tuple(sizes[stage])
+
+
+def issued_ops(plan: CommPlan, rank: int, data_parallel: int = 1, buckets: bool = True,
+               sharded: bool = False, sizes: dict[int, tuple[int, ...]] | None = None) -> list[Issued]:
+    """The ``torch.distributed`` calls global ``rank`` makes, in order, executing ``plan``.
+
+    ``buckets``: the runtime reduces a replica bucket by bucket inside its last backward
+    where ``plan.early`` allows (the device plan, :func:`chimera.runtime.sync.comm_choices`);
+    False: one allreduce at its Launch (the CPU plan). ``sharded``: the optimizer is sharded
+    over each stage group (module docstring); the calls of two iterations. ``sizes``: per
+    stage its buckets' element counts (:func:`bucket_sizes`)."""
+    depth = plan.schedule.ranks
+    calls = pipeline_calls(plan, rank % depth, data_parallel, buckets, sharded, sizes)
+    return shifted(calls, (rank // depth) * depth)
+
+
+def shifted(calls: list[Issued], base: int) -> list[Issued]:
+    """``calls`` of pipeline copy 0 as made in the copy whose first global rank is ``base``."""
+    if base == 0:
+        return calls
+    return [Issued(c.kind, c.step, c.peer + base, c.message, c.group, c.stage, c.target, c.size)
+            if c.peer >= 0 else c for c in calls]
+
+
+def pipeline_calls(plan: CommPlan, d: int, data_parallel: int, buckets: bool,
+                    sharded: bool = False, sizes=None) -> list[Issued]:
+    """The calls of pipeline rank ``d`` in copy 0 (the other copies differ only in peers)."""
+    calls: list[Issued] = []
+    gathers: dict[tuple[int, int], int] = {}  # replica -> its all-gather not waited for yet
+    it = _Iteration(calls, gathers, plan, d, data_parallel, sizes, sharded)
+    for _ in range(2 if sharded else 1):
+        it.run(buckets and not sharded)
+    return calls
+
+
+class _Iteration:
+    """Appends the calls of one iteration of pipeline rank ``d``; with ``sharded``, a
+    replica's first forward waits for its pending all-gather, and the iteration ends with the
+    next all-gathers (a stage with nothing to train has no shard: an allreduce, no gather)."""
+
+    def __init__(self, calls, gathers, plan: CommPlan, d: int, data_parallel: int, sizes,
+                 sharded: bool):
+        self.calls, self.gathers, self.plan, self.d = calls, gathers, plan, d
+        self.dp, self.sizes, self.sharded = data_parallel, sizes, sharded
+
+    def run(self, buckets: bool) -> None:
+        calls, s, d = self.calls, self.plan.schedule, self.d
+        early_b = self.plan.early[d] if buckets else frozenset()
+        early = {(a.pipe, a.stage) for a in early_b}
+        posted: dict[Message, int] = {}
+        sends: list[int] = []  # STEP waits for the sends, then the collectives (Executor._step)
+        waits: list[int] = []
+        for i, step in enumerate(self.plan.steps[d]):
+            if isinstance(step, Post):
+                posted[step.message] = len(calls)
+                calls.append(Issued(IRECV, i, step.message.ranks(s)[0], step.message))
+            elif isinstance(step, Launch):
+                if (step.pipe, step.stage) not in early:
+                    self._reduce(waits, i, step.stage)
+            elif step.op in (Op.SEND_F, Op.SEND_B):
+                msg = Message.of(step, s.stages)
+                sends.append(len(calls))
+                calls.append(Issued(ISEND, i, msg.ranks(s)[1], msg))
+            elif step.op in (Op.RECV_F, Op.RECV_B):
+                calls.append(Issued(WAIT, i, target=_posted(self.plan, d, i, step, posted)))
+            elif step.op is Op.F and (step.pipe, step.stage) in self.gathers:
+                calls.append(Issued(WAIT, i, target=self.gathers.pop((step.pipe, step.stage))))
+            elif step.op is Op.B and step in early_b:
+                for size in bucket_sizes(self.sizes, step.stage):  # GradSync's buckets
+                    self._collective(waits, ALL_REDUCE, i, step.stage, size)
+            elif step.op is Op.STEP:
+                calls += [Issued(WAIT, i, target=t) for t in sends + waits]
+                if self.sharded:
+                    self._gather_parameters(i)
+
+    def _reduce(self, waits: list[int], i: int, stage: int) -> None:
+        """The collective at a Launch: one allreduce of the flat buffer (one element at least),
+        or a sharded replica's reduce-scatter."""
+        parts = bucket_sizes(self.sizes, stage)
+        kind = REDUCE_SCATTER if self.sharded and parts else ALL_REDUCE
+        self._collective(waits, kind, i, stage, max(sum(parts), 1))
+
+    def _gather_parameters(self, i: int) -> None:
+        """As ``PipelineRuntime.gather_parameters`` after the optimizer step: wait for gathers
+        no forward waited for, then one all-gather per sharded replica, stages in order."""
+        calls, s = self.calls, self.plan.schedule
+        calls += [Issued(WAIT, i, target=t) for t in self.gathers.values()]
+        self.gathers.clear()
+        for p, stage in sorted(s.placement.held(self.d), key=lambda k: (k[1], k[0])):
+            if not bucket_sizes(self.sizes, stage):
+                continue  # nothing to train: no shard
+            index = len(calls)
+            if self._collective([], ALL_GATHER, i, stage, sum(bucket_sizes(self.sizes, stage))):
+                self.gathers[(p, stage)] = index
+
+    def _collective(self, issued: list[int], kind: str, i: int, stage: int, size: int) -> bool:
+        """Append ``kind`` over ``stage``'s group (and its index to ``issued``); a group of one
+        rank has nothing to reduce or gather and makes no call."""
+        group = stage_group(self.plan.schedule, stage, self.dp)
+        if len(group) == 1:
+            return False
+        issued.append(len(self.calls))
+        self.calls.append(Issued(kind, i, group=group, stage=stage, size=size))
+        return True
+
+
+def _posted(plan: CommPlan, d: int, i: int, step: Action, posted: dict[Message, int]) -> int:
+    msg = Message.of(step, plan.schedule.stages)
+    if msg not in posted:
+        raise ValidationError(f"rank {d}: {step} waits for a receive that was never posted",
+                              plan.schedule, d, action_index(plan.steps[d], i))
+    return posted.pop(msg)
+
+
+def action_index(steps, step: int) -> int:
+    """Index in the rank's program of the action to mark for ``steps[step]``: itself, the
+    action a Launch follows (its SYNC or last backward), or the action a Post precedes."""
+    before = sum(1 for x in steps[:step] if isinstance(x, Action))
+    return max(0, before - 1) if isinstance(steps[step], Launch) else before
+
+
+def ranks_text(ranks) -> str:
+    return ", ".join(map(str, ranks))
