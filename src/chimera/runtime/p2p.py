@@ -102,27 +102,29 @@ class Mailbox:
         self.transport = transport or Transport()
         self.dtype = dtype
         self.pending: dict[Message, object] = {}
-        self.posted = 0
+        self.begin_iteration()
         self.sends: deque[tuple[object, torch.Tensor | None, Action, int]] = deque()
 
     def begin_iteration(self) -> None:
-        self.posted = 0  # receives of ``order`` posted so far this iteration
+        self.posted: set[Message] = set()  # receives posted so far this iteration
+        self.ahead = False  # whether the rest were posted ahead (gloo: see receive)
 
     def post(self, msg: Message) -> None:
-        """The plan's Post: its receives come in ``order``; one posted ahead is skipped."""
-        if self.posted < len(self.order) and self.order[self.posted] == msg:
+        """The program's Post (skipped when the receive was posted ahead)."""
+        if msg not in self.posted:
             self._post(msg)
-            self.posted += 1
 
     def _post(self, msg: Message) -> None:
         src = self.grid.peer(msg.pipe, msg.source_stage)
         self.pending[msg] = self.transport.irecv(self.buffers[msg], src, msg.tag(self.schedule))
+        self.posted.add(msg)
 
     def _post_ahead(self) -> None:
         """Post every receive of the iteration not posted yet, in the plan's order."""
-        for msg in self.order[self.posted:]:
-            self._post(msg)
-        self.posted = len(self.order)
+        for msg in self.order:
+            if msg not in self.posted:
+                self._post(msg)
+        self.ahead = True
 
     def receive(self, action: Action) -> torch.Tensor:
         msg = Message.of(action, self.schedule.stages)
@@ -135,7 +137,7 @@ class Mailbox:
         # posting costs no time a rank could have computed in (posted all at the start, it
         # delayed the first stage's first forward by ~7 ms at D=8). On NCCL and under its
         # emulation the plan's Posts are kept: their place is what makes the order safe there.
-        if self.transport.matches_by_tag and self.posted < len(self.order) and not work.is_completed():
+        if self.transport.matches_by_tag and not self.ahead and not work.is_completed():
             self._post_ahead()
         wait_work(work, self.timeout, self.grid.rank, f"{action} with peer rank {src}", src, action)
         return self.buffers[msg]
