@@ -37,8 +37,8 @@ def _variant(name: str, pipe) -> None:
     if not hasattr(api._BatchCheck, "_ab_init"):
         api._BatchCheck._ab_init = api._BatchCheck.__init__
 
-        def init(self, tree):
-            api._BatchCheck._ab_init(self, tree)
+        def init(self, tree, runtime):
+            api._BatchCheck._ab_init(self, tree, runtime)
             if api._BatchCheck.sync_now:
                 self.wait()
         api._BatchCheck.__init__ = init
