@@ -161,3 +161,46 @@ def test_spawn_says_why_a_child_could_not_rebuild_its_function(tmp_path, cli_env
     assert "No module named 'only_in_the_parent'" in r.stdout, r.stdout + r.stderr
     assert "could not be rebuilt in the new process" in r.stdout
     assert "no Python error" not in r.stdout
+
+
+MIXED = """
+import sys
+import torch
+from torch import nn
+import chimera.api as chimera
+
+def main(rank, world):
+    torch.manual_seed(0)
+    pipe = chimera.Pipeline([nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)], nn.functional.mse_loss,
+                            micro_batches=4, micro_batch_size=2, comm_timeout=5.0)
+    x, y = torch.ones(8, 4), torch.ones(8, 1)
+    pipe.step(x, y)
+    if rank == 1:  # the same values in another shape
+        x, y = x.unsqueeze(1), y.unsqueeze(1)
+    try:
+        pipe.step(x, y)
+        said = "no error"
+    except Exception as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    with open(f"{sys.argv[1]}.{rank}", "w") as f:
+        f.write(said)
+
+if __name__ == "__main__":
+    try:
+        chimera.spawn(main, world=2)
+    except chimera.SpawnError:
+        pass  # the ranks leave out of step: the group's end fails, the messages are written
+"""
+
+
+def test_a_rank_given_another_shape_is_refused_on_every_rank(tmp_path, cli_env):
+    """The batch check starts with the step and is read at its end: the rank whose shape
+    changed reads it at once (before probing), the other went on into the run; when that
+    run fails (its peer never sends), the check explains why, on both ranks."""
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED)
+    subprocess.run([sys.executable, str(script), str(tmp_path / "said")], env=cli_env,
+                   capture_output=True, text=True, timeout=120)
+    for rank in (0, 1):
+        said = (tmp_path / f"said.{rank}").read_text()
+        assert said.startswith("UserError") and "different mini-batches" in said, (rank, said)

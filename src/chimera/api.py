@@ -121,14 +121,17 @@ def default_device() -> torch.device:
 
 
 def _fingerprint(tree) -> torch.Tensor:
-    """Four float64 numbers that differ, in practice, between two different mini-batches:
-    tensor count, elements, sum and a position-weighted sum (a permutation changes it)."""
-    out = torch.zeros(4, dtype=torch.float64)
+    """Five float64 numbers that differ, in practice, between two different mini-batches:
+    tensor count, elements, sum, a position-weighted sum (a permutation changes it) and a
+    weighted sum of the shapes (the same values in another shape change it)."""
+    out = torch.zeros(5, dtype=torch.float64)
     for t in pytree.tree_leaves(tree):
         if isinstance(t, torch.Tensor):
             x = torch.nan_to_num(t.detach().reshape(-1).double().cpu(), 0.0, 1e300, -1e300)
             w = 1.0 + (torch.arange(x.numel(), dtype=torch.float64) % 251) / 251
-            out += torch.tensor([1.0, x.numel(), x.sum(), (x * w).sum()], dtype=torch.float64)
+            shape = sum((k + 1) * 1009.0 ** k * n for k, n in enumerate(t.shape))
+            out += torch.tensor([1.0, x.numel(), x.sum(), (x * w).sum(), shape],
+                                dtype=torch.float64)
     return out
 
 
@@ -149,18 +152,33 @@ class _BatchCheck:
         self.both = torch.cat([mine, -mine]).to(collective_device())
         self.work = runtime.all_reduce_async(self.both, op=dist.ReduceOp.MAX)
 
+    MISMATCH = ("the ranks were given different mini-batches: every rank must pass the same "
+                "whole mini-batch to step()/eval_step() (seed its generator or loader alike on "
+                "every rank; each rank takes its own rows from it)")
+
     def wait(self) -> None:
+        """Wait for the comparison; UserError when the ranks' mini-batches differ."""
         if self.work is None:
             return
         rank, ranks = self.runtime.grid.rank, list(range(dist.get_world_size()))
         wait_work(self.work, self.runtime.sync.timeout, rank,
                   f"batch fingerprint allreduce with {peers_text(rank, ranks)}", ranks)
         self.work = None
-        high, low = self.both[:4].cpu(), -self.both[4:].cpu()
+        high, low = self.both.chunk(2)
+        high, low = high.cpu(), -low.cpu()
         if not torch.equal(high, low):
-            raise UserError("the ranks were given different mini-batches: every rank must pass "
-                             "the same whole mini-batch to step()/eval_step() (seed its generator "
-                             "or loader alike on every rank; each rank takes its own rows from it)")
+            raise UserError(self.MISMATCH)
+
+    def explain(self, exc: BaseException) -> None:
+        """The step failed with ``exc`` while the check was pending: when the ranks' batches
+        differ (a rank given another shape went on to other buffers, and the run broke), say
+        that instead; otherwise return and let ``exc`` stand."""
+        try:
+            self.wait()
+        except UserError:
+            raise UserError(self.MISMATCH) from exc
+        except Exception:  # noqa: BLE001 -- the run's own error is the one to report
+            return
 
 
 def _rows(tree, lo: int, hi: int, device=None):
@@ -335,12 +353,12 @@ class Pipeline:
         self._check_rows(inputs, "inputs")
         if targets is not None:
             self._check_rows(targets, "targets")
+        weight = scale * self._loss_weight(targets)  # (refusals of the input come first)
         check = _BatchCheck((inputs, targets), self.runtime) if self.check_batch else None
         example = _rows(inputs, 0, rows, dev)
         if check is not None and signature(example) != self.runtime.signature:
             check.wait()  # a new shape is probed with collectives: the ranks must agree first
         self.runtime.prepare(example, None if targets is None else _rows(targets, 0, rows, dev))
-        weight = scale * self._loss_weight(targets)
         data = MicroData(weights={m: weight for m in range(s.micro_batches)},
                          outputs={} if outputs else None)
         held, lo = set(grid.held()), grid.w * s.micro_batches * rows
@@ -379,6 +397,9 @@ class Pipeline:
         ``accumulate=False`` starts from zero (as if ``zero_grad()`` came first);
         ``accumulate=True`` adds to the gradients already there, like a second
         ``backward()`` (scale with ``loss_scale`` to average several mini-batches).
+        Mini-batches that differ across ranks are refused (UserError) once the forwards and
+        backwards ran (the check overlaps them): the refused step's gradients are not to be
+        used (accumulated ones are put back as they were), BatchNorm statistics have moved.
         """
         if targets is None:
             raise UserError("step() needs targets (the loss is computed from them); "
@@ -391,16 +412,32 @@ class Pipeline:
         if kept is not None:  # the sums below must cover only this step's gradients
             self.runtime.zero_grad(keep=False)
         counts = counters(self.runtime) if self.sync_buffers else None
-        loss = self.runtime.run(data, record)
+        loss = self._checked(self.runtime.run, data, check, record)
+        if check is not None:  # before the syncs: a refused step leaves ties and buffers alone
+            try:
+                check.wait()
+            except UserError:
+                for t, k in zip(self.runtime.grad_tensors(), kept or []):
+                    t.copy_(k)  # the gradients accumulated before this step, as they were
+                raise
         self.tie_sync.reduce_grads()
         if self.sync_buffers:
             sync_buffers(self.runtime, counts)
         for t, k in zip(self.runtime.grad_tensors(), kept or []):
             t += k
-        if check is not None:
-            check.wait()
         self.runtime.all_reduce(loss)
         return float(loss)
+
+    @staticmethod
+    def _checked(run, data, check: _BatchCheck | None, *args):
+        """``run(data, *args)``; a failure while the batch check is pending is explained by it
+        when the ranks' mini-batches differ."""
+        try:
+            return run(data, *args)
+        except Exception as exc:
+            if check is not None:
+                check.explain(exc)
+            raise
 
     @torch.no_grad()
     def eval_step(self, inputs, targets=None, return_outputs: bool = False):
@@ -411,7 +448,7 @@ class Pipeline:
         data, check = self._micro_data(inputs, targets, 1.0, outputs=return_outputs)
         if self.runtime.shards:
             self.runtime.gather_parameters()
-        loss = self.runtime.run_forward(data)
+        loss = self._checked(self.runtime.run_forward, data, check)
         if check is not None:
             check.wait()
         self.runtime.all_reduce(loss)

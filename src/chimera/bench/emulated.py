@@ -189,18 +189,30 @@ def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None,
     cost = cost_of(cfg)
     lowered = schedule if schedule.lowered else lower(schedule, "eager")
     times = dict(f=cost.forward_s, i=cost.input_grad_s, w=cost.weight_grad_s)
-    free = simulate(lowered, CostModel.unit(**times))
+    free = simulate(lowered, stage_costs(lowered, **times))
     out = {"simulated_free_s": free.makespan,
            "simulated_peak_activations": [r.peak_activations for r in free.ranks]}
     if latency is None:
         return out
     links = dict(p2p_time=latency["p2p_s"], allreduce_time=latency["allreduce_s"])
-    priced = simulate(lowered, CostModel.unit(**times, **links))
+    priced = simulate(lowered, stage_costs(lowered, **times, **links))
     out["simulated_step_s"], out["timeline"] = priced.makespan, priced
     if stretch:
         at = {k: v * stretch.get(k.upper(), 1.0) for k, v in times.items()}
-        out["simulated_measured_waits_s"] = simulate(lowered, CostModel.unit(**at, **links)).makespan
+        out["simulated_measured_waits_s"] = simulate(lowered, stage_costs(lowered, **at, **links)).makespan
     return out
+
+
+def stage_costs(schedule: Schedule, f: float, i: float, w: float, **links) -> CostModel:
+    """The emulated layers' costs on ``schedule``'s cut: per stage its share (D/S of a D-th)
+    of F, I and W, except the first stage: its input carries no gradient, so its layers do
+    their I on the weight path (I = 0, W = I + W there, as ``EmulatedLayer`` waits and as a
+    real first stage's backward is all needed for its weights)."""
+    n, share = schedule.stages, schedule.ranks / schedule.stages
+    fs = (f * share,) * n
+    is_ = (0.0,) + (i * share,) * (n - 1)
+    ws = ((i + w) * share,) + (w * share,) * (n - 1)
+    return CostModel(f=fs, b=tuple(a + b for a, b in zip(is_, ws)), i=is_, w=ws, **links)
 
 
 def stretch_of(totals: list[dict] | None) -> dict[str, float] | None:

@@ -67,6 +67,12 @@ def _name(row: Row) -> str:
     return row.schedule + (f" ({', '.join(extra)})" if extra else "")
 
 
+def _default(row: dict) -> bool:
+    """Our row at the scheme's defaults (interleaved's chunks=2 is one)."""
+    scheme = get_scheme(row["schedule"])
+    return all(scheme.is_default(k, v) for k, v in row["options"].items())
+
+
 def _best(results: list[dict], impl: str) -> dict | None:
     pick = [r for r in results if r["impl"] == impl]
     return min(pick, key=lambda r: r["median_step_s"]) if pick else None
@@ -79,7 +85,7 @@ def targets(results: list[dict]) -> dict:
     pairs = {}
     for r in results:
         if r["impl"] == "torch" and r["schedule"] in SAME:
-            mine = next((o for o in ours if o["schedule"] == SAME[r["schedule"]] and not o["options"]), None)
+            mine = next((o for o in ours if o["schedule"] == SAME[r["schedule"]] and _default(o)), None)
             if mine is not None:
                 pairs[SAME[r["schedule"]]] = ratio(r["median_step_s"], mine["median_step_s"])
     best, torch_best = _best(results, "chimera"), _best(results, "torch")

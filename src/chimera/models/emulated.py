@@ -142,7 +142,7 @@ class _WeightPath(torch.autograd.Function):
     def forward(ctx, bias, rows, weight_s, saved_bytes, log, label):
         ctx.weight_s, ctx.log, ctx.label = weight_s, log, label
         # the activation a real layer would keep for its backward: freed with this node
-        ctx.save_for_backward(torch.empty(saved_bytes, dtype=torch.uint8))
+        ctx.save_for_backward(torch.empty(saved_bytes, dtype=torch.uint8, device=bias.device))
         return bias.unsqueeze(0).expand(rows, -1).clone()
 
     @staticmethod

@@ -106,6 +106,11 @@ class Mailbox:
         self.sends: deque[tuple[object, torch.Tensor | None, Action, int]] = deque()
 
     def begin_iteration(self) -> None:
+        if self.pending:  # a run that stopped midway: a posted receive would take a new message
+            raise RuntimeError(
+                f"rank {self.grid.rank}: an earlier step stopped with receives still posted "
+                f"({', '.join(map(str, sorted(self.pending)[:3]))}...); the pipeline cannot run "
+                "another step: build it again")
         self.posted: set[Message] = set()  # receives posted so far this iteration
         self.ahead = False  # whether the rest were posted ahead (gloo: see receive)
 

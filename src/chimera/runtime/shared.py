@@ -133,7 +133,7 @@ def sync_buffers(runtime, before: dict[int, torch.Tensor] | None = None) -> None
         if not mine or group is None:
             continue
         if before is not None:
-            _add_counts(mine, before, group)
+            _add_counts(runtime, mine, before, group)
         bufs = [[b for b in m.buffers() if b.is_floating_point()] for m in mine]
         if not bufs[0]:
             continue
@@ -147,7 +147,7 @@ def sync_buffers(runtime, before: dict[int, torch.Tensor] | None = None) -> None
                 offset += b.numel()
 
 
-def _add_counts(mine: list, before: dict[int, torch.Tensor], group) -> None:
+def _add_counts(runtime, mine: list, before: dict[int, torch.Tensor], group) -> None:
     """Integer buffers of one stage's replicas on this rank: the sum of the increases over
     the stage's replica group, added to the common start."""
     bufs = [[b for b in m.buffers() if id(b) in before] for m in mine]
@@ -155,7 +155,7 @@ def _add_counts(mine: list, before: dict[int, torch.Tensor], group) -> None:
         return
     rises = torch.stack([torch.cat([(b - before[id(b)]).reshape(-1).long() for b in bs])
                          for bs in bufs]).sum(0)
-    dist.all_reduce(rises, group=group)
+    runtime.all_reduce(rises, group)  # in the rank's one order (strict emulation)
     for bs in bufs:
         offset = 0
         for b in bs:
