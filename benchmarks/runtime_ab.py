@@ -6,8 +6,8 @@ current runtime, rounds interleaved (A B C, then B C A, ...) so machine noise hi
 - ``now``: the runtime as it is;
 - ``sync-fingerprint``: the batch fingerprint's allreduce waited for before the first action
   (as before), not read at the end of the step;
-- ``plan-posts``: receives posted where the comm plan puts them (as on NCCL), not all at the
-  start of the iteration (gloo);
+- ``plan-posts``: receives posted where the comm plan puts them (as on NCCL), not the rest of
+  the iteration's at a rank's first wait (gloo);
 - ``before``: both.
 
     python benchmarks/runtime_ab.py --emulate 20:20:20 -D 4 -N 8 --schedules zb-v,1f1b,chimera-zb
@@ -112,8 +112,8 @@ def main() -> int:
             rows.append({"schedule": s, "variant": v, "median_step_s": med, "vs_now": med / now,
                          "steps_s": raw[f"{s}|{v}"]})
     command = "python benchmarks/runtime_ab.py " + " ".join(sys.argv[1:])
-    lines = [f"{command} ({time.strftime('%Y-%m-%d %H:%M')}, load average before/after: "
-             f"{os.getloadavg()[0]:.1f})", "",
+    lines = [f"{command} ({time.strftime('%Y-%m-%d %H:%M')}, load average at the end: "
+             f"{os.getloadavg()[0]:.1f}; min..max of the rounds in the JSON)", "",
              "| schedule | variant | median step (s) | / now |", "|---|---|---|---|"]
     lines += [f"| {r['schedule']} | {r['variant']} | {r['median_step_s']:.3f} | {r['vs_now']:.3f} |"
               for r in rows]
