@@ -50,14 +50,17 @@ def _box(schedule: str, rank: int, transport: _Recording):
     return plan, box
 
 
-def _run(box: Mailbox, steps) -> None:
-    """The receive side of one iteration: Posts and RECVs in program order."""
+def _run(box: Mailbox, steps, until_first_wait: bool = False) -> None:
+    """The receive side of one iteration: Posts and RECVs in program order (or up to and
+    including the first RECV)."""
     box.begin_iteration()
     for step in steps:
         if isinstance(step, Post):
             box.post(step.message)
         elif isinstance(step, Action) and step.op in (Op.RECV_F, Op.RECV_B):
             box.receive(step)
+            if until_first_wait:
+                return
     box.finish_iteration()
 
 
@@ -73,24 +76,14 @@ def test_without_tag_matching_each_receive_is_posted_at_its_post(schedule):
     assert t.posts == _tags(plan, 1)
 
 
-def _until_first_wait(box: Mailbox, steps) -> None:
-    box.begin_iteration()
-    for step in steps:
-        if isinstance(step, Post):
-            box.post(step.message)
-        elif isinstance(step, Action) and step.op in (Op.RECV_F, Op.RECV_B):
-            box.receive(step)
-            return
-
-
 @pytest.mark.parametrize("schedule", ["zb-v", "chimera", "1f1b"])
 def test_on_gloo_the_first_wait_posts_the_rest_once_in_plan_order(schedule):
     t = _Recording(matches_by_tag=True)
     plan, box = _box(schedule, 1, t)
-    _until_first_wait(box, plan.steps[1])
+    _run(box, plan.steps[1], until_first_wait=True)
     assert t.posts == _tags(plan, 1)  # all of them by the first wait, in the plan's order
     plain = _Recording(matches_by_tag=False)
-    _until_first_wait(_box(schedule, 1, plain)[1], plan.steps[1])
+    _run(_box(schedule, 1, plain)[1], plan.steps[1], until_first_wait=True)
     assert len(plain.posts) < len(t.posts)  # (the plan alone posts fewer by then)
     for _ in range(2):  # whole iterations: each receive once, in the plan's order
         t.posts.clear()
