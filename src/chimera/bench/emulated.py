@@ -19,12 +19,12 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import pipelining
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from chimera.api import Pipeline
-from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row
-from chimera.bench.torchpp import run_schedule, stages_of
+from chimera.bench.rows import BenchConfig, Row
+from chimera.bench.profiler import allreduce_time, ping
+from chimera.bench.torchpp import TorchPipeline
 from chimera.ir import Action, Op, Placement, Schedule
 from chimera.models.emulated import EmulatedCost, WaitLog, emulated_batch, emulated_layers
 from chimera.passes import lower
@@ -75,33 +75,22 @@ class EmulatedOurs:
         return self.schedule
 
 
-class EmulatedTorch:
+class EmulatedTorch(TorchPipeline):
     """``torch.distributed.pipelining`` on the same emulated layers, cut and data."""
 
     def __init__(self, cfg: BenchConfig, row: Row, rank: int):
-        cls_name, self.style, per_rank = TORCH_SCHEDULES[row.schedule]
-        cls = getattr(pipelining, cls_name, None)
-        if cls is None:
-            raise RuntimeError(f"torch {torch.__version__} has no pipelining.{cls_name}")
-        self.cfg, self.row, self.cost, self.log = cfg, row, cost_of(cfg), WaitLog()
-        n = cfg.stages * per_rank
+        self.cost, self.log = cost_of(cfg), WaitLog()
         make = emulated_layers(self.cost, cfg.stages, layer_count(cfg), cfg.seed, self.log)
-        cut = equal_cut(layer_count(cfg), n)
-        self.indices = stages_of(self.style, rank, cfg.stages, per_rank)
-        modules = [nn.Sequential(*[make(i) for i in cut[s]]) for s in self.indices]
-        stages = [pipelining.PipelineStage(m, s, n, torch.device("cpu"))
-                  for m, s in zip(modules, self.indices)]
-        lf = nn.functional.mse_loss
-        self.schedule = cls(stages[0] if per_rank == 1 else stages,
-                            n_microbatches=cfg.micro_batches, loss_fn=lf)
-        self.first, self.last, self.stages = 0 in self.indices, n - 1 in self.indices, n
-        self.params = [p for m in modules for p in m.parameters()]
+
+        def module_of(stage: int, n: int) -> nn.Module:
+            return nn.Sequential(*[make(i) for i in equal_cut(layer_count(cfg), n)[stage]])
+        super().__init__(cfg, row, rank, module_of, nn.functional.mse_loss)
 
     def step(self, i: int) -> float:
         x, y = emulated_batch(self.cost, self.cfg.global_batch, i, self.cfg.seed)
         for p in self.params:
             p.grad = None
-        return run_schedule(self.schedule, self.first, self.last, x, y, self.cfg.micro_batches)
+        return self.run(x, y)
 
     def order(self) -> Schedule | None:
         """The order torch's schedule object executes, as our (unlowered) Schedule: a
@@ -142,33 +131,13 @@ def link_latency(cfg: BenchConfig, rank: int, reps: int = 30) -> dict:
     ping-pong round trip) and median allreduce time of one stage's gradient between ranks 0
     and D-1 (Chimera's stage-0 pair), over gloo, measured in the bench's own process group."""
     width, rows = cost_of(cfg).width, cfg.micro_batch_size
-    msg = torch.zeros(rows, width)
-    trips = []
-    for _ in range(reps + 3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(msg, 1)
-            dist.recv(msg, 1)
-        elif rank == 1:
-            dist.recv(msg, 0)
-            dist.send(msg, 0)
-        trips.append((time.perf_counter() - t0) / 2)
-    pair = dist.new_group([0, cfg.stages - 1])
-    grad = torch.zeros(width * 2)
-    reduces = []
-    for _ in range(reps + 3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank in (0, cfg.stages - 1):
-            dist.all_reduce(grad, group=pair)
-        reduces.append(time.perf_counter() - t0)
-    box = torch.tensor([statistics.median(trips[3:]), statistics.median(reduces[3:])],
-                       dtype=torch.float64)
-    if rank not in (0, 1):
-        box[0] = 0.0
-    if rank not in (0, cfg.stages - 1):
-        box[1] = 0.0
+    msg, grad = torch.zeros(rows, width), torch.zeros(width * 2)
+    ends = (0, cfg.stages - 1)
+    pair = dist.new_group(list(ends))
+    trips = [ping(rank, msg) for _ in range(reps + 3)][3:]
+    reduces = [allreduce_time(rank, grad, pair, ends) for _ in range(reps + 3)][3:]
+    # ranks outside a pair timed nothing (0): the pair's own medians win the MAX
+    box = torch.tensor([statistics.median(trips), statistics.median(reduces)], dtype=torch.float64)
     dist.all_reduce(box, op=dist.ReduceOp.MAX)
     return {"p2p_s": float(box[0]), "allreduce_s": float(box[1]),
             "how": f"p2p: median of {reps} half round trips of a {rows}x{width} float32 message "

@@ -60,11 +60,9 @@ def assemble(cfg: BenchConfig, rows: list[Row], raw: dict, started: float, load:
                            latency=raw.get("latency"))
 
 
+
 def _name(row: Row) -> str:
-    if row.impl != "chimera":
-        return row.schedule
-    extra = get_scheme(row.schedule).labels(row.opts)
-    return row.schedule + (f" ({', '.join(extra)})" if extra else "")
+    return report.row_name({"impl": row.impl, "schedule": row.schedule, "options": row.opts})
 
 
 def _default(row: dict) -> bool:

@@ -143,11 +143,14 @@ def fit_link(samples: list[tuple[int, float]], steps: int = 1) -> dict:
             "samples": [[b, t] for b, t in samples]}
 
 
-def _ping(rank: int, buf: torch.Tensor) -> float:
-    peer = 1 - rank
+def ping(rank: int, buf: torch.Tensor, pair: tuple[int, int] = (0, 1)) -> float:
+    """Half a round trip of ``buf`` between the ranks of ``pair`` (0.0 on the others)."""
     dist.barrier()
+    if rank not in pair:
+        return 0.0
+    peer = pair[1] if rank == pair[0] else pair[0]
     t0 = time.perf_counter()
-    if rank == 0:
+    if rank == pair[0]:
         dist.isend(buf, peer).wait()
         dist.irecv(buf, peer).wait()
     else:
@@ -156,10 +159,13 @@ def _ping(rank: int, buf: torch.Tensor) -> float:
     return (time.perf_counter() - t0) / 2
 
 
-def _allreduce(rank: int, buf: torch.Tensor) -> float:
+def allreduce_time(rank: int, buf: torch.Tensor, group=None, members=None) -> float:
+    """Seconds of one allreduce of ``buf`` over ``group`` (0.0 on ranks outside ``members``)."""
     dist.barrier()
+    if members is not None and rank not in members:
+        return 0.0
     t0 = time.perf_counter()
-    dist.all_reduce(buf)
+    dist.all_reduce(buf, group=group)
     return time.perf_counter() - t0
 
 
@@ -168,7 +174,7 @@ def _links_worker(rank: int, port: int, repeat: int, out: str) -> None:
         result: dict = {"p2p": [], "allreduce": []}
         for nbytes in LINK_SIZES:
             buf = torch.zeros(nbytes // 4)
-            for key, fn in (("p2p", _ping), ("allreduce", _allreduce)):
+            for key, fn in (("p2p", ping), ("allreduce", allreduce_time)):
                 times = [fn(rank, buf) for _ in range(repeat + 2)][2:]
                 result[key].append((nbytes, statistics.median(times)))
         if rank == 0:

@@ -61,7 +61,7 @@ def targets(results: list[dict]) -> dict:
         return None if not slow or not fast else slow["median_step_s"] / fast["median_step_s"]
 
     out = {"torch_best": torch_best and torch_best["schedule"],
-           "chimera_best": best and _name(best),
+           "chimera_best": best and row_name(best),
            "ours_1f1b_vs_torch_1f1b": ratio(torch_1f1b, ours_1f1b)}
     for key, row in (("chimera", direct), ("chimera_best", best)):
         out[f"{key}_vs_torch_best"] = ratio(torch_best, row)
@@ -96,7 +96,7 @@ def assemble(cfg: BenchConfig, rows: list[Row], raw: dict, started: float, load:
             "summary": targets(results) if summary is None else summary, **extra}
 
 
-def _name(r: dict) -> str:
+def row_name(r: dict) -> str:
     if r["impl"] == "single":
         acc = r["options"].get("micro_batches")
         return f"single, {r['threads']} thread{'s' if r['threads'] > 1 else ''}" + \
@@ -120,7 +120,7 @@ def markdown(data: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res:
         speed = "-" if not single else f"{single['median_step_s'] / r['median_step_s']:.2f}x"
-        lines.append(f"| {r['impl']} | {_name(r)} | {r['stages']} | {r['median_step_s']:.3f} | "
+        lines.append(f"| {r['impl']} | {row_name(r)} | {r['stages']} | {r['median_step_s']:.3f} | "
                      f"{r['min_step_s']:.3f} .. {r['max_step_s']:.3f} | {r['sequences_per_s']:.1f} | "
                      f"{speed} | {_mb(r['peak_rss_mb'])} | {_mb(r['peak_activation_mb'])} |")
     return "\n".join(lines) + "\n\n" + targets_text(data["summary"])
@@ -175,7 +175,7 @@ def chart(data: dict, path: str) -> None:
     med = [r["median_step_s"] for r in res]
     err = [[m - r["min_step_s"] for m, r in zip(med, res)], [r["max_step_s"] - m for m, r in zip(med, res)]]
     ax.barh(list(y), med, xerr=err, color=[colors[r["impl"]] for r in res], capsize=2)
-    ax.set_yticks(list(y), [f"{r['impl']}: {_name(r)}" for r in res], fontsize=8)
+    ax.set_yticks(list(y), [f"{r['impl']}: {row_name(r)}" for r in res], fontsize=8)
     ax.set_xlabel("seconds per optimizer step (median; whiskers: min..max)")
     c = data["config"]
     ax.set_title(f"{c['model']}, {c['global_batch']} sequences/step, N={c['micro_batches']}, "

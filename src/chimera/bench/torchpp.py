@@ -42,30 +42,44 @@ def run_schedule(schedule, first: bool, last: bool, inputs, targets, micro_batch
     return float(total.item())
 
 
-class TorchRunner:
-    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
-        cls_name, style, per_rank = TORCH_SCHEDULES[row.schedule]
+class TorchPipeline:
+    """This rank's share of a torch.distributed.pipelining schedule ``row.schedule`` over
+    ``cfg.stages`` ranks: ``module_of(stage, n)`` builds stage ``stage`` of ``n`` (the same
+    weights on every rank); ``step`` runs one mini-batch."""
+
+    def __init__(self, cfg: BenchConfig, row: Row, rank: int, module_of, loss):
+        cls_name, self.style, per_rank = TORCH_SCHEDULES[row.schedule]
         cls = getattr(pipelining, cls_name, None)
         if cls is None:
             raise RuntimeError(f"torch {torch.__version__} has no pipelining.{cls_name}")
-        self.cfg, self.model = cfg, get_config(cfg.model)
+        self.cfg, self.row = cfg, row
+        self.stages = n = cfg.stages * per_rank
+        self.indices = stages_of(self.style, rank, cfg.stages, per_rank)
+        self.modules = [module_of(i, n) for i in self.indices]
+        stages = [pipelining.PipelineStage(m, i, n, torch.device("cpu"))
+                  for m, i in zip(self.modules, self.indices)]
+        self.schedule = cls(stages[0] if per_rank == 1 else stages,
+                            n_microbatches=cfg.micro_batches, loss_fn=loss)
+        self.first, self.last = 0 in self.indices, n - 1 in self.indices
+        self.params = [p for m in self.modules for p in m.parameters()]
+
+    def run(self, inputs, targets) -> float:
+        return run_schedule(self.schedule, self.first, self.last, inputs, targets,
+                            self.cfg.micro_batches)
+
+
+class TorchRunner(TorchPipeline):
+    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+        self.model = get_config(cfg.model)
         self.tc = TrainConfig(model=cfg.model, schedule="none", stages=1, micro_batches=1,
                               micro_batch_size=cfg.global_batch, steps=cfg.rounds + 2,
                               seed=cfg.seed, progress=False).preflight()
-        n = cfg.stages * per_rank
-        ranges = stage_ranges(self.tc, self.tc.model_source, n)
-        self.indices = stages_of(style, rank, cfg.stages, per_rank)
-        self.modules = [torch.nn.Sequential(*build_layers(self.model, cfg.seed, ranges[i]))
-                        for i in self.indices]
-        stages = [pipelining.PipelineStage(m, i, n, torch.device("cpu"))
-                  for m, i in zip(self.modules, self.indices)]
-        lf = loss_fn(self.model, "mean")
-        if per_rank == 1:
-            self.schedule = cls(stages[0], n_microbatches=cfg.micro_batches, loss_fn=lf)
-        else:
-            self.schedule = cls(stages, n_microbatches=cfg.micro_batches, loss_fn=lf)
-        self.first, self.last = 0 in self.indices, n - 1 in self.indices
-        self.params = [p for m in self.modules for p in m.parameters()]
+        cut: dict[int, list[range]] = {}
+
+        def module_of(stage: int, n: int) -> torch.nn.Module:
+            ranges = cut.setdefault(n, stage_ranges(self.tc, self.tc.model_source, n))
+            return torch.nn.Sequential(*build_layers(self.model, cfg.seed, ranges[stage]))
+        super().__init__(cfg, row, rank, module_of, loss_fn(self.model, "mean"))
         self.optimizer = make_optimizer(self.params, self.tc)
         self.corpus = load_corpus(None, seq_len=self.model.seq_len)
 
@@ -73,8 +87,7 @@ class TorchRunner:
         inputs, targets = get_batch(self.corpus, i, self.cfg.global_batch, self.model.seq_len,
                                     self.cfg.seed, self.model.kind)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = run_schedule(self.schedule, self.first, self.last, inputs, targets,
-                            self.cfg.micro_batches)
+        loss = self.run(inputs, targets)
         self._clip()
         self.optimizer.step()
         return loss

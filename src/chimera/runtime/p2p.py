@@ -50,7 +50,7 @@ class Transport:
     receive may be posted at any time without holding up other operations (gloo), unlike
     NCCL's FIFO streams."""
 
-    matches_by_tag = False
+    matches_by_tag = False  # (a class default: the NCCL emulation, a Transport, sets no own)
 
     def __init__(self, matches_by_tag: bool = False):
         self.matches_by_tag = matches_by_tag
@@ -95,9 +95,8 @@ class Mailbox:
     def __init__(self, plan: CommPlan, grid, shape_of, dtype: torch.dtype,
                  device: torch.device, timeout_s: float | None, transport: Transport | None = None):
         self.schedule, self.grid = plan.schedule, grid
-        incoming = plan.incoming[grid.d]
-        self.order = incoming
-        self.buffers = {m: torch.empty(shape_of(m), dtype=dtype, device=device) for m in incoming}
+        self.order = plan.incoming[grid.d]  # the receives, in the order the plan posts them
+        self.buffers = {m: torch.empty(shape_of(m), dtype=dtype, device=device) for m in self.order}
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.transport = transport or Transport()
         self.dtype = dtype
