@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from chimera.data_formats import DataInfo
+from chimera.data.formats import DataInfo
 from chimera.train.generate import Loaded, Settings, sample
 from chimera.train.sources import open_source
 

@@ -11,7 +11,7 @@ on CPU). What one device can show, each as one row of the table:
 - ``virtual``: all D ranks of chimera D=4 (and 1f1b, zb-v) in one process on the GPU, every
   rank a thread, p2p as copies: gradients against single-device training (float64); every
   rank's ``dist`` calls are recorded and replayed under NCCL's strictest model (one stream
-  per rank for p2p and collectives: ``chimera.rendezvous.replay_recorded``);
+  per rank for p2p and collectives: ``chimera.check.rendezvous.replay_recorded``);
 - ``device plan``: the same with the device path's collectives cut small
   (``CHIMERA_DEVICE_PLAN``, several buckets per stage), where they broke before: GEMS with
   odd N (buckets decided per stage), the sharded optimizer (reduce-scatters and prefetched
@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 from chimera.runtime.sync import DEVICE_PLAN_ENV  # noqa: E402
 from chimera.runtime.virtual import VirtualWorld, run_virtual  # noqa: E402
-from chimera.rendezvous import replay_recorded  # noqa: E402
+from chimera.check.rendezvous import replay_recorded  # noqa: E402
 from chimera.train.config import TrainConfig  # noqa: E402
 from chimera.train.equivalence import check_virtual  # noqa: E402
 from chimera.train.loop import Trainer  # noqa: E402

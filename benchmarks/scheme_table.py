@@ -6,7 +6,7 @@ Usage: python benchmarks/scheme_table.py [D N]   (writes benchmarks/results/sche
 import os
 import sys
 
-from chimera.tables import scheme_table
+from chimera.theory.tables import scheme_table
 
 
 def main():

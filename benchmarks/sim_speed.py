@@ -11,7 +11,7 @@ import time
 from chimera.passes import lower
 from chimera.schedules import build
 from chimera.sim import CostModel, simulate
-from chimera.validate import validate
+from chimera.check.validate import validate
 
 CASES = [("chimera", 32, 128, {}), ("chimera", 16, 64, {"strategy": "doubling"}), ("1f1b", 32, 128, {})]
 

@@ -20,13 +20,13 @@ import sys
 import tempfile
 import time
 
-from chimera.bounds import placement_bound, schedule_bound
+from chimera.theory.bounds import placement_bound, schedule_bound
 from chimera.ir import Placement
 from chimera.passes import lower
 from chimera.schedules import build
 from chimera.schedules.chimera_zb import AUTO, RESERVES, RULES, op_times, play
 from chimera.sim import CostModel, simulate
-from chimera.validate import validate
+from chimera.check.validate import validate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results", "zero_bubble")
@@ -180,7 +180,7 @@ def main() -> None:
         "# Zero-bubble schedules against the lower bound", "",
         "Simulated with F = I = W = 1 (B = 2 where backward is not split), no communication. "
         "Lower bound: `chimera simulate --bound` (first input arrival on the latest-starting rank "
-        "plus the mirror tail; `chimera.bounds`).", "", table, "",
+        "plus the mirror tail; `chimera.theory.bounds`).", "", table, "",
         "## chimera-zb priority rules", "", rules, "",
         "## Other costs (bubble, peak activations per rank)", "", costs, "",
         "## CP-SAT refinement", "",

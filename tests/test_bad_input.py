@@ -103,8 +103,8 @@ def _data_files(root):
     import datasets
     import numpy as np
 
-    from chimera.bpe import tokenize
-    from chimera.data_formats import DataSpec
+    from chimera.data.bpe import tokenize
+    from chimera.data.formats import DataSpec
 
     text = (root / "text.txt").read_text()
     tokenize(DataSpec(str(root / "text.txt")), root / "tok", 300)
@@ -338,7 +338,7 @@ def test_api_raises_a_value_error_subclass(kwargs):
 
 def test_api_refuses_data_formats(files):
     """TrainConfig refuses what its layout and metadata show; open_data what the ids show."""
-    from chimera.data_formats import DataSpec, open_data
+    from chimera.data.formats import DataSpec, open_data
 
     for kwargs, word in ((dict(data=str(files / "floats.npy"), vocab_size=10), "float64"),
                          (dict(data=str(files / "ds" / "state.json")), "datasets folder"),
@@ -429,7 +429,7 @@ def test_every_user_facing_error_type_is_a_user_error():
     from chimera.runtime.boundary import BoundaryMismatch
     from chimera.sim.profile import ProfileError
     from chimera.train.checkpoint import CheckpointError
-    from chimera.validate import ValidationError
+    from chimera.check.validate import ValidationError
 
     for error in (UsageError, ScheduleError, ValidationError, ConfigError, CheckpointError,
                   PlanError, ProfileError, BoundaryMismatch):

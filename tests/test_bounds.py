@@ -1,9 +1,9 @@
-"""chimera.bounds: neither the bound of a schedule's placement nor the planner's floor ever
+"""chimera.theory.bounds: neither the bound of a schedule's placement nor the planner's floor ever
 exceeds the simulated makespan, over a grid of schemes, shapes and cost models (no torch)."""
 
 import pytest
 
-from chimera import bounds
+from chimera.theory import bounds
 from chimera.ir import Placement, ScheduleError
 from chimera.passes import lower
 from chimera.schedules import build, schemes

@@ -13,7 +13,7 @@ from chimera.ir import Action, Op
 from chimera.passes import lower
 from chimera.schedules import build
 from chimera.sim import CostModel, simulate
-from chimera.validate import validate
+from chimera.check.validate import validate
 
 HEAVY = CostModel.unit(1, 2)  # B = 2F, the case forward doubling is for
 
@@ -140,7 +140,7 @@ def test_a_partial_last_unit_is_a_full_one_with_micro_batches_left_out(d, n, str
 
 @pytest.mark.parametrize("d", [4, 8, 16, 32])
 def test_closed_forms_of_doubling_and_halving(d):
-    from chimera.formulas import closed_form
+    from chimera.theory.formulas import closed_form
 
     for strategy, n in (("doubling", 4 * d), ("halving", 2 * d)):
         t = simulate(lower(build("chimera", d, n, strategy=strategy)), HEAVY)

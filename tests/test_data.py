@@ -186,7 +186,7 @@ import numpy as np  # noqa: E402
 
 from chimera.cli import main  # noqa: E402
 from chimera.data import Corpus  # noqa: E402
-from chimera.data_formats import DataSpec, _meta_mask, open_data  # noqa: E402
+from chimera.data.formats import DataSpec, _meta_mask, open_data  # noqa: E402
 from chimera.train.loop import Trainer  # noqa: E402
 
 T = 32  # gpt2-tiny's sequence length
@@ -197,7 +197,7 @@ def fmt(tmp_path_factory):
     """One file or folder per format, and the ids each holds (the train split's source)."""
     import datasets
 
-    from chimera.bpe import tokenize
+    from chimera.data.bpe import tokenize
 
     root = tmp_path_factory.mktemp("formats")
     text = open(argparse.__file__, encoding="utf-8").read()[:24_000]
@@ -382,7 +382,7 @@ def test_bert_on_token_ids_gets_a_mask_id_after_the_vocabulary(fmt):
 
 def test_token_files_are_memory_mapped_and_sampled_as_in_memory(fmt):
     """A memory map gives the same batches as the same ids in memory (and as a tensor)."""
-    from chimera.data_tokens import TokenFile
+    from chimera.data.tokens import TokenFile
 
     root, _, ids, _ = fmt
     mapped = open_data(DataSpec(str(root / "u16.bin"), token_dtype="uint16", vocab_size=1000))
@@ -438,7 +438,7 @@ def test_mask_token_of_a_tokenizer():
     """[MASK] and RoBERTa's <mask> as special tokens; a plain vocabulary entry is text."""
     from tokenizers import Tokenizer, models, trainers
 
-    from chimera.data_text import mask_id_of
+    from chimera.data.text import mask_id_of
 
     roberta = Tokenizer(models.BPE())
     roberta.train_from_iterator(["some text"], trainers.BpeTrainer(
@@ -534,8 +534,8 @@ def test_a_token_file_of_ids_made_in_memory(fmt, tmp_path):
     """to_token_file: the same ids and batches, over a read-only file."""
     import os
 
-    from chimera.data_formats import to_token_file
-    from chimera.data_tokens import TokenFile
+    from chimera.data.formats import to_token_file
+    from chimera.data.tokens import TokenFile
 
     root = fmt[0]
     made = open_data(DataSpec(str(root / "text.txt"), tokenizer=str(root / "tok" / "tokenizer.json")))
@@ -563,7 +563,7 @@ def test_an_old_meta_whose_tokenizer_cannot_be_read_still_gives_its_ids(tmp_path
 def test_a_file_streams_in_the_pieces_cut_makes_of_it(monkeypatch, tmp_path):
     """A text file is read a block at a time (never whole), into exactly the pieces ``cut``
     makes of the whole text; the last one ends the document; a bad byte is placed exactly."""
-    from chimera import data_text
+    from chimera.data import text as data_text
 
     text = "".join(f"line {i} " + "é" * (i % 7) + "\n" * (1 + i % 3) for i in range(3000))
     (tmp_path / "t.txt").write_text(text + "a" * 300)     # and a line longer than a piece
@@ -601,7 +601,7 @@ def test_tokenizing_the_stdlib_holds_out_its_held_out_files(monkeypatch, tmp_pat
     """`chimera tokenize` on the default corpus: val.bin is the ids of the held-out files, and
     the stdlib read through that tokenizer gives the same two splits."""
     from chimera import data
-    from chimera.bpe import tokenize
+    from chimera.data.bpe import tokenize
 
     monkeypatch.setattr(data, "DEFAULT_MAX_BYTES", 200_000)  # a small corpus, the same rule
     meta = tokenize(DataSpec(None), tmp_path / "tok", 300)
@@ -613,7 +613,7 @@ def test_tokenizing_the_stdlib_holds_out_its_held_out_files(monkeypatch, tmp_pat
 
     tok = tmp_path / "tok" / "tokenizer.json"
     bpe = Tokenizer.from_file(str(tok))
-    from chimera.data_text import cut
+    from chimera.data.text import cut
 
     want = []
     for doc in held:  # each file (the last one cut at the cap) in its pieces, then <|endoftext|>

@@ -8,7 +8,7 @@ import torch
 from chimera.train import decode
 from chimera.train.generate import Loaded, Settings, left_pad, pick, sample
 from chimera.train.sources import open_source
-from chimera.data_formats import DataInfo
+from chimera.data.formats import DataInfo
 
 ROWS = [[5, 9, 2, 7, 7, 1], [3], [8, 8, 4]]
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from chimera.comm_plan import plan_comm
+from chimera.check.comm_plan import plan_comm
 from chimera.ir import Op
 from chimera.passes import lower
 from chimera.runtime.grid import ProcessGrid

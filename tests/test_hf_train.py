@@ -24,7 +24,7 @@ from transformers import BertConfig, GPT2Config  # noqa: E402
 
 import chimera.api as chimera  # noqa: E402
 from chimera.cli import main  # noqa: E402
-from chimera.data_formats import DataInfo  # noqa: E402
+from chimera.data.formats import DataInfo  # noqa: E402
 from chimera.models import get_config, layer_costs  # noqa: E402
 from chimera.train import TrainConfig  # noqa: E402
 from chimera.train import checkpoint as ckpt  # noqa: E402

@@ -11,7 +11,7 @@
 import pytest
 import torch
 
-from chimera.comm_plan import Post, plan_comm
+from chimera.check.comm_plan import Post, plan_comm
 from chimera.ir import Action, Op
 from chimera.passes import lower
 from chimera.runtime.grid import ProcessGrid

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from chimera.comm_plan import Message, Post
+from chimera.check.comm_plan import Message, Post
 from chimera.ir import Action, Op
 from chimera.passes import lower
 from chimera.runtime.executor import MicroData
@@ -34,7 +34,7 @@ from chimera.runtime.p2p import CommTimeout, Transport, wait_work
 from chimera.runtime.sync import DEVICE_PLAN_ENV
 from chimera.runtime.pipeline import PipelineRuntime
 from chimera.schedules import build
-from chimera.validate import validate
+from chimera.check.validate import validate
 
 WIDTH, B, STEPS, TIMEOUT_S = 4, 2, 2, 60.0
 D2 = [("chimera", {}, 4), ("chimera", {"strategy": "doubling"}, 4),

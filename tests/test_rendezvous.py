@@ -4,12 +4,12 @@ calls the real runtime makes (recorded through a fake ``torch.distributed``)."""
 
 import pytest
 
-from chimera import rendezvous as rv
-from chimera.comm_plan import CommPlan, Launch, Message, Post, plan_comm
+from chimera.check import rendezvous as rv
+from chimera.check.comm_plan import CommPlan, Launch, Message, Post, plan_comm
 from chimera.ir import Action, Op, ScheduleError
 from chimera.passes import SYNC_MODES, lower
 from chimera.schedules import build, schemes
-from chimera.validate import ValidationError
+from chimera.check.validate import ValidationError
 
 OPTIONS = {  # options worth sweeping; every other runnable scheme runs with its defaults
     "chimera": [{"pipes": q, "strategy": st} for q in (2, 4)
@@ -149,11 +149,11 @@ def test_opposite_collective_order_deadlocks_with_lazy_communicators(d):
 
 
 def test_cli_reports_a_deadlock_with_the_grid(monkeypatch, capsys):
-    import chimera.comm_plan
+    import chimera.check.comm_plan
     from chimera.cli import main
 
-    real = chimera.comm_plan.plan_comm
-    monkeypatch.setattr(chimera.comm_plan, "plan_comm", lambda s: _posts_before_recv(real(s)))
+    real = chimera.check.comm_plan.plan_comm
+    monkeypatch.setattr(chimera.check.comm_plan, "plan_comm", lambda s: _posts_before_recv(real(s)))
     with pytest.raises(SystemExit) as info:
         main(["simulate", "-s", "1f1b", "-D", "4", "-N", "8"])
     assert info.value.code == 2
@@ -331,7 +331,7 @@ def test_plan_and_check_import_no_torch(cli_env):
     import subprocess
     import sys
 
-    code = ("import sys, chimera.comm_plan, chimera.rendezvous, chimera.validate, chimera.passes; "
+    code = ("import sys, chimera.check.comm_plan, chimera.check.rendezvous, chimera.check.validate, chimera.passes; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env=cli_env)
 

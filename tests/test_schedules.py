@@ -2,13 +2,13 @@
 
 import pytest
 
-from chimera import tables
-from chimera.formulas import closed_form
+from chimera.theory import tables
+from chimera.theory.formulas import closed_form
 from chimera.ir import Action, Op, ScheduleError
 from chimera.passes import lower
 from chimera.schedules import build, schemes
 from chimera.sim import CostModel, simulate
-from chimera.validate import ValidationError, validate
+from chimera.check.validate import ValidationError, validate
 
 EQUAL = CostModel.unit(1, 1)
 

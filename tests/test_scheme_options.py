@@ -5,7 +5,7 @@ the closed forms follow from the declaration."""
 import pytest
 
 from chimera.cli import main
-from chimera.formulas import closed_form
+from chimera.theory.formulas import closed_form
 from chimera.plan.search import variants
 from chimera.schedules import build, get_scheme, registry
 from chimera.schedules.classic import one_f_one_b

@@ -13,8 +13,8 @@ import functools
 
 import pytest
 
-from chimera import rendezvous as rv
-from chimera.comm_plan import CommPlan, Launch, Message, Post, plan_comm
+from chimera.check import rendezvous as rv
+from chimera.check.comm_plan import CommPlan, Launch, Message, Post, plan_comm
 from chimera.ir import Action, Op, ScheduleError
 from chimera.passes import SYNC_MODES, lower
 from chimera.schedules import build, schemes
@@ -378,11 +378,11 @@ def test_device_plan_switch(monkeypatch):
 def test_validator_refuses_per_rank_buckets_in_one_line(monkeypatch, capsys):
     """The CLI validates before anything runs: the old per-rank bucket decision is refused
     with the mismatched members named and the grid."""
-    import chimera.comm_plan
+    import chimera.check.comm_plan
     from chimera.cli import main
 
-    real = chimera.comm_plan.plan_comm
-    monkeypatch.setattr(chimera.comm_plan, "plan_comm", lambda s: _per_rank_buckets(real(s)))
+    real = chimera.check.comm_plan.plan_comm
+    monkeypatch.setattr(chimera.check.comm_plan, "plan_comm", lambda s: _per_rank_buckets(real(s)))
     with pytest.raises(SystemExit) as info:
         main(["show", "-s", "gems", "-D", "2", "-N", "3"])
     assert info.value.code == 2

@@ -118,7 +118,7 @@ def _send_then_allreduce(rank):
 
 @pytest.mark.parametrize("body,modes_ok", [(_sends_first, ()), (_send_then_allreduce, ("pair", "rank"))])
 def test_recorded_calls_are_replayed_under_nccl_rules(body, modes_ok):
-    from chimera.rendezvous import MODES, RecordedError, replay_recorded
+    from chimera.check.rendezvous import MODES, RecordedError, replay_recorded
     from chimera.runtime.virtual import VirtualWorld, run_virtual
 
     world = VirtualWorld(2, record=True)
@@ -181,7 +181,7 @@ def test_api_collectives_replay_strictly(monkeypatch, schedule, n, shard):
     the schedule's, as the virtual ranks really issued them, on one stream per rank."""
     import collections
 
-    from chimera.rendezvous import replay_recorded
+    from chimera.check.rendezvous import replay_recorded
     from chimera.runtime.sync import DEVICE_PLAN_ENV
     from chimera.runtime.virtual import VirtualWorld, run_virtual
 

@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from chimera.bounds import schedule_bound
+from chimera.theory.bounds import schedule_bound
 from chimera.cli import main
 from chimera.ir import Op, Placement, ScheduleError
 from chimera.passes import lower
 from chimera.schedules import build
 from chimera.schedules.chimera_zb import RESERVES, RULES, op_times, play
 from chimera.sim import CostModel, simulate
-from chimera.validate import validate
+from chimera.check.validate import validate
 
 UNIT = CostModel.unit(1, i=1, w=1)  # F = I = W = 1, no communication
 NEW = ["zb-v", "dualpipev", "dualpipe", "chimera-zb"]

@@ -76,7 +76,7 @@ from chimera.runtime.p2p import peers_text, wait_work
 from chimera.runtime.pipeline import PipelineRuntime, ProbeError
 from chimera.runtime.shared import TieSync, counters, sync_buffers
 from chimera.schedules import build, require_runnable
-from chimera.validate import validate
+from chimera.check.validate import validate
 
 __all__ = ["Pipeline", "ProbeError", "SpawnError", "balanced_partition", "build_layers", "spawn"]
 REDUCTIONS = ("mean", "sum", "token_mean")

@@ -14,7 +14,7 @@ from chimera.passes import SYNC_MODES, lower
 from chimera.schedules import build, get_scheme, schemes
 from chimera.schedules.registry import option_declarations
 from chimera.train.config import RESUME_ALLOWABLE
-from chimera.validate import validate
+from chimera.check.validate import validate
 
 
 class UsageError(UserError):

@@ -11,12 +11,12 @@ import os
 from chimera.cli.common import (add_schedule_options, check_output, nonneg_float, positive_int,
                                 schedule_from_args, scheme_options_from_args)
 from chimera.cli.measured import add_measured_options, cmd_replay, profile_cost
-from chimera.bounds import schedule_bound
+from chimera.theory.bounds import schedule_bound
 from chimera.errors import UserError
-from chimera.formulas import closed_form
+from chimera.theory.formulas import closed_form
 from chimera.schedules import schemes
 from chimera.sim import CostModel, Timeline, simulate
-from chimera.tables import scheme_table
+from chimera.theory.tables import scheme_table
 from chimera.viz import render_grid, save_gantt_png, save_trace
 
 

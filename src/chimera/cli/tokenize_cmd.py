@@ -33,8 +33,8 @@ def add_parsers(sub) -> None:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from chimera.bpe import tokenize  # start-up time: tokenizers and numpy load when the command runs
-    from chimera.data_formats import META, DataSpec
+    from chimera.data.bpe import tokenize  # start-up time: tokenizers and numpy load when the command runs
+    from chimera.data.formats import META, DataSpec
 
     if args.vocab_size is None and args.tokenizer is None:
         raise UsageError("--vocab-size is required to train a tokenizer (or give --tokenizer)")

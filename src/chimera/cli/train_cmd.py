@@ -204,7 +204,7 @@ def folder_tokenizer(args: argparse.Namespace) -> str | None:
         return args.tokenizer
     from pathlib import Path
 
-    from chimera.data_formats import DataSpec, detect
+    from chimera.data.formats import DataSpec, detect
 
     folder = Path(args.model[len("hf:"):])
     folder = folder.parent if folder.is_file() else folder
@@ -318,7 +318,7 @@ def _check_data(cfg):
     """Missing, empty, too-short or malformed data, an id outside the vocabulary, and a
     held-out split too short for --eval-every, fail here, not inside a spawned process.
     Returns the data read (a ``Corpus``)."""
-    from chimera.data_formats import open_data
+    from chimera.data.formats import open_data
     from chimera.train.loop import check_heldout
 
     model = cfg.model_source

@@ -1,7 +1,7 @@
 """Enumerate (scheme, W, D, B, N, recompute), price each with the simulator, keep the best.
 
 The search is exact branch and bound, not sampling: every configuration is enumerated and
-gets lower bounds on its time (``chimera.bounds``) and memory (``workload.memory_floor``)
+gets lower bounds on its time (``chimera.theory.bounds``) and memory (``workload.memory_floor``)
 that need no simulation; it is simulated only if those say it could still enter the top K or
 beat the best of its scheme. It goes best-first on the sharp bound, which is computed lazily in order of a cheap one, so good
 configurations are found early and most of the rest are cut. Schedules are generated once per
@@ -9,7 +9,7 @@ shape (``shapes``) and timed for each cost model in one pass (``sim.engine``).
 
 Where it approximates: nowhere in the search; the approximations are the cost model's
 (``workload``, ``hardware``, ``memory``) and the asynchronous schemes' steady state
-(``chimera.bounds.async_parts``).
+(``chimera.theory.bounds.async_parts``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from chimera import bounds
+from chimera.theory import bounds
 from chimera.ir import OpTimes, ScheduleError
 from chimera.plan.hardware import PlanError
 from chimera.plan.memory import state_bytes

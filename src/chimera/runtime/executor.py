@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from chimera.comm_plan import Launch, Post
+from chimera.check.comm_plan import Launch, Post
 from chimera.ir import Action, Op, Schedule, input_stage, peer_stage, recv_of
 from chimera.runtime.boundary import call_loss, detach_input
 from chimera.runtime.split_backward import PendingWeightGrad, backward_input, backward_weight

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from chimera.comm_plan import CommPlan
+from chimera.check.comm_plan import CommPlan
 from chimera.ir import Placement
 
 

@@ -8,7 +8,7 @@ that makes the runtime's ``isend``/``irecv`` complete only as NCCL would let the
   directions (``pair``: NCCL's default, a communicator per pair of ranks), or one for all
   of the rank's p2p (``rank``: one communicator with ``device_id``); its collectives on one
   more. ``strict``: one stream per rank for p2p and collectives together, the strictest
-  model (:mod:`chimera.comm_plan` proves its order safe there); the runtime then shares one
+  model (:mod:`chimera.check.comm_plan` proves its order safe there); the runtime then shares one
   emulation between its Mailboxes and its collectives. A daemon thread per stream takes the
   operations in issue order; an operation not at the head does not start.
 - **No buffering, matching by order.** The k-th send from A to B matches the k-th receive
@@ -41,7 +41,7 @@ Not emulated:
   the same stream (``PipelineRuntime.all_reduce``). The trainer's loss and norm
   allreduces, checkpoints, communicator creation and ``grid.warm_up``'s exchange go
   straight to gloo: they are blocking and issued in one program order on every rank; a
-  recorded virtual run (:func:`chimera.rendezvous.replay_recorded`) replays them with the
+  recorded virtual run (:func:`chimera.check.rendezvous.replay_recorded`) replays them with the
   rest. p2p and collectives are separate streams except in ``strict`` mode.
 - **Start-up.** :func:`agree` refuses, in one line on every rank, an emulation mode or
   device plan that differs across ranks (it would only show as a timeout).

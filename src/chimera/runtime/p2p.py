@@ -1,6 +1,6 @@
 """Point-to-point messages of a lowered schedule, issued in the order of its CommPlan.
 
-The plan (:mod:`chimera.comm_plan`) fixes where every receive is posted; this module only
+The plan (:mod:`chimera.check.comm_plan`) fixes where every receive is posted; this module only
 carries it out: :meth:`Mailbox.post` at a Post, :meth:`Mailbox.receive` at a RECV (waits for
 the posted receive), :meth:`Mailbox.send` at a SEND. Receive buffers are allocated once and
 reused every iteration; a sent tensor is released as soon as its send is complete.
@@ -23,7 +23,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from chimera.comm_plan import CommPlan, Message
+from chimera.check.comm_plan import CommPlan, Message
 from chimera.ir import Action
 
 __all__ = ["CommTimeout", "Mailbox", "Message", "Transport", "peers_text"]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from chimera import rng
-from chimera.comm_plan import Message, plan_comm
+from chimera.check.comm_plan import Message, plan_comm
 from chimera.errors import UserError
 from chimera.ir import Op, Schedule, ScheduleError
 from chimera.runtime.boundary import BoundarySpec, Stage, call_layer, call_loss, describe, signature

@@ -5,7 +5,7 @@ Each replica's parameters get ``.grad`` views into one flat buffer (as DDP's
 single allreduce over the stage's replica group without copies. STEP waits for all of them.
 
 On the device path (:func:`comm_choices`), a replica whose stage the plan lets bucket
-(:attr:`chimera.comm_plan.CommPlan.early`: decided per stage, so every replica of the stage
+(:attr:`chimera.check.comm_plan.CommPlan.early`: decided per stage, so every replica of the stage
 does the same) does not wait for its Launch: during its last backward, hooks launch the
 allreduce of each bucket (a contiguous slice of the flat buffer, last layers first: the
 order backward finishes them) as soon as all of its gradients are final, so the reduction
@@ -38,7 +38,7 @@ DEVICE_PLAN_ENV = "CHIMERA_DEVICE_PLAN"
 class CommChoices:
     """What the device path and the CPU path decide differently about a replica's gradient
     collectives. ``bucket_bytes``: bucket size inside the last backward, where the plan
-    allows (:attr:`chimera.comm_plan.CommPlan.early`; 0: one allreduce at the Launch);
+    allows (:attr:`chimera.check.comm_plan.CommPlan.early`; 0: one allreduce at the Launch);
     ``reduce_scatter``: a sharded replica reduces by reduce-scatter (else by an allreduce of
     its whole buffer, whose owned slice is copied out)."""
 

@@ -6,7 +6,7 @@ For a machine with one device (NCCL refuses two ranks on one GPU) and for quick 
 (plan, executor, mailbox, gradient sync); only the transport differs. Messages are matched
 by (source, destination, tag) and buffered, as gloo does: this checks values, not NCCL's
 ordering rules. For those, ``VirtualWorld(record=True)`` logs every rank's calls and waits
-(:meth:`VirtualWorld.recorded`), which :func:`chimera.rendezvous.replay_recorded` replays
+(:meth:`VirtualWorld.recorded`), which :func:`chimera.check.rendezvous.replay_recorded` replays
 under NCCL's strictest model (what ``benchmarks/gpu_check.py`` does with a device run).
 
 Thread identity: each rank is a thread, and a call to ``dist`` finds its rank in

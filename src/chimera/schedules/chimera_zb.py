@@ -15,7 +15,7 @@ driven by the cost model then fills the bubbles with it:
   advance (its replica is empty when it arrives, since forwards of one replica run in
   micro-batch order, and room for one is always kept), so the greedy play never gets stuck.
 - Priority (``rule``), measured in ``benchmarks/zero_bubble.py`` against the lower bound of
-  :mod:`chimera.bounds`: forwards before input gradients before weight gradients, oldest
+  :mod:`chimera.theory.bounds`: forwards before input gradients before weight gradients, oldest
   micro-batch first (micro-batches are dealt to the pipes in turn, ``m mod Q``, so both
   directions fill the pipeline together), except that while an arrived forward waits for
   memory a W goes first, as it frees that memory (``fiw-unblock``). Reserving room per replica

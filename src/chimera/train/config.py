@@ -20,7 +20,7 @@ from chimera.passes import lower
 from chimera.schedules import build, require_runnable
 from chimera.schedules.registry import option_declarations
 from chimera.train import resume
-from chimera.validate import validate
+from chimera.check.validate import validate
 
 WIRE_DTYPES = {None: None, "bf16": "bfloat16", "float16": "float16"}  # name -> torch attribute
 # bf16: float32 weights under bf16 autocast; bf16-master: bf16 weights, float32 master copies
@@ -64,7 +64,7 @@ class TrainConfig:
     sync: str = "eager"
     partition: str | None = None  # e.g. "0-2,3-5": layer ranges per stage
     seq_len: int | None = None  # tokens per sequence (default: the model's: its preset or config)
-    data: str | None = None  # text, token files, .jsonl, a datasets folder (chimera.data_formats)
+    data: str | None = None  # text, token files, .jsonl, a datasets folder (chimera.data.formats)
     token_dtype: str | None = None  # uint16 | uint32: the ids of a .bin token file
     vocab_size: int | None = None  # ids are below it; the model's vocabulary (default: the data's)
     text_field: str | None = None  # the text of a .jsonl object or a datasets row (default: text)
@@ -373,8 +373,8 @@ class TrainConfig:
 
     @cached_property
     def data_spec(self):
-        """--data and the flags that say how to read it (``chimera.data_formats.DataSpec``)."""
-        from chimera.data_formats import DataSpec  # lazy: it imports torch
+        """--data and the flags that say how to read it (``chimera.data.formats.DataSpec``)."""
+        from chimera.data.formats import DataSpec  # lazy: it imports torch
 
         try:
             return DataSpec(self.data, self.token_dtype, self.vocab_size, self.text_field,
@@ -386,7 +386,7 @@ class TrainConfig:
     def data_info(self):
         """The format of --data and its vocabulary, found without reading the ids (those are
         read and checked by ``open_data``: in ``chimera train`` before any process starts)."""
-        from chimera.data_formats import describe  # lazy: it imports torch
+        from chimera.data.formats import describe  # lazy: it imports torch
 
         try:
             return describe(self.data_spec)

@@ -114,9 +114,9 @@ def check_virtual(cfg: TrainConfig, device: torch.device | None = None,
     """The same report with every rank a thread of this process (``chimera.runtime.virtual``):
     no process group, so it runs where only one device exists (all ranks on one GPU).
     ``replay``: every rank's ``dist`` calls are recorded and replayed under NCCL's strictest
-    model (:func:`chimera.rendezvous.replay_recorded`, raising if they would hang or
+    model (:func:`chimera.check.rendezvous.replay_recorded`, raising if they would hang or
     mismatch); the report then says how many calls were replayed."""
-    from chimera.rendezvous import replay_recorded
+    from chimera.check.rendezvous import replay_recorded
     from chimera.runtime.virtual import VirtualWorld, run_virtual
 
     cfg.preflight()

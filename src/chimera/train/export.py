@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from chimera.data_text import load_tokenizer, mask_id_of
+from chimera.data.text import load_tokenizer, mask_id_of
 from chimera.errors import UserError
 from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError

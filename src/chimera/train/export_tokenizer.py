@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-from chimera.data_text import EOS_TOKENS, eos_id_of, load_tokenizer
+from chimera.data.text import EOS_TOKENS, eos_id_of, load_tokenizer
 from chimera.train import checkpoint
 
 BYTE_VOCAB = 256

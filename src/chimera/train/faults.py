@@ -25,7 +25,7 @@ import time
 
 import torch.distributed as dist
 
-from chimera.comm_plan import Message, Post
+from chimera.check.comm_plan import Message, Post
 from chimera.errors import UserError
 from chimera.ir import Action, Op, Schedule
 from chimera.runtime.p2p import CommTimeout, peers_text

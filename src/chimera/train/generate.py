@@ -71,7 +71,7 @@ class TokenizerCodec:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 -- its errors are plain Exceptions
             raise UserError(f"tokenizer {path}: not a tokenizers file ({str(exc).splitlines()[0]})") from None
-        from chimera.data_text import eos_id_of  # with tokenizers, imported above
+        from chimera.data.text import eos_id_of  # with tokenizers, imported above
 
         self.name = str(path)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)

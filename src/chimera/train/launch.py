@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from chimera.data import Corpus
-from chimera.data_formats import ids_in_memory, open_data, to_token_file
+from chimera.data.formats import ids_in_memory, open_data, to_token_file
 from chimera.errors import UserError
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory

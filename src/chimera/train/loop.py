@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from chimera.data import VAL_FRACTION, Corpus, get_batch, split_corpus
-from chimera.data_formats import open_data
+from chimera.data.formats import open_data
 from chimera.errors import UserError
 from chimera.models import parse_partition, partition
 from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from chimera import data_datasets, data_text
+from chimera.data import datasets, text
 from chimera.data import BYTE_VOCAB, Corpus, check_corpus_path, load_corpus
-from chimera.data_tokens import TOKEN_DTYPES, TokenFile, bin_file, npy_file
+from chimera.data.tokens import TOKEN_DTYPES, TokenFile, bin_file, npy_file
 from chimera.errors import UserError
 
 MAX_VOCAB = 2**24               # an embedding row per id: beyond this is a typo, not a model
@@ -155,11 +155,11 @@ def _detect_folder(p: Path) -> str:
         splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
         raise UserError(f"--data {p} is a datasets DatasetDict (splits: {', '.join(splits)}): "
                          f"pass one split's folder, e.g. --data {p / (splits or ['train'])[0]}")
-    if data_datasets.is_datasets_folder(p):
+    if datasets.is_datasets_folder(p):
         return "datasets"
     if (p / "train.bin").is_file():
         return "token-folder"
-    for f in data_text.folder_files(p):
+    for f in text.folder_files(p):
         if f.suffix.lower() in DATA_SUFFIXES:
             raise UserError(f"--data {p} holds {f.relative_to(p)}, a data file: a folder is read "
                              "as text, so pass that file itself as --data")
@@ -173,15 +173,15 @@ def describe(spec: DataSpec) -> DataInfo:
     """The format of ``spec`` and its vocabulary; refuses flags that do not apply."""
     fmt = detect(spec)
     _check_flags(spec, fmt)
-    column = data_datasets.pick_column(spec) if fmt == "datasets" else None
+    column = datasets.pick_column(spec) if fmt == "datasets" else None
     as_text = fmt in ("stdlib", "text", "jsonl") or column == spec.field
     if fmt in TOKEN_FILES:
         _token_arrays(spec, fmt)  # dtype, shape and size: a header and a stat
     known, mask_id = {}, None
     if spec.tokenizer is not None:
-        tokenizer = data_text.load_tokenizer(spec.tokenizer)
+        tokenizer = text.load_tokenizer(spec.tokenizer)
         known[f"--tokenizer {spec.tokenizer}"] = tokenizer.get_vocab_size()
-        mask_id = data_text.mask_id_of(tokenizer)
+        mask_id = text.mask_id_of(tokenizer)
     meta = _meta_for(spec.path, fmt)
     if meta is not None:
         known[meta["path"]] = meta["vocab_size"]
@@ -261,7 +261,7 @@ def _meta_mask(meta: dict) -> int | None:
         if not tok or not Path(tok).is_file():
             return None
         try:
-            return data_text.mask_id_of(data_text.load_tokenizer(tok))
+            return text.mask_id_of(text.load_tokenizer(tok))
         except UserError:
             return None
     mask_id = meta["mask_id"]
@@ -286,7 +286,7 @@ def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = Fa
     elif info.text:  # of a file, folder, .jsonl or datasets column, as bytes or through a tokenizer
         corpus = _text(spec, info, progress)
     elif info.format == "datasets":
-        ids = data_datasets.token_ids(spec, info.column, info.vocab_size)
+        ids = datasets.token_ids(spec, info.column, info.vocab_size)
         corpus = Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=info.tokenizer,
                                     mask_id=info.mask_id)
     else:
@@ -298,18 +298,18 @@ def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = Fa
 def _text(spec: DataSpec, info: DataInfo, progress: bool) -> Corpus:
     where = _what(spec, info.format)
     if info.is_bytes:
-        data = data_text.pieces_as_bytes(data_text.text_pieces(spec, info.format), where)
+        data = text.pieces_as_bytes(text.text_pieces(spec, info.format), where)
         return Corpus.of_bytes(data, where)
-    tokenizer = data_text.load_tokenizer(spec.tokenizer)
-    pieces, held = data_text.split_pieces(spec, info.format)
+    tokenizer = text.load_tokenizer(spec.tokenizer)
+    pieces, held = text.split_pieces(spec, info.format)
     total = None if info.format == "stdlib" else data_size(spec)
-    ids = data_text.encode_all(tokenizer, pieces, info.vocab_size, progress, total)
+    ids = text.encode_all(tokenizer, pieces, info.vocab_size, progress, total)
     if len(ids) == 0:
         raise UserError(f"{where} holds no text")
     facts = dict(tokenizer=spec.tokenizer, mask_id=info.mask_id)
     if held is None:
         return Corpus.from_tokens(ids, info.vocab_size, where, **facts)
-    val = data_text.encode_all(tokenizer, held, info.vocab_size)  # the stdlib's held-out files
+    val = text.encode_all(tokenizer, held, info.vocab_size)  # the stdlib's held-out files
     return Corpus(ids, val, info.vocab_size, where, **facts)
 
 
@@ -371,5 +371,5 @@ def data_size(spec: DataSpec) -> int:
     p = Path(spec.path)
     if p.is_file():
         return p.stat().st_size
-    return sum(f.stat().st_size for f in data_text.folder_files(p))
+    return sum(f.stat().st_size for f in text.folder_files(p))
 

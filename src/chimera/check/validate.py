@@ -1,6 +1,6 @@
 """Validator: counts, per-rank dependency order, matched communication, a deadlock dry run,
 and, for lowered schedules, a rendezvous replay of the runtime's calls under NCCL's rules
-(:mod:`chimera.rendezvous`).
+(:mod:`chimera.check.rendezvous`).
 
 Every failure raises :class:`ValidationError` whose message ends with the rank-by-slot grid
 of the schedule, the offending action marked.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from chimera import comm_plan, rendezvous
+from chimera.check import comm_plan, rendezvous
 from chimera.ir import Action, Op, Schedule, input_stage, needs, other_end, recv_of
 from chimera.sim.engine import Deadlock, simulate
-from chimera.validation_error import ValidationError
+from chimera.check.validation_error import ValidationError
 
 __all__ = ["ValidationError", "validate"]
 

@@ -12,7 +12,7 @@ The folder it writes is what ``chimera train --data DIR`` reads:
   its mask token's id (``mask_id``: BERT masks with it; null for a trained BPE, which
   has none) and its end-of-text id (``eos_id``).
 
-The text is read in the pieces ``chimera.data_text`` makes, so ``chimera train --data TEXT
+The text is read in the pieces ``chimera.data.text`` makes, so ``chimera train --data TEXT
 --tokenizer DIR/tokenizer.json`` trains on the same ids. The ids stream to disk: only a
 batch of pieces is in memory at once (the tokenizer trains from an iterator too, holding
 its word counts, not the text). The folder appears complete or not at all.
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from chimera import data_text
+from chimera.data import text
 from chimera.data import BYTE_VOCAB, VAL_FRACTION, split_corpus_bytes
-from chimera.data_formats import MAX_VOCAB, META, META_FORMAT, DataSpec, data_size, describe, detect
-from chimera.data_tokens import id_dtype
+from chimera.data.formats import MAX_VOCAB, META, META_FORMAT, DataSpec, data_size, describe, detect
+from chimera.data.tokens import id_dtype
 from chimera.errors import UserError
 
 FILES = {"train": "train.bin", "val": "val.bin"}
@@ -70,9 +70,9 @@ def tokenize(spec: DataSpec, out: str | os.PathLike, vocab_size: int | None,
     out = Path(out)
     _check_out(out)
     if spec.tokenizer is not None:
-        tokenizer = data_text.load_tokenizer(spec.tokenizer)
+        tokenizer = text.load_tokenizer(spec.tokenizer)
     else:
-        tokenizer = train_bpe(data_text.text_pieces(spec, info.format, check_size=False),
+        tokenizer = train_bpe(text.text_pieces(spec, info.format, check_size=False),
                               vocab_size, progress)
     vocab = tokenizer.get_vocab_size()
     if vocab_size is not None and vocab_size < vocab:
@@ -101,7 +101,7 @@ def _check_out(out: Path) -> None:
 def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress: bool) -> dict:
     tokenizer.save(str(tmp / "tokenizer.json"))
     dtype = id_dtype(vocab)
-    train, held = data_text.split_pieces(spec, fmt, check_size=False)
+    train, held = text.split_pieces(spec, fmt, check_size=False)
     total = None if fmt == "stdlib" else data_size(spec)
     with open(tmp / FILES["train"], "wb") as f:  # every id goes to train.bin; a tail may move to val.bin
         n = _stream_ids(tokenizer, train, vocab, f, progress, total)
@@ -116,7 +116,7 @@ def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress:
     _move_tail(tmp / FILES["train"], tmp / FILES["val"], cut, dtype)
     meta = {"format": META_FORMAT, "version": 1, "dtype": str(np.dtype(dtype).name),
             "vocab_size": vocab, "tokenizer": "tokenizer.json",
-            "mask_id": data_text.mask_id_of(tokenizer), "eos_id": data_text.eos_id_of(tokenizer),
+            "mask_id": text.mask_id_of(tokenizer), "eos_id": text.eos_id_of(tokenizer),
             "files": FILES, "tokens": {"train": cut, "val": n - cut}, "source": spec.path or "stdlib",
             "text_field": spec.text_field, "split": split,
             "documents": "each document (file, record, row) is followed by a newline, then the "
@@ -129,7 +129,7 @@ def _stream_ids(tokenizer, pieces, vocab: int, f, progress: bool = False,
                 total: int | None = None) -> int:
     """Write the ids of ``pieces`` to the open file ``f``, a batch at a time; their count."""
     n = 0
-    for ids in data_text.encode_chunks(tokenizer, pieces, vocab, progress, total):
+    for ids in text.encode_chunks(tokenizer, pieces, vocab, progress, total):
         ids.tofile(f)
         n += len(ids)
     return n

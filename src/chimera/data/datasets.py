@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from chimera.data import MAX_CORPUS_BYTES, check_corpus_path
-from chimera.data_tokens import check_ids, id_dtype
+from chimera.data.tokens import check_ids, id_dtype
 from chimera.errors import UserError
 
 
@@ -76,7 +76,7 @@ def token_ids(spec, column: str, vocab: int) -> np.ndarray:
 
 
 def text_rows(spec, column: str):
-    """The rows of a datasets folder's text column (for ``data_text``)."""
+    """The rows of a datasets folder's text column (for ``chimera.data.text``)."""
     import pyarrow as pa  # optional extra (hf)
 
     col = _table(Path(spec.path)).column(column)

@@ -41,8 +41,8 @@ buffered, communicators created before the first iteration), and therefore in ev
 that splits those streams further (per pair, p2p apart from collectives). Between
 iterations every rank waits for all of its operations at STEP; a sharded optimizer's
 parameter all-gathers are issued after the step, stages in order on every rank, ahead of
-the next iteration's operations. :mod:`chimera.rendezvous` replays the resulting calls in
-each model (and :mod:`chimera.validate` runs it on every lowered schedule); the proof does
+the next iteration's operations. :mod:`chimera.check.rendezvous` replays the resulting calls in
+each model (and :mod:`chimera.check.validate` runs it on every lowered schedule); the proof does
 not cover collectives outside the schedule (loss, norm, ties, buffers, the API's batch
 fingerprint, checkpoints), which are blocking and issued in one program order on every rank.
 

@@ -3,7 +3,7 @@
 :func:`issued_ops` lists, for one global rank, every call in the order the runtime makes it
 (:class:`~chimera.runtime.p2p.Mailbox`, :class:`~chimera.runtime.sync.GradSync`, the shards,
 ``PipelineRuntime.gather_parameters``): posts, sends, waits, and the stage collectives with
-their sizes, buckets as separate collectives. :mod:`chimera.rendezvous` replays them under
+their sizes, buckets as separate collectives. :mod:`chimera.check.rendezvous` replays them under
 NCCL's rules; a test records the real runtime's calls and compares them with these.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chimera.comm_plan import CommPlan, Launch, Message, Post
+from chimera.check.comm_plan import CommPlan, Launch, Message, Post
 from chimera.ir import Action, Op, Schedule
-from chimera.validation_error import ValidationError
+from chimera.check.validation_error import ValidationError
 
 ISEND, IRECV, WAIT = "isend", "irecv", "wait"
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"

@@ -24,7 +24,7 @@ import torch
 
 from chimera.data import (MAX_CORPUS_BYTES, check_total_size, stdlib_documents, text_files,
                           walk_sorted)
-from chimera.data_tokens import id_dtype
+from chimera.data.tokens import id_dtype
 from chimera.errors import UserError
 
 PIECE_CHARS = 2**16             # documents are cut after a newline into pieces this long at most
@@ -105,7 +105,7 @@ def split_pieces(spec, fmt: str, check_size: bool = True) -> tuple[Iterator[str]
     if fmt == "jsonl":
         docs = (text + "\n" for text in _jsonl(Path(spec.path), spec.field, check_size))
     else:  # a datasets folder's text column
-        from chimera.data_datasets import text_rows
+        from chimera.data.datasets import text_rows
 
         docs = (text + "\n" for text in text_rows(spec, spec.field))
     return (piece for doc in docs for piece in _mark_last(cut(doc))), None

@@ -5,7 +5,7 @@ is on every machine that runs this code, so the default job needs no download. I
 in sorted path order and capped, so it is the same on every run with the same Python
 install; a seeded choice of its files is held out (``stdlib_documents``), and generated
 codec tables are left out. Token files, JSON lines and ``datasets`` folders are read by
-``chimera.data_formats`` into a ``Corpus``: a training and a held-out split of token ids
+``chimera.data.formats`` into a ``Corpus``: a training and a held-out split of token ids
 and the vocabulary they come from.
 
 ``get_batch(corpus, step, ...)`` depends only on ``(step, seed, global_batch, seq_len)``:
@@ -210,7 +210,7 @@ class Corpus:
     """Token ids in two splits, and the vocabulary they come from.
 
     ``train`` and ``val`` are 1-D arrays: a uint8 tensor for bytes, a NumPy array or a
-    ``data_formats.TokenFile`` (ids in a file, memory-mapped per read) for token ids; every
+    ``chimera.data.formats.TokenFile`` (ids in a file, memory-mapped per read) for token ids; every
     id is below ``vocab_size``. ``tokenizer`` is the ``tokenizer.json`` that made (or
     decodes) the ids, if any; ``mask_id`` its mask token (``[MASK]``, ``<mask>``), which
     BERT masks with, if it has one.
@@ -240,7 +240,7 @@ class Corpus:
 
 
 def model_vocab(corpus, kind: str) -> int:
-    """The model vocabulary a corpus (or ``data_formats.DataInfo``; a bare tensor is bytes)
+    """The model vocabulary a corpus (or ``chimera.data.formats.DataInfo``; a bare tensor is bytes)
     needs: its own, plus for BERT a mask id after token ids whose tokenizer has no mask
     token of its own (byte data keeps 0xFF, which UTF-8 never holds, as the mask)."""
     if getattr(corpus, "is_bytes", True):
@@ -308,7 +308,7 @@ def mask_tokens(tokens: torch.Tensor, gen: torch.Generator, vocab_size: int = BY
 
 
 def _take(data, index: torch.Tensor) -> torch.Tensor:
-    """``data[index]`` as int64; of a file (``data_formats.TokenFile``) only the indexed
+    """``data[index]`` as int64; of a file (``chimera.data.formats.TokenFile``) only the indexed
     pages are read."""
     if isinstance(data, torch.Tensor):
         return data[index].long()

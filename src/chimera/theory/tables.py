@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chimera.formulas import closed_form
+from chimera.theory.formulas import closed_form
 from chimera.ir import ScheduleError
 from chimera.passes import lower
 from chimera.schedules import build, get_scheme

@@ -2,7 +2,7 @@
 
 gloo matches messages by tag and buffers them, so an order of calls that trains on CPU can
 hang on GPUs. This module replays, for every rank, the exact sequence of ``torch.distributed``
-calls the runtime makes for a :class:`~chimera.comm_plan.CommPlan` (:func:`chimera.issued.issued_ops`:
+calls the runtime makes for a :class:`~chimera.check.comm_plan.CommPlan` (:func:`chimera.check.issued.issued_ops`:
 what :class:`~chimera.runtime.p2p.Mailbox`, :class:`~chimera.runtime.sync.GradSync` and the
 shards call, in order; a test records the real runtime's calls, sizes included, and
 compares) under these rules:
@@ -13,7 +13,7 @@ compares) under these rules:
   (``init_process_group(device_id=...)``). In both, a rank's collectives share one more
   FIFO over all communicators (NCCL's rule for communicators used concurrently). Mode
   ``strict``: one stream per rank for everything, p2p and collectives together, the worst
-  case NCCL's guide asks programs to survive and the model :mod:`chimera.comm_plan` proves
+  case NCCL's guide asks programs to survive and the model :mod:`chimera.check.comm_plan` proves
   its order safe in. Every deadlock-free replay in ``strict`` is one in the other modes
   (they only split its streams), and the validator replays all three.
 - **Rendezvous.** A send and its receive complete together, and only while both are at the
@@ -44,7 +44,7 @@ compares) under these rules:
 - **Lazy communicators** (``lazy_communicators=True``): the first use of a communicator (a
   pair's first p2p call in ``pair`` mode, a group's first collective) blocks the CPU until
   every member reaches its own first use: NCCL creates it then. The runtime creates every
-  communicator at start-up (``ProcessGrid.warm_up``), so :mod:`chimera.validate` replays
+  communicator at start-up (``ProcessGrid.warm_up``), so :mod:`chimera.check.validate` replays
   with eager communicators; the lazy mode shows why that matters.
 - **Data parallelism.** ``data_parallel=W`` replays W pipeline copies (global rank
   ``w * D + d``): p2p stays inside a copy, stage groups span all copies. The copies run in
@@ -74,13 +74,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from chimera.comm_plan import CommPlan
+from chimera.check.comm_plan import CommPlan
 from chimera.errors import UserError
 from chimera.ir import Schedule
-from chimera.issued import (ALL_GATHER, ALL_REDUCE, COLLECTIVES, IRECV, ISEND, OTHERS,  # noqa: F401
+from chimera.check.issued import (ALL_GATHER, ALL_REDUCE, COLLECTIVES, IRECV, ISEND, OTHERS,  # noqa: F401
                             REDUCE_SCATTER, WAIT, Issued, action_index, bucket_sizes, issued_ops,
                             pipeline_calls, ranks_text, shifted, stage_group)
-from chimera.validation_error import ValidationError
+from chimera.check.validation_error import ValidationError
 
 MODES = ("pair", "rank", "strict")  # strictest last
 class RendezvousDeadlock(ValidationError):

@@ -1,0 +1,1 @@
+"""The paper's closed forms: bubble bounds, formulas, tables."""
