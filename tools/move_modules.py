@@ -30,6 +30,8 @@ MOVES = {
     "chimera.bounds": "chimera.theory.bounds",
     "chimera.formulas": "chimera.theory.formulas",
     "chimera.tables": "chimera.theory.tables",
+    # a trace is the timeline's file format: sim reads it (replay, profiles), viz draws it
+    "chimera.viz.trace": "chimera.sim.trace",
 }
 PACKAGES = {"chimera.data": "The data a run reads: formats, text, tokens, the tokenizer trainer.",
             "chimera.check": "Checks before and during a run: the communication plan, the "
@@ -46,7 +48,7 @@ def move_files() -> None:
     for old, new in MOVES.items():
         src = path_of(old)
         dst = path_of(new, package=new in PACKAGES)
-        if not src.exists() or src == dst:
+        if not src.exists() or src == dst or dst.exists():  # moved already
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(["git", "mv", str(src), str(dst)], check=True, cwd=ROOT)
@@ -69,7 +71,7 @@ def rewrite(text: str) -> str:
             groups.setdefault(parent, []).append(leaf)
         return "\n".join(f"{indent}from {p} import {', '.join(ls)}" for p, ls in groups.items())
     text = re.sub(r"^([ \t]*)from chimera import ([\w, ]+)$", from_chimera, text, flags=re.M)
-    pattern = re.compile(r"\bchimera\.(" + "|".join(o.split(".", 1)[1] for o in renamed)
+    pattern = re.compile(r"\bchimera\.(" + "|".join(re.escape(o.split(".", 1)[1]) for o in renamed)
                          + r")\b(?![\w])")
     return pattern.sub(lambda m: renamed["chimera." + m.group(1)], text)
 

@@ -37,7 +37,7 @@ from chimera.errors import UserError
 from chimera.ir import Schedule
 from chimera.modelcfg import PRESETS, layer_costs, partition
 from chimera.sim.cost import CostModel, Link
-from chimera.viz.trace import strict_json
+from chimera.sim.trace import strict_json
 
 PROFILE_SCHEMA = "chimera.profile/1"
 _SPLIT = ("input_backward_s", "weight_backward_s")

@@ -21,7 +21,7 @@ from chimera.sim.cost import CostModel
 from chimera.sim.engine import simulate
 from chimera.sim.profile import Profile, cost_from_profile, nonnegative_number
 from chimera.sim.timeline import Event, Timeline
-from chimera.viz.trace import load_trace
+from chimera.sim.trace import load_trace
 
 CLOCKS = ("wall", "cpu")
 _WAITED_S = 50e-6  # a receive whose wall time exceeds its CPU time by this much waited
