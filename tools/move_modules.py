@@ -32,6 +32,8 @@ MOVES = {
     "chimera.tables": "chimera.theory.tables",
     # a trace is the timeline's file format: sim reads it (replay, profiles), viz draws it
     "chimera.viz.trace": "chimera.sim.trace",
+    # what the trainer needs from a model: below both train and hf (which implements it)
+    "chimera.train.source_base": "chimera.models.source",
 }
 PACKAGES = {"chimera.data": "The data a run reads: formats, text, tokens, the tokenizer trainer.",
             "chimera.check": "Checks before and during a run: the communication plan, the "

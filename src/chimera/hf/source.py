@@ -26,7 +26,7 @@ from chimera.byo import layer_seed, merge_ties, seeded
 from chimera.data import model_vocab
 from chimera.errors import UserError
 from chimera.hf.model import HFModel, check_config, load
-from chimera.train.source_base import HF_PREFIX, HF_PRESETS, ModelSource
+from chimera.models.source import HF_PREFIX, HF_PRESETS, ModelSource
 
 # HF initializes with torch's global RNG, and patches torch.nn.init while it does: one layer
 # at a time per process (virtual ranks are threads of one process)

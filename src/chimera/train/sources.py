@@ -29,7 +29,7 @@ from chimera.modelcfg import flops_per_token
 from chimera.models import (PRESETS, ModelConfig, build_layers, get_config, layer_costs, layer_names,
                             loss_fn)
 from chimera.train.checkpoint import model_fingerprint
-from chimera.train.source_base import HF_PREFIX, HF_PRESETS, ModelSource
+from chimera.models.source import HF_PREFIX, HF_PRESETS, ModelSource
 
 __all__ = ["HF_PREFIX", "HF_PRESETS", "ModelSource", "PresetSource", "is_hf", "open_source",
            "source_from_fingerprint"]
