@@ -1,6 +1,7 @@
-"""The model-source interface (:class:`ModelSource`) and the Hugging Face names, apart from
-:mod:`chimera.train.sources` so that ``chimera.hf.source`` (an optional extra, imported
-lazily by ``open_source``) can implement it without an import cycle."""
+"""The model-source interface (:class:`ModelSource`: what the trainer needs from a model) and
+the Hugging Face names. It sits below both :mod:`chimera.train.sources` and
+``chimera.hf.source`` (an optional extra that implements it), so neither imports the other's
+layer upwards."""
 
 from __future__ import annotations
 
