@@ -16,8 +16,9 @@ import torch
 from chimera.models import build_model, get_config
 from chimera.train import ConfigError, TrainConfig
 from chimera.train import checkpoint as ckpt
+from chimera.train.checkpoint import disk
 from chimera.train.launch import launch
-from chimera.train.lease import Lease, claim
+from chimera.train.checkpoint.lease import Lease, claim
 from chimera.train.loop import NonFiniteLoss, Trainer
 
 
@@ -196,7 +197,7 @@ def test_a_full_disk_while_writing_meta_is_one_error(data, tmp_path, monkeypatch
 
     def full(path, text):
         raise OSError(28, "No space left on device", str(path))
-    monkeypatch.setattr(ckpt, "_write_synced", full)
+    monkeypatch.setattr(disk, "write_synced", full)
     with pytest.raises(ckpt.CheckpointIOError, match="No space left on device"):
         ckpt.save(t, tmp_path, 1, keep=2)
     assert ckpt.latest(tmp_path) is None

@@ -5,7 +5,7 @@ from collections import defaultdict
 import torch
 
 from chimera.runtime import grid
-from chimera.train import checkpoint
+from chimera.train.checkpoint.state import init_adam_state
 
 
 def test_collective_device_is_the_current_gpu_under_nccl(monkeypatch):
@@ -26,10 +26,10 @@ class _Optimizer:
 def test_restored_adam_step_lives_where_fused_adam_keeps_it():
     p = torch.nn.Parameter(torch.zeros(3, device="meta"))  # stands for a CUDA parameter
     fused = _Optimizer(True)
-    checkpoint._init_adam_state(fused, p)
+    init_adam_state(fused, p)
     assert fused.state[p]["step"].device == p.device
     plain = _Optimizer(False)
-    checkpoint._init_adam_state(plain, p)
+    init_adam_state(plain, p)
     assert plain.state[p]["step"].device == torch.device("cpu")  # where plain AdamW keeps it
 
 

@@ -14,9 +14,9 @@ import torch
 from chimera.train import ConfigError, TrainConfig
 from chimera.train import checkpoint as ckpt
 from chimera.train.health import MIN_RISE, WINDOW, LossHistory
-from chimera.train.keeper import Keeper, RunInDoubt
+from chimera.train.checkpoint.keeper import Keeper, RunInDoubt
 from chimera.train.launch import launch
-from chimera.train.lease import claim
+from chimera.train.checkpoint.lease import claim
 from chimera.train.loop import StepLog, Trainer
 
 

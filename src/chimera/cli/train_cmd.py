@@ -245,7 +245,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from chimera.train.report import measured_timeline, summary
 
     if args.checkpoint_dir:  # another live run on it: say so before reading its checkpoints
-        from chimera.train.lease import check_free
+        from chimera.train.checkpoint.lease import check_free
 
         check_free(args.checkpoint_dir)
     cfg = config_from_args(args).preflight()  # every check, before any process starts

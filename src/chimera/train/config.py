@@ -303,7 +303,8 @@ class TrainConfig:
 
     def _check_unowned(self) -> None:
         """A directory holding checkpoints belongs to their run: only --resume continues it."""
-        from chimera.train import checkpoint, lease  # lazy: it imports torch
+        from chimera.train import checkpoint  # lazy: it imports torch
+        from chimera.train.checkpoint import lease
 
         newest = checkpoint.latest(self.checkpoint_dir)
         if newest is not None:

@@ -28,9 +28,9 @@ from chimera.runtime.grid import end_group
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.workers import free_port
 from chimera.train import checkpoint, faults
-from chimera.train import lease as leases
+from chimera.train.checkpoint import lease as leases
 from chimera.train.config import TrainConfig
-from chimera.train.keeper import Keeper
+from chimera.train.checkpoint.keeper import Keeper
 from chimera.train.loop import NonFiniteLoss, StepLog, Trainer, log_line, peak_rss_mb
 from chimera.train.watch import Watch, model_flops_per_token, peak_flops_per_rank
 

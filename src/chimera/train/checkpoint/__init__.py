@@ -1,0 +1,25 @@
+"""Checkpoints that survive a crash and a change of layout (torch.distributed.checkpoint).
+
+- ``disk``: where checkpoints live, writing a folder whole, reading it safely (the index
+  through a restricted unpickler), refusing a corrupt one;
+- ``record``: ``meta.json`` (the step, the model, the layout, the run, every file's SHA-256)
+  and the checkpoint's health;
+- ``state``: what a checkpoint holds (parameters and AdamW state by model-wide name, RNG) and
+  how it is saved and restored;
+- ``lease``: a checkpoint directory belongs to one run;
+- ``keeper``: never lose the last good checkpoint when a run diverges.
+"""
+
+from chimera.train.checkpoint.disk import (FORMAT, META, CheckpointError, CheckpointIOError,
+                                           NonFiniteCheckpoint, agree, latest, published,
+                                           read_index, sha256_of, step_dir)
+from chimera.train.checkpoint.record import (HEALTHY, IN_DOUBT, UNCONFIRMED, health_of,
+                                             model_fingerprint, newest_healthy, owner, read_meta,
+                                             resumable, set_health, tokenizer_record, verify)
+from chimera.train.checkpoint.state import load_model_state, restore, save
+
+__all__ = ["FORMAT", "META", "HEALTHY", "IN_DOUBT", "UNCONFIRMED", "CheckpointError",
+           "CheckpointIOError", "NonFiniteCheckpoint", "agree", "health_of", "latest",
+           "load_model_state", "model_fingerprint", "newest_healthy", "owner", "published",
+           "read_index", "read_meta", "restore", "resumable", "save", "set_health", "sha256_of",
+           "step_dir", "tokenizer_record", "verify"]

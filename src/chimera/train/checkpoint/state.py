@@ -1,0 +1,223 @@
+"""What a checkpoint holds and how it is written and read back (torch.distributed.checkpoint).
+
+What one holds, keyed so that it depends on neither D, W nor the schedule:
+
+- ``model.<name>``: every parameter once, under its model-wide name
+  (``blocks.3.attn.qkv.weight``; HF's for an HF model, a tie under its first name), written by the rank holding the stage's pipe-0 replica
+  in data replica 0 (``Trainer.checkpoint_parameters``) and read back by every replica.
+- ``optim.<name>.exp_avg | exp_avg_sq | step``: AdamW's state of that parameter.
+- ``rng.cpu.rank<r>``: each rank's torch RNG state (restored when the world size matches).
+- ``meta.json`` (``chimera.train.checkpoint.record``).
+
+The last ``keep`` are kept. A directory belongs to one run: ``meta.json`` names the run
+(``run_id``), and ``chimera.train.checkpoint.lease`` keeps it that way (a lock while a run
+writes, no mixing of runs, pruning only the run's own checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from chimera.runtime.grid import collective_device
+from chimera.train.checkpoint.disk import (CheckpointError, NonFiniteCheckpoint, agree, barrier,
+                                           dcp_call, publish, rank_world, read_index,
+                                           safe_reader, step_dir)
+from chimera.train.checkpoint.lease import claim_all, prune
+from chimera.train.checkpoint.record import read_meta, resumable, write_meta
+from chimera.train.faults import collective
+
+_OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+# -- what goes in -------------------------------------------------------------------------
+def _tensors(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
+             whole: dict | None = None) -> dict[str, torch.Tensor]:
+    """Flat DCP state of ``params``: each parameter and its AdamW state, by name. ``whole``:
+    the whole AdamW state of parameters a sharded optimizer holds in slices (by parameter),
+    so a checkpoint does not depend on sharding."""
+    state = {}
+    for name, p in params.items():
+        adam = (whole or {}).get(p)
+        if adam is None:
+            init_adam_state(optimizer, p)  # a skipped first step leaves none yet
+            adam = optimizer.state[p]
+        state[f"model.{name}"] = p.detach()
+        for key in _OPTIM_KEYS:
+            state[f"optim.{name}.{key}"] = adam[key]
+    return state
+
+
+def _first_nonfinite(state: dict[str, torch.Tensor]) -> str | None:
+    for key, value in state.items():
+        # a NaN or inf makes the sum non-finite; the exact test only runs where it is
+        if value.is_floating_point() and not torch.isfinite(value.sum()) \
+                and not bool(torch.isfinite(value).all()):
+            return key
+    return None
+
+
+def save(trainer, directory: str | os.PathLike, step: int, keep: int, lease=None,
+         health: dict | None = None) -> Path:
+    """Write the state after ``step`` optimizer steps to ``directory/step-<step>``.
+
+    Collective: every rank calls it. Raises NonFiniteCheckpoint (on every rank, before
+    anything is written) when some parameter or optimizer state is NaN or infinite.
+    ``lease``: rank 0's claim on the directory for the whole run (``lease.claim_all``);
+    without one, rank 0 claims it for this save alone, continuing its newest checkpoint's run.
+    ``health``: the record ``meta.json`` keeps (``health_of``; None: none, read as healthy).
+    """
+    import torch.distributed.checkpoint as dcp  # loaded when a checkpoint is used: start-up time
+
+    rank, world = rank_world()
+    whole = trainer.whole_optimizer_state()  # sharded: gathered over each group (collective)
+    state = _tensors(trainer.optimizer, trainer.checkpoint_parameters(), whole)
+    state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
+    _refuse_nonfinite(state, step, world)
+
+    own = lease or claim_all(directory, resume=True)
+    try:
+        final = step_dir(directory, step)
+        tmp = final.with_name(f".tmp-{final.name}")
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier("checkpoint: creating the folder")
+        start = time.perf_counter()
+        dcp_call(f"writing {final.name}", dcp.save, state,
+                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        error = None
+        if rank == 0:
+            error = _publish_on_rank0(trainer, own.run_id, tmp, final, world, keep,
+                                      time.perf_counter() - start, health)
+        agree(error, f"publishing {final.name}")
+    finally:
+        if lease is None:
+            own.release()
+    return final
+
+
+def _publish_on_rank0(trainer, run_id: str, tmp: Path, final: Path, world: int, keep: int,
+                      seconds: float, health: dict | None) -> str | None:
+    """Add ``meta.json``, publish, prune; the error text if the disk refused (full, read-only)."""
+    try:
+        write_meta(trainer, tmp, final, run_id, world, seconds, health)
+        publish(tmp, final)
+        prune(final.parent, keep, run_id)
+    except OSError as exc:
+        return f"rank 0: publishing {final.name} failed: {exc.strerror or exc} ({exc.filename or tmp})"
+    return None
+
+
+def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
+    bad = _first_nonfinite(state)
+    flag = torch.tensor([0.0 if bad is None else 1.0], device=collective_device())
+    if world > 1:
+        collective("checkpoint: agreeing that the state is finite", dist.all_reduce, flag)
+    if flag.item():
+        where = f" ({bad} on this rank)" if bad else " (on another rank)"
+        raise NonFiniteCheckpoint(f"refusing to write the checkpoint of step {step}: the state "
+                                  f"holds NaN or infinite values{where}")
+
+
+# -- what comes out -----------------------------------------------------------------------
+def restore(trainer, directory: str | os.PathLike) -> int:
+    """Load the newest checkpoint not in doubt (``resumable``) into ``trainer``; return the
+    step to continue at (0: none).
+
+    Collective. Rank 0 chooses the checkpoint and tells the others, so all load the same.
+    Parameters and AdamW state are read by name, so the layout may differ from the writer's.
+    """
+    import torch.distributed.checkpoint as dcp  # loaded when a checkpoint is used: start-up time
+
+    rank, world = rank_world()
+    path = _agree_on_latest(directory, rank, world)
+    if path is None:
+        return 0
+    meta = read_meta(path)
+    index = read_index(path)
+    replicas = _replicas_by_name(trainer)
+    whole = trainer.whole_optimizer_state(empty=True)  # sharded: read whole, then sliced
+    state = _tensors(trainer.optimizer, {name: ps[0] for name, ps in replicas.items()}, whole)
+    rng_key = f"rng.cpu.rank{rank}"
+    if meta["layout"]["world"] == world and rng_key in index:
+        state[rng_key] = torch.empty_like(torch.get_rng_state())
+    _check_against_index(state, index, path)
+    dcp_call(f"reading {path}", dcp.load, state, storage_reader=safe_reader(path), no_dist=world == 1)
+    if rng_key in state:
+        torch.set_rng_state(state[rng_key])
+    trainer.load_whole_optimizer_state(whole)
+    _copy_to_other_replicas(trainer, replicas)
+    trainer.equalize_ties()  # a tie is one key, read into each copy: equal, and kept so
+    trainer.load_run_state(meta.get("run") or {})
+    return int(meta["step"])
+
+
+def _agree_on_latest(directory, rank: int, world: int) -> Path | None:
+    found, _ = resumable(directory)  # rank 0's choice is everyone's (broadcast)
+    step = torch.tensor([-1 if found is None else int(found.name[len("step-"):])],
+                        device=collective_device())
+    if world > 1:
+        collective("checkpoint: choosing the one to resume from", dist.broadcast, step, 0)
+    return None if step.item() < 0 else step_dir(directory, int(step.item()))
+
+
+def _replicas_by_name(trainer) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {}
+    for name, _pipe, p in trainer.replica_parameters():
+        out.setdefault(name, []).append(p)
+    return out
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    """The state AdamW creates on its first step, to be overwritten by the checkpoint's."""
+    state = optimizer.state[p]
+    if not state:  # fused or capturable AdamW keeps its step count on the parameter's device
+        on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _check_against_index(state: dict, index: dict, path: Path) -> None:
+    """Every wanted key present with the same shape: the model matches the checkpoint."""
+    for key, value in state.items():
+        if key not in index:
+            raise CheckpointError(f"checkpoint {path} has no {key!r}: it was written for "
+                                  "another model or by another optimizer")
+        if tuple(value.shape) != index[key][0]:
+            raise CheckpointError(f"checkpoint {path}: {key!r} has shape {list(index[key][0])}, "
+                                  f"this model's is {list(value.shape)}")
+
+
+def _copy_to_other_replicas(trainer, replicas: dict[str, list[torch.Tensor]]) -> None:
+    """A rank holding two replicas of a stage loaded the first; the others copy it."""
+    with torch.no_grad():
+        for ps in replicas.values():
+            src = trainer.optimizer.state[ps[0]]
+            for p in ps[1:]:
+                p.copy_(ps[0])
+                init_adam_state(trainer.optimizer, p)
+                for key in _OPTIM_KEYS:
+                    trainer.optimizer.state[p][key].copy_(src[key])
+
+
+def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The parameters of a checkpoint by model-wide name, in one process (no process group).
+
+    ``chimera.models.build_model(cfg, seed).load_state_dict(load_model_state(path))`` gives
+    the single-device model the run had reached.
+    """
+    import torch.distributed.checkpoint as dcp  # loaded when a checkpoint is used: start-up time
+
+    path = Path(path)
+    index = read_index(path)
+    state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in index.items()
+             if key.startswith("model.")}
+    dcp_call(f"reading {path}", dcp.load, state, storage_reader=safe_reader(path), no_dist=True)
+    return {key[len("model."):]: value for key, value in state.items()}
