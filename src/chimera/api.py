@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from chimera.byo import LayerSource, build_layers, check_partition
+from chimera.byo import LayerSource, build_layers, check_partition, refuse_sharded_ties
 from chimera.errors import UserError
 from chimera.ir import ScheduleError
 from chimera.passes import lower
@@ -246,11 +246,7 @@ class Pipeline:
         source = LayerSource(layers, num_layers, seed, ties, init)
         self.ranges = self._partition(source, partition)
         self.ties = source.ties(self.ranges)
-        if shard_optimizer and self.ties:
-            raise UserError(f"shard_optimizer=True with weights tied across stages "
-                             f"({', '.join(t.names[0] for t in self.ties)}) is not supported: a "
-                             "tie's gradient sum needs whole gradients, a sharded replica holds a "
-                             "slice; untie them or train without shard_optimizer")
+        refuse_sharded_ties([t.names[0] for t in self.ties] if shard_optimizer else [])
         device = torch.device(device) if device is not None else default_device()
         if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
             device = torch.device("cuda", torch.cuda.current_device())

@@ -69,6 +69,16 @@ def check_partition(ranges: Sequence, num_layers: int, stages: int) -> list[rang
     return out
 
 
+def refuse_sharded_ties(tied: Sequence[str], option: str = "shard_optimizer=True") -> None:
+    """The one refusal of a sharded optimizer with weights tied across stages (the API's and
+    ``chimera train``'s): ``tied`` names the ties (their first names; empty: nothing to
+    refuse), ``option`` is how the caller spells sharding."""
+    if tied:
+        raise UserError(f"{option} with weights tied across stages ({', '.join(tied)}) is not "
+                        "supported: a tie's gradient sum needs whole gradients, a sharded replica "
+                        f"holds a slice; untie them or train without {option.split('=')[0]}")
+
+
 def _is_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 

@@ -201,11 +201,10 @@ class TrainConfig:
                               f"{source.num_layers - 2} blocks, head) into {self.stages_total} stages")
         if self.partition is not None and not self.reference:
             self._check_partition(source.num_layers)
-        if self.shard_optimizer and source.ties and self.stages_total > 1:
-            raise ConfigError(f"--shard-optimizer with weights tied across stages "
-                              f"({', '.join(source.key(t[0]) for t in source.ties)} in {self.model}) "
-                              "is not supported: a tie's gradient sum needs whole gradients, a "
-                              "sharded replica holds a slice; train without --shard-optimizer")
+        if self.shard_optimizer and self.stages_total > 1:
+            from chimera.byo import refuse_sharded_ties  # lazy: the module imports without torch
+
+            refuse_sharded_ties([source.key(t[0]) for t in source.ties], "--shard-optimizer")
 
     def _check_partition(self, n_layers: int) -> None:
         from chimera.models.partition import parse_partition  # lazy: it imports torch
