@@ -186,7 +186,8 @@ import numpy as np  # noqa: E402
 
 from chimera.cli import main  # noqa: E402
 from chimera.data import Corpus  # noqa: E402
-from chimera.data.formats import DataSpec, _meta_mask, open_data  # noqa: E402
+from chimera.data.formats import DataSpec, open_data  # noqa: E402
+from chimera.data.meta import meta_mask  # noqa: E402
 from chimera.train.loop import Trainer  # noqa: E402
 
 T = 32  # gpt2-tiny's sequence length
@@ -557,7 +558,7 @@ def test_an_old_meta_whose_tokenizer_cannot_be_read_still_gives_its_ids(tmp_path
     broken = tmp_path / "tokenizer.json"
     broken.write_text("{not json")
     meta = {"tokenizer_path": str(broken), "vocab_size": 300, "path": str(tmp_path / "meta.json")}
-    assert _meta_mask(meta) is None
+    assert meta_mask(meta) is None
 
 
 def test_a_file_streams_in_the_pieces_cut_makes_of_it(monkeypatch, tmp_path):
@@ -623,3 +624,100 @@ def test_tokenizing_the_stdlib_holds_out_its_held_out_files(monkeypatch, tmp_pat
     assert val.tolist() == want
     corpus = open_data(DataSpec(None, tokenizer=str(tok)))
     assert np.array_equal(np.asarray(corpus.train), train) and np.array_equal(np.asarray(corpus.val), val)
+
+
+# ---------------------------------------------------------------------------------------
+# The formats table is the one place a format is defined
+
+def test_every_format_detect_returns_has_one_entry(fmt, tmp_path):
+    """Each format of the fixture (and a text folder, the stdlib) is detected as a name that
+    is one entry of FORMATS, and every entry is some path's format; nothing in the data
+    package compares a value with a format's name (it looks the entry up instead)."""
+    import ast
+    import pathlib
+
+    from chimera.data import formats
+    from chimera.data.formats import FORMATS, detect
+
+    root = fmt[0]
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("some text\n")
+    paths = {None: "stdlib", root / "text.txt": "text", tmp_path / "notes": "text",
+             root / "tok": "token-folder", root / "u16.bin": "bin", root / "ids.npy": "npy",
+             root / "docs.jsonl": "jsonl", root / "ds-ids": "datasets", root / "ds-text": "datasets"}
+    found = {p: detect(DataSpec(None if p is None else str(p))) for p in paths}
+    assert found == paths
+    assert set(found.values()) == set(FORMATS)
+    assert all(FORMATS[name].name == name for name in FORMATS)
+    for module in pathlib.Path(formats.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.Compare):
+                named = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant)} & set(FORMATS)
+                assert not named, f"{module.name}:{node.lineno} compares with {named}: use FORMATS"
+
+
+def _toy_ids(spec, column, vocab, progress):
+    """A toy format: token ids written as decimal numbers."""
+    from chimera.data.tokens import check_ids
+
+    ids = np.array(open(spec.path).read().split(), dtype=np.int64)
+    if vocab is not None:
+        check_ids(ids, vocab, spec.path)
+    return ids, None
+
+
+def _toy_text(spec, check_size):
+    """A toy format: the text of a file, shouted."""
+    from chimera.data.text import doc_pieces
+
+    return doc_pieces([open(spec.path).read().upper()]), None
+
+
+def test_a_format_added_to_the_table_is_detected_described_and_opened(fmt, monkeypatch, tmp_path):
+    """One entry (added after the text fallback, and still tried before it) is all a format
+    needs: detect, describe, open_data, the flags' refusals, chimera tokenize and chimera
+    train take it from the table."""
+    from chimera.data.bpe import tokenize
+    from chimera.data.formats import FORMATS, DataInfo, Format, describe, detect, file_suffix
+
+    monkeypatch.setitem(FORMATS, "toy-ids", Format("toy-ids", file_suffix(".ids"), ids=_toy_ids))
+    monkeypatch.setitem(FORMATS, "toy-text", Format("toy-text", file_suffix(".up"), pieces=_toy_text))
+    root, text, ids, _ = fmt
+    (tmp_path / "a.ids").write_text(" ".join(map(str, ids)))
+    (tmp_path / "a.up").write_text(text)
+    spec = DataSpec(str(tmp_path / "a.ids"), vocab_size=1000)
+    assert detect(spec) == "toy-ids" and detect(DataSpec(str(tmp_path / "a.up"))) == "toy-text"
+    assert describe(spec) == DataInfo("toy-ids", 1000, is_bytes=False, text=False)
+    assert np.array_equal(open_data(spec).train, train_split(ids))
+    with pytest.raises(ValueError, match="outside the vocabulary of 900 ids"):
+        open_data(DataSpec(spec.path, vocab_size=900))
+    with pytest.raises(ValueError, match="--token-dtype applies to .bin token files, not to"):
+        describe(DataSpec(spec.path, token_dtype="uint16"))
+    with pytest.raises(ValueError, match="holds token ids but no vocabulary size"):
+        describe(DataSpec(spec.path))
+    with pytest.raises(ValueError, match="holds token ids already"):
+        tokenize(spec, tmp_path / "no", None)
+    seen = train_batches(["--data", spec.path, "--vocab-size", "1000"], monkeypatch, tmp_path)
+    assert_windows_of(seen, train_split(ids), 1000)
+
+    shout = DataSpec(str(tmp_path / "a.up"))
+    assert describe(shout) == DataInfo("toy-text", 256, is_bytes=True, text=True)
+    corpus = open_data(shout)
+    assert bytes(torch.cat([corpus.train, corpus.val]).tolist()) == (text.upper() + "\n").encode()
+    tok = root / "tok" / "tokenizer.json"
+    corpus = open_data(DataSpec(shout.path, tokenizer=str(tok)))
+    assert np.array_equal(np.concatenate([corpus.train, corpus.val]), encode(tok, [text.upper()]))
+    meta = tokenize(DataSpec(shout.path, tokenizer=str(tok)), tmp_path / "tok", None)
+    assert meta["tokens"]["train"] == len(corpus.train) and detect(DataSpec(str(tmp_path / "tok"))) == "token-folder"
+
+
+def test_a_format_entry_is_checked():
+    """An entry that reads nothing, or a column without both readings, is refused."""
+    from chimera.data.formats import Format, file_suffix
+
+    with pytest.raises(ValueError, match="reads neither text"):
+        Format("x", file_suffix(".x"))
+    with pytest.raises(ValueError, match="a column chooses between text and ids"):
+        Format("x", file_suffix(".x"), ids=_toy_ids, column=lambda spec: "text")
+    with pytest.raises(ValueError, match="flags must be among"):
+        Format("x", file_suffix(".x"), ids=_toy_ids, flags=("vocab_size",))

@@ -30,7 +30,8 @@ import numpy as np
 
 from chimera.data import text
 from chimera.data import BYTE_VOCAB, VAL_FRACTION, split_corpus_bytes
-from chimera.data.formats import MAX_VOCAB, META, META_FORMAT, DataSpec, data_size, describe, detect
+from chimera.data.formats import FORMATS, DataSpec, describe, detect, text_pieces
+from chimera.data.meta import MAX_VOCAB, META, META_FORMAT
 from chimera.data.tokens import id_dtype
 from chimera.errors import UserError
 
@@ -61,10 +62,10 @@ def tokenize(spec: DataSpec, out: str | os.PathLike, vocab_size: int | None,
              progress: bool = False) -> dict:
     """Train a tokenizer on ``spec``'s text (or use ``spec.tokenizer``) and write ``out``
     (which must not exist, or be empty). Returns the ``meta.json`` written."""
-    fmt = detect(spec)
-    if fmt in ("bin", "token-folder", "npy"):
+    fmt = FORMATS[detect(spec)]
+    if fmt.pieces is None:
         raise UserError(f"{spec.path} holds token ids already: chimera tokenize reads text")
-    field = spec.text_field or ("text" if fmt == "datasets" else None)  # not its input_ids
+    field = spec.text_field or ("text" if fmt.column is not None else None)  # not its input_ids
     info = describe(DataSpec(spec.path, text_field=field))  # the text, read as a source
     spec = DataSpec(spec.path, text_field=field, tokenizer=spec.tokenizer)
     out = Path(out)
@@ -72,7 +73,7 @@ def tokenize(spec: DataSpec, out: str | os.PathLike, vocab_size: int | None,
     if spec.tokenizer is not None:
         tokenizer = text.load_tokenizer(spec.tokenizer)
     else:
-        tokenizer = train_bpe(text.text_pieces(spec, info.format, check_size=False),
+        tokenizer = train_bpe(text_pieces(spec, info.format, check_size=False),
                               vocab_size, progress)
     vocab = tokenizer.get_vocab_size()
     if vocab_size is not None and vocab_size < vocab:
@@ -101,8 +102,8 @@ def _check_out(out: Path) -> None:
 def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress: bool) -> dict:
     tokenizer.save(str(tmp / "tokenizer.json"))
     dtype = id_dtype(vocab)
-    train, held = text.split_pieces(spec, fmt, check_size=False)
-    total = None if fmt == "stdlib" else data_size(spec)
+    train, held = FORMATS[fmt].pieces(spec, False)
+    total = FORMATS[fmt].size(spec)
     with open(tmp / FILES["train"], "wb") as f:  # every id goes to train.bin; a tail may move to val.bin
         n = _stream_ids(tokenizer, train, vocab, f, progress, total)
         cut = n if held is not None else None

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from chimera.data import MAX_CORPUS_BYTES, check_corpus_path
+from chimera.data.text import doc_pieces
 from chimera.data.tokens import check_ids, id_dtype
 from chimera.errors import UserError
 
@@ -75,8 +76,14 @@ def token_ids(spec, column: str, vocab: int) -> np.ndarray:
     return ids.astype(id_dtype(vocab))
 
 
+def text_pieces(spec, check_size: bool = True):
+    """The pieces of the text column ``spec.field``, each row a document (the held-out
+    split: the last ids, None). Its size is checked as it is read (``_table``)."""
+    return doc_pieces(text_rows(spec, spec.field)), None
+
+
 def text_rows(spec, column: str):
-    """The rows of a datasets folder's text column (for ``chimera.data.text``)."""
+    """The rows of a datasets folder's text column."""
     import pyarrow as pa  # optional extra (hf)
 
     col = _table(Path(spec.path)).column(column)

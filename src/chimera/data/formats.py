@@ -18,8 +18,10 @@ A tokenizer's mask token (``[MASK]``, ``<mask>``) is the id BERT masks with. Any
 else is refused with one line (``ValueError``): a JSON file, a pickle, an archive, a float
 array, a binary file. Nothing unrecognized is read as bytes.
 
-``describe(spec)`` finds the format and the vocabulary without reading the tokens (a
-config check); ``open_data(spec)`` reads them into a ``Corpus`` and checks every id.
+Each row is one entry of ``FORMATS`` (a ``Format``: how the path is recognized, and its
+text pieces or its ids); ``detect(spec)`` asks the entries in turn, ``describe(spec)``
+finds the format and the vocabulary without reading the tokens (a config check), and
+``open_data(spec)`` reads them into a ``Corpus`` and checks every id.
 Ids it makes in memory (text through a tokenizer, a datasets column) ``to_token_file``
 writes to a file, so a launcher makes them once and its ranks map them.
 """
@@ -27,8 +29,10 @@ writes to a file, so a launcher makes them once and its ranks map them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,13 +40,12 @@ import numpy as np
 
 from chimera.data import datasets, text
 from chimera.data import BYTE_VOCAB, Corpus, check_corpus_path, load_corpus
+from chimera.data.meta import MAX_VOCAB, meta_mask, read_meta, token_dtype
+from chimera.data.meta import META, META_FORMAT  # noqa: F401  (imported from here, as before)
 from chimera.data.tokens import TOKEN_DTYPES, TokenFile, bin_file, npy_file
 from chimera.errors import UserError
 
-MAX_VOCAB = 2**24               # an embedding row per id: beyond this is a typo, not a model
-META, META_FORMAT = "meta.json", "chimera-tokens"
 TEXT_SUFFIXES = (".jsonl",)
-TOKEN_FILES = ("bin", "token-folder", "npy")
 # files a folder read as text must not hold: they are data in a format of their own
 DATA_SUFFIXES = (".bin", ".npy", ".npz", ".jsonl", ".arrow", ".parquet", ".pkl", ".pickle",
                  ".pt", ".pth", ".safetensors")
@@ -89,43 +92,177 @@ class DataSpec:
 class DataInfo:
     """What ``describe`` finds: the format, and the vocabulary the ids come from."""
 
-    format: str          # stdlib | text | bin | token-folder | npy | jsonl | datasets
+    format: str          # a key of FORMATS: stdlib | text | bin | token-folder | npy | ...
     vocab_size: int
     is_bytes: bool       # text read as bytes (no tokenizer)
     text: bool           # text (as bytes or through the tokenizer), not token ids
     tokenizer: str | None = None
-    column: str | None = None  # datasets: the column read
+    column: str | None = None  # the column read (a datasets folder)
     mask_id: int | None = None  # the tokenizer's mask token: BERT masks with it
+
+
+# ---------------------------------------------------------------------------------------
+# The formats: one entry each
+
+def data_size(spec: DataSpec) -> int:
+    """Bytes on disk under ``spec.path`` (for progress bars)."""
+    p = Path(spec.path)
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in text.folder_files(p))
+
+
+_FLAGS = {  # a DataSpec field given for a format that does not take it is refused
+    "token_dtype": "--token-dtype applies to .bin token files, not to {} (a .npy and a "
+                   "datasets folder say their own dtype)",
+    "text_field": "--text-field applies to .jsonl files and datasets folders, not to {}",
+}
+
+
+@dataclass(frozen=True)
+class Format:
+    """One kind of ``--data``: how it is recognized and read. ``detect``, ``describe``,
+    ``open_data`` and ``chimera tokenize`` look a format up in ``FORMATS`` and branch on
+    nothing else, so a new format is one entry there.
+
+    A format holds text (``pieces``), token ids (``ids``), or either, by the column it
+    reads (both, and ``column``: text when the column is ``spec.field``)."""
+
+    name: str
+    claims: Callable[[Path | None], bool]  # the path is of this format; may refuse a near miss
+    pieces: Callable | None = None  # (spec, check_size) -> (training pieces, held-out or None)
+    ids: Callable | None = None     # (spec, column, vocab or None: no id check, progress)
+                                    # -> (ids, held-out ids or None: the last ids are)
+    column: Callable | None = None  # (spec) -> the column read
+    read_bytes: Callable | None = None  # (spec, seq_len) -> uint8 tensor (else: the pieces)
+    meta_of: Callable | None = None  # (path) -> (folder, file) a chimera meta.json may cover
+    flags: tuple[str, ...] = ()     # the DataSpec fields that apply to it (_FLAGS)
+    mapped: bool = False            # ids memory-mapped from files: describe reads their headers
+    size: Callable = data_size      # (spec) -> bytes it reads, or None (progress bars)
+    fallback: bool = False          # claims what no other entry does: tried last
+
+    def __post_init__(self) -> None:
+        if self.pieces is None and self.ids is None:
+            raise ValueError(f"format {self.name!r} reads neither text (pieces) nor ids")
+        if (self.column is not None) != (self.pieces is not None and self.ids is not None):
+            raise ValueError(f"format {self.name!r}: a column chooses between text and ids, "
+                             "so it needs both pieces and ids (and only then)")
+        if (self.mapped and self.ids is None) or (self.read_bytes is not None and self.pieces is None):
+            raise ValueError(f"format {self.name!r}: mapped needs ids, read_bytes pieces")
+        if set(self.flags) - set(_FLAGS):
+            raise ValueError(f"format {self.name!r}: flags must be among {', '.join(_FLAGS)}")
+
+
+def file_suffix(suffix: str) -> Callable[[Path | None], bool]:
+    """A ``claims`` for files named ``*suffix`` (any case)."""
+    return lambda p: p is not None and not p.is_dir() and p.suffix.lower() == suffix
+
+
+def _is_stdlib(p: Path | None) -> bool:
+    return p is None
+
+
+def _is_datasets(p: Path | None) -> bool:
+    if p is None or not p.is_dir():
+        return False
+    if (p / "dataset_dict.json").is_file():
+        splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+        raise UserError(f"--data {p} is a datasets DatasetDict (splits: {', '.join(splits)}): "
+                         f"pass one split's folder, e.g. --data {p / (splits or ['train'])[0]}")
+    return datasets.is_datasets_folder(p)
+
+
+def _is_token_folder(p: Path | None) -> bool:
+    return p is not None and p.is_dir() and (p / "train.bin").is_file()
+
+
+def _is_jsonl(p: Path | None) -> bool:
+    if p is not None and not p.is_dir() and p.suffix.lower() == ".json":
+        raise UserError(_json_refusal(p))
+    return p is not None and not p.is_dir() and p.suffix.lower() in TEXT_SUFFIXES
+
+
+def _is_text(p: Path | None) -> bool:
+    """Text: what no other format claims, unless it shows it is not text."""
+    if p is None:
+        return False
+    if p.is_dir():
+        for f in text.folder_files(p):
+            if f.suffix.lower() in DATA_SUFFIXES:
+                raise UserError(f"--data {p} holds {f.relative_to(p)}, a data file: a folder is "
+                                 "read as text, so pass that file itself as --data")
+        return True
+    with open(p, "rb") as f:
+        head = f.read(16)
+    kind = binary_kind(head, p.suffix.lower())
+    if kind:
+        raise UserError(f"--data {p} is {kind}, not a supported data format: give text, .bin, "
+                         ".npy, .jsonl or a datasets folder")
+    return True
+
+
+def _beside(p: Path) -> tuple[Path, str]:
+    return p.parent, p.name
+
+
+def _inside(p: Path) -> tuple[Path, str]:
+    return p, "train.bin"
+
+
+def _bin_ids(spec: DataSpec, column, vocab: int | None, progress: bool):
+    return bin_file(Path(spec.path), token_dtype(spec, read_meta(spec.path, _beside)), vocab, progress), None
+
+
+def _folder_ids(spec: DataSpec, column, vocab: int | None, progress: bool):
+    p = Path(spec.path)  # nanoGPT's layout: train.bin, and val.bin held out
+    dtype = token_dtype(spec, read_meta(spec.path, _inside))
+    held = bin_file(p / "val.bin", dtype, vocab, progress) if (p / "val.bin").is_file() else None
+    return bin_file(p / "train.bin", dtype, vocab, progress), held
+
+
+def _npy_ids(spec: DataSpec, column, vocab: int | None, progress: bool):
+    return npy_file(Path(spec.path), vocab, progress), None
+
+
+def _column_ids(spec: DataSpec, column: str, vocab: int | None, progress: bool):
+    return datasets.token_ids(spec, column, vocab), None
+
+
+def _load_bytes(spec: DataSpec, seq_len: int | None):
+    return load_corpus(spec.path, seq_len=seq_len)
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (  # tried in this order, the fallback last
+    Format("stdlib", _is_stdlib, pieces=text.stdlib_pieces, read_bytes=_load_bytes,
+           size=lambda spec: None),
+    Format("datasets", _is_datasets, pieces=datasets.text_pieces, ids=_column_ids,
+           column=datasets.pick_column, flags=("text_field",)),
+    Format("token-folder", _is_token_folder, ids=_folder_ids, meta_of=_inside,
+           flags=("token_dtype",), mapped=True),
+    Format("bin", file_suffix(".bin"), ids=_bin_ids, meta_of=_beside, flags=("token_dtype",),
+           mapped=True),
+    Format("npy", file_suffix(".npy"), ids=_npy_ids, mapped=True),
+    Format("jsonl", _is_jsonl, pieces=text.jsonl_pieces, flags=("text_field",)),
+    Format("text", _is_text, pieces=text.file_pieces, read_bytes=_load_bytes, fallback=True),
+)}
+TOKEN_FILES = tuple(name for name, f in FORMATS.items() if f.mapped)  # as the table stands
 
 
 # ---------------------------------------------------------------------------------------
 # Which format
 
 def detect(spec: DataSpec) -> str:
-    """The format of ``spec.path`` (by its layout and suffix; a file's first bytes for
-    binaries). Raises ``ValueError`` for anything that is not a supported format."""
-    if spec.path is None:
-        return "stdlib"
-    p = Path(spec.path)
-    check_corpus_path(p)
-    if p.is_dir():
-        return _detect_folder(p)
-    suffix = p.suffix.lower()
-    if suffix == ".bin":
-        return "bin"
-    if suffix == ".npy":
-        return "npy"
-    if suffix in TEXT_SUFFIXES:
-        return "jsonl"
-    if suffix == ".json":
-        raise UserError(_json_refusal(p))
-    with open(p, "rb") as f:
-        head = f.read(16)
-    kind = binary_kind(head, suffix)
-    if kind:
-        raise UserError(f"--data {p} is {kind}, not a supported data format: give text, .bin, "
-                         ".npy, .jsonl or a datasets folder")
-    return "text"
+    """The format of ``spec.path``: the first entry of ``FORMATS`` that claims it (by its
+    layout and suffix; a file's first bytes for binaries). Raises ``ValueError`` for
+    anything that is not a supported format."""
+    p = None if spec.path is None else Path(spec.path)
+    if p is not None:
+        check_corpus_path(p)
+    for fmt in sorted(FORMATS.values(), key=lambda f: f.fallback):
+        if fmt.claims(p):
+            return fmt.name
+    raise UserError(f"--data {p} is not a supported data format: give text, .bin, .npy, "
+                     ".jsonl or a datasets folder")
 
 
 def binary_kind(head: bytes, suffix: str = "") -> str | None:
@@ -150,66 +287,48 @@ def _json_refusal(p: Path) -> str:
     return f"--data {p} is a JSON file, not training data: {hint}"
 
 
-def _detect_folder(p: Path) -> str:
-    if (p / "dataset_dict.json").is_file():
-        splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
-        raise UserError(f"--data {p} is a datasets DatasetDict (splits: {', '.join(splits)}): "
-                         f"pass one split's folder, e.g. --data {p / (splits or ['train'])[0]}")
-    if datasets.is_datasets_folder(p):
-        return "datasets"
-    if (p / "train.bin").is_file():
-        return "token-folder"
-    for f in text.folder_files(p):
-        if f.suffix.lower() in DATA_SUFFIXES:
-            raise UserError(f"--data {p} holds {f.relative_to(p)}, a data file: a folder is read "
-                             "as text, so pass that file itself as --data")
-    return "text"
-
-
 # ---------------------------------------------------------------------------------------
 # Which vocabulary (without reading the ids)
 
 def describe(spec: DataSpec) -> DataInfo:
     """The format of ``spec`` and its vocabulary; refuses flags that do not apply."""
-    fmt = detect(spec)
+    fmt = FORMATS[detect(spec)]
     _check_flags(spec, fmt)
-    column = datasets.pick_column(spec) if fmt == "datasets" else None
-    as_text = fmt in ("stdlib", "text", "jsonl") or column == spec.field
-    if fmt in TOKEN_FILES:
-        _token_arrays(spec, fmt)  # dtype, shape and size: a header and a stat
+    column = fmt.column(spec) if fmt.column is not None else None
+    as_text = fmt.ids is None or column == spec.field
+    if fmt.mapped:
+        fmt.ids(spec, column, None, False)  # dtype, shape and size: a header and a stat
     known, mask_id = {}, None
     if spec.tokenizer is not None:
         tokenizer = text.load_tokenizer(spec.tokenizer)
         known[f"--tokenizer {spec.tokenizer}"] = tokenizer.get_vocab_size()
         mask_id = text.mask_id_of(tokenizer)
-    meta = _meta_for(spec.path, fmt)
+    meta = read_meta(spec.path, fmt.meta_of)
     if meta is not None:
         known[meta["path"]] = meta["vocab_size"]
     if as_text and spec.tokenizer is None:
         if spec.vocab_size is not None:
-            raise UserError(f"--vocab-size applies to token ids: {_what(spec, fmt)} is read as "
+            raise UserError(f"--vocab-size applies to token ids: {_what(spec)} is read as "
                              f"bytes ({BYTE_VOCAB} ids; give --tokenizer to read it as tokens)")
-        return DataInfo(fmt, BYTE_VOCAB, True, True, column=column)
-    vocab = _resolve_vocab(spec, known, fmt)
+        return DataInfo(fmt.name, BYTE_VOCAB, True, True, column=column)
+    vocab = _resolve_vocab(spec, known)
     if spec.tokenizer is None and meta is not None:
-        return DataInfo(fmt, vocab, False, as_text, meta["tokenizer_path"], column, _meta_mask(meta))
-    return DataInfo(fmt, vocab, False, as_text, spec.tokenizer, column, mask_id)
+        return DataInfo(fmt.name, vocab, False, as_text, meta["tokenizer_path"], column,
+                        meta_mask(meta))
+    return DataInfo(fmt.name, vocab, False, as_text, spec.tokenizer, column, mask_id)
 
 
-def _what(spec: DataSpec, fmt: str) -> str:
-    return "the standard library's source" if fmt == "stdlib" else spec.path
+def _what(spec: DataSpec) -> str:
+    return "the standard library's source" if spec.path is None else spec.path
 
 
-def _check_flags(spec: DataSpec, fmt: str) -> None:
-    if spec.token_dtype is not None and fmt not in ("bin", "token-folder"):
-        raise UserError(f"--token-dtype applies to .bin token files, not to {_what(spec, fmt)} "
-                         "(a .npy and a datasets folder say their own dtype)")
-    if spec.text_field is not None and fmt not in ("jsonl", "datasets"):
-        raise UserError(f"--text-field applies to .jsonl files and datasets folders, not to "
-                         f"{_what(spec, fmt)}")
+def _check_flags(spec: DataSpec, fmt: Format) -> None:
+    for flag, refusal in _FLAGS.items():
+        if getattr(spec, flag) is not None and flag not in fmt.flags:
+            raise UserError(refusal.format(_what(spec)))
 
 
-def _resolve_vocab(spec: DataSpec, known: dict[str, int], fmt: str) -> int:
+def _resolve_vocab(spec: DataSpec, known: dict[str, int]) -> int:
     if len(set(known.values())) > 1:
         raise UserError("the vocabulary sizes disagree: " + ", ".join(
             f"{k} says {v}" for k, v in known.items()))
@@ -226,51 +345,6 @@ def _resolve_vocab(spec: DataSpec, known: dict[str, int], fmt: str) -> int:
     return spec.vocab_size
 
 
-def _meta_for(path: str | None, fmt: str) -> dict | None:
-    """The ``meta.json`` of ``chimera tokenize`` that covers this token file or folder."""
-    if fmt not in ("bin", "token-folder"):
-        return None
-    folder, name = (Path(path), "train.bin") if fmt == "token-folder" else (Path(path).parent, Path(path).name)
-    meta_path = folder / META
-    if not meta_path.is_file():
-        return None
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise UserError(f"{meta_path} is not JSON") from None
-    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
-        return None  # another tool's meta.json: it says nothing about these ids
-    if name not in meta.get("files", {}).values():
-        return None
-    if meta.get("dtype") not in TOKEN_DTYPES or not isinstance(meta.get("vocab_size"), int):
-        raise UserError(f"{meta_path} is malformed: it needs dtype (uint16|uint32) and vocab_size")
-    v = meta["vocab_size"]
-    if isinstance(v, bool) or not 2 <= v <= MAX_VOCAB:  # the limit --vocab-size has
-        raise UserError(f"{meta_path} is malformed: its vocab_size {v:,} is not from 2 to "
-                        f"{MAX_VOCAB:,}")
-    tok = meta.get("tokenizer")
-    return {**meta, "path": str(meta_path), "tokenizer_path": str(folder / tok) if tok else None}
-
-
-def _meta_mask(meta: dict) -> int | None:
-    """The mask id a ``meta.json`` records; of one written before it recorded one, that of
-    the tokenizer it names (if that file is still there and the optional tokenizers package
-    reads it: the ids themselves never needed it, so its absence is no reason to refuse them)."""
-    if "mask_id" not in meta:
-        tok = meta["tokenizer_path"]
-        if not tok or not Path(tok).is_file():
-            return None
-        try:
-            return text.mask_id_of(text.load_tokenizer(tok))
-        except UserError:
-            return None
-    mask_id = meta["mask_id"]
-    if mask_id is not None and (not isinstance(mask_id, int) or not 0 <= mask_id < meta["vocab_size"]):
-        raise UserError(f"{meta['path']} is malformed: its mask_id {mask_id!r} is not an id "
-                         f"below its vocab_size {meta['vocab_size']}")
-    return mask_id
-
-
 # ---------------------------------------------------------------------------------------
 # Reading
 
@@ -280,72 +354,51 @@ def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = Fa
     the vocabulary (``scan=False``: not the ids of token files, which another process of the
     run reads through) and the training split holds one sequence of ``seq_len`` + 1."""
     info = describe(spec)
-    where = _what(spec, info.format)
-    if info.format in ("stdlib", "text") and info.is_bytes:
-        corpus = Corpus.of_bytes(load_corpus(spec.path, seq_len=seq_len), where)
-    elif info.text:  # of a file, folder, .jsonl or datasets column, as bytes or through a tokenizer
-        corpus = _text(spec, info, progress)
-    elif info.format == "datasets":
-        ids = datasets.token_ids(spec, info.column, info.vocab_size)
-        corpus = Corpus.from_tokens(ids, info.vocab_size, where, tokenizer=info.tokenizer,
-                                    mask_id=info.mask_id)
+    fmt = FORMATS[info.format]
+    if info.text:  # as bytes or through a tokenizer
+        corpus = _text(spec, fmt, info, seq_len, progress)
     else:
-        corpus = _token_files(spec, info, progress, scan)
+        vocab = info.vocab_size if scan or not fmt.mapped else None
+        train, val = fmt.ids(spec, info.column, vocab, progress)
+        corpus = _of_ids(train, val, info, spec.path, tokenizer=info.tokenizer)
     _check_length(corpus, seq_len)
     return corpus
 
 
-def _text(spec: DataSpec, info: DataInfo, progress: bool) -> Corpus:
-    where = _what(spec, info.format)
+def _text(spec: DataSpec, fmt: Format, info: DataInfo, seq_len: int | None,
+          progress: bool) -> Corpus:
+    where = _what(spec)
     if info.is_bytes:
-        data = text.pieces_as_bytes(text.text_pieces(spec, info.format), where)
-        return Corpus.of_bytes(data, where)
+        if fmt.read_bytes is not None:
+            return Corpus.of_bytes(fmt.read_bytes(spec, seq_len), where)
+        return Corpus.of_bytes(text.pieces_as_bytes(text_pieces(spec, fmt.name), where), where)
     tokenizer = text.load_tokenizer(spec.tokenizer)
-    pieces, held = text.split_pieces(spec, info.format)
-    total = None if info.format == "stdlib" else data_size(spec)
-    ids = text.encode_all(tokenizer, pieces, info.vocab_size, progress, total)
+    pieces, held = fmt.pieces(spec, True)
+    ids = text.encode_all(tokenizer, pieces, info.vocab_size, progress, fmt.size(spec))
     if len(ids) == 0:
         raise UserError(f"{where} holds no text")
-    facts = dict(tokenizer=spec.tokenizer, mask_id=info.mask_id)
-    if held is None:
-        return Corpus.from_tokens(ids, info.vocab_size, where, **facts)
-    val = text.encode_all(tokenizer, held, info.vocab_size)  # the stdlib's held-out files
-    return Corpus(ids, val, info.vocab_size, where, **facts)
+    held = None if held is None else text.encode_all(tokenizer, held, info.vocab_size)
+    return _of_ids(ids, held, info, where, tokenizer=spec.tokenizer)
 
 
-def _token_files(spec: DataSpec, info: DataInfo, progress: bool, scan: bool = True) -> Corpus:
-    train, val = _token_arrays(spec, info.format, info.vocab_size if scan else None, progress)
-    facts = dict(tokenizer=info.tokenizer, mask_id=info.mask_id)
+def _of_ids(train, val, info: DataInfo, where: str, tokenizer: str | None) -> Corpus:
+    """A ``Corpus`` of ids, ``val`` held out (None: the last ids of ``train`` are)."""
+    facts = dict(tokenizer=tokenizer, mask_id=info.mask_id)
     if val is None:
-        return Corpus.from_tokens(train, info.vocab_size, spec.path, **facts)
-    return Corpus(train, val, info.vocab_size, spec.path, **facts)
+        return Corpus.from_tokens(train, info.vocab_size, where, **facts)
+    return Corpus(train, val, info.vocab_size, where, **facts)
 
 
-def _token_arrays(spec: DataSpec, fmt: str, vocab: int | None = None, progress: bool = False):
-    """(the ids, the held-out ids or None) of token files; every id is read and checked
-    against ``vocab`` unless it is None (then only dtype, shape and size are)."""
-    p = Path(spec.path)
-    if fmt == "npy":
-        return npy_file(p, vocab, progress), None
-    meta = _meta_for(spec.path, fmt)
-    dtype = spec.token_dtype or (meta or {}).get("dtype")
-    if dtype is None:
-        raise UserError(f"{p} holds raw token ids of no stated width: give --token-dtype "
-                         "uint16 or uint32 (nanoGPT writes uint16)")
-    if meta is not None and spec.token_dtype not in (None, meta["dtype"]):
-        raise UserError(f"--token-dtype {spec.token_dtype} contradicts {meta['path']} "
-                         f"(dtype {meta['dtype']})")
-    if fmt == "bin":
-        return bin_file(p, dtype, vocab, progress), None
-    val = p / "val.bin"  # nanoGPT's layout: train.bin, and val.bin held out
-    held = bin_file(val, dtype, vocab, progress) if val.is_file() else None
-    return bin_file(p / "train.bin", dtype, vocab, progress), held
+def text_pieces(spec: DataSpec, fmt: str, check_size: bool = True):
+    """All the pieces of a text format's source, the held-out ones last."""
+    train, held = FORMATS[fmt].pieces(spec, check_size)
+    return train if held is None else itertools.chain(train, held)
 
 
 def ids_in_memory(info: DataInfo) -> bool:
     """Whether ``open_data`` makes the ids in memory: text through a tokenizer, a datasets
     folder's column (not bytes, which are the text itself, nor token files, mapped)."""
-    return not info.is_bytes and info.format not in TOKEN_FILES
+    return not info.is_bytes and not FORMATS[info.format].mapped
 
 
 def to_token_file(corpus: Corpus, path: str | os.PathLike) -> Corpus:
@@ -364,12 +417,4 @@ def _check_length(corpus: Corpus, seq_len: int | None) -> None:
     if seq_len is not None and len(corpus.train) < seq_len + 1:
         raise UserError(f"{corpus.where} has {len(corpus.train):,} tokens in its training "
                          f"split: fewer than one sequence of {seq_len} + 1")
-
-
-def data_size(spec: DataSpec) -> int:
-    """Bytes on disk under ``spec.path`` (for progress bars)."""
-    p = Path(spec.path)
-    if p.is_file():
-        return p.stat().st_size
-    return sum(f.stat().st_size for f in text.folder_files(p))
 

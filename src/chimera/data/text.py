@@ -85,30 +85,32 @@ def _special_id(tokenizer, names: tuple[str, ...]) -> int | None:
 # ---------------------------------------------------------------------------------------
 # Documents and pieces
 
-def text_pieces(spec, fmt: str, check_size: bool = True) -> Iterator[str]:
-    """The pieces of a text source, in order (each document ends with a newline, its last
-    piece a ``DocEnd``)."""
-    train, val = split_pieces(spec, fmt, check_size)
-    return train if val is None else itertools.chain(train, val)
+# A text format's ``pieces`` (its entry in ``chimera.data.formats.FORMATS``): (training
+# pieces, held-out pieces or None: the last ids of the one stream are held out).
+# ``check_size``: refuse text beyond what is read into memory (``chimera tokenize`` streams
+# it, and does not).
+
+def stdlib_pieces(spec, check_size: bool = True) -> tuple[Iterator[str], Iterator[str]]:
+    """The stdlib's files, holding out a seeded choice of them
+    (``chimera.data.stdlib_documents``); capped at a byte count, so a last character may be
+    cut: it is replaced."""
+    train, val = stdlib_documents()
+    return _docs_pieces(train), _docs_pieces(val)
 
 
-def split_pieces(spec, fmt: str, check_size: bool = True) -> tuple[Iterator[str], Iterator[str] | None]:
-    """The pieces of a text source as (training, held-out): the stdlib holds out a seeded
-    choice of its files (``chimera.data.stdlib_documents``); any other source (None) holds
-    out the last ids of its one stream. ``check_size``: refuse text beyond what is read
-    into memory (``chimera tokenize`` streams it, and does not)."""
-    if fmt == "stdlib":  # capped at a byte count, so a last character may be cut: replaced
-        train, val = stdlib_documents()
-        return _docs_pieces(train), _docs_pieces(val)
-    if fmt == "text":
-        return _files_pieces(Path(spec.path), check_size), None
-    if fmt == "jsonl":
-        docs = (text + "\n" for text in _jsonl(Path(spec.path), spec.field, check_size))
-    else:  # a datasets folder's text column
-        from chimera.data.datasets import text_rows
+def file_pieces(spec, check_size: bool = True) -> tuple[Iterator[str], None]:
+    """A text file, or the text files of a folder, each a document."""
+    return _files_pieces(Path(spec.path), check_size), None
 
-        docs = (text + "\n" for text in text_rows(spec, spec.field))
-    return (piece for doc in docs for piece in _mark_last(cut(doc))), None
+
+def jsonl_pieces(spec, check_size: bool = True) -> tuple[Iterator[str], None]:
+    """Each object's ``spec.field`` of a JSON lines file, a document."""
+    return doc_pieces(_jsonl(Path(spec.path), spec.field, check_size)), None
+
+
+def doc_pieces(docs: Iterable[str]) -> Iterator[str]:
+    """The pieces of documents, each followed by a newline (its last piece a ``DocEnd``)."""
+    return (piece for doc in docs for piece in _mark_last(cut(doc + "\n")))
 
 
 def _docs_pieces(docs: list[bytes]) -> Iterator[str]:
