@@ -1,6 +1,7 @@
 """Tensors handed to collectives live where the backend needs them (NCCL: the current GPU)."""
 
 from collections import defaultdict
+from types import SimpleNamespace
 
 import torch
 
@@ -9,12 +10,12 @@ from chimera.train.checkpoint.state import init_adam_state
 
 
 def test_collective_device_is_the_current_gpu_under_nccl(monkeypatch):
-    monkeypatch.setattr(grid.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(grid.dist, "get_backend", lambda group=None: "nccl")
+    def transport(backend):
+        return SimpleNamespace(is_initialized=lambda: True, get_backend=lambda group=None: backend)
+
     monkeypatch.setattr(grid.torch.cuda, "current_device", lambda: 3)
-    assert grid.collective_device() == torch.device("cuda", 3)
-    monkeypatch.setattr(grid.dist, "get_backend", lambda group=None: "gloo")
-    assert grid.collective_device() == torch.device("cpu")
+    assert grid.collective_device(transport("nccl")) == torch.device("cuda", 3)
+    assert grid.collective_device(transport("gloo")) == torch.device("cpu")
 
 
 class _Optimizer:
@@ -38,14 +39,14 @@ def test_every_tensor_the_runtime_hands_to_dist_is_on_its_device():
     ranks: every p2p and collective tensor of start-up and of one iteration (every schedule
     kind: chimera with its replica allreduce, 1f1b, a split backward) is on that device, and
     the iteration reads nothing back to the host (meta tensors cannot be read)."""
-    from chimera.runtime.virtual import VirtualWorld, patched
+    from chimera.runtime.transport import Wrapping, current, using
+    from chimera.runtime.virtual import run_virtual
     from chimera.train.config import TrainConfig
     from chimera.train.loop import Trainer
-    import threading
 
     seen = []
 
-    class Recording(VirtualWorld):
+    class Recording(Wrapping):
         def isend(self, tensor, dst, tag=0, group=None):
             seen.append(("isend", tensor.device))
             return super().isend(tensor, dst, tag, group)
@@ -56,32 +57,21 @@ def test_every_tensor_the_runtime_hands_to_dist_is_on_its_device():
 
         def all_reduce(self, tensor, op=None, group=None, async_op=False):
             seen.append(("all_reduce", tensor.device))
-            return super().all_reduce(tensor, op, group, async_op)
+            return super().all_reduce(tensor, group=group, async_op=async_op)
 
     meta = torch.device("meta")
     for schedule in ("chimera", "1f1b", "zb-h1"):
         cfg = TrainConfig(schedule=schedule, stages=2, micro_batches=4, micro_batch_size=2, steps=1)
-        world, errors = Recording(cfg.world), []
 
         def body(rank):
-            world.local.rank = rank
-            try:
+            with using(Recording(current())):
                 trainer = Trainer(cfg, rank, meta)
                 trainer.runtime.zero_grad()
                 loss = trainer.runtime.run(trainer._micro_data(*trainer.batch(0)))
                 assert loss.device == meta
                 assert trainer.runtime.owned_sq_norm().device == meta
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-                world.fail()
 
-        with patched(world):
-            threads = [threading.Thread(target=body, args=(r,)) for r in range(cfg.world)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        assert not errors, errors[0]
+        run_virtual(cfg.world, body)
     kinds = {k for k, _ in seen}
     assert kinds == {"isend", "irecv", "all_reduce"}, kinds
     assert all(device == meta for _, device in seen), [s for s in seen if s[1] != meta][:3]

@@ -15,11 +15,8 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "chimera"
 
-# Cycles left in modules this change could not touch (train/ was being edited alongside it;
-# issue 16). A cycle not listed here fails; fix one and take it off the list.
-KNOWN_CYCLES = {
-    frozenset({"chimera.runtime.virtual", "chimera.train.equivalence"}),
-}
+# Cycles allowed to stay: none (the last two went in issue 24). A cycle not listed here fails.
+KNOWN_CYCLES: set[frozenset[str]] = set()
 # Files whose function-level imports do not say why yet (same reason).
 NOT_YET_COMMENTED = {"api.py", "cli/train_cmd.py", "train/__init__.py",
                      "train/equivalence.py", "train/faults.py",
@@ -157,8 +154,6 @@ def upward_imports(graph: dict[str, dict[str, int]], moved: dict[str, str]) -> l
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="runtime.virtual patches api/train until the transport "
-                   "object of issue 24 lands: then remove this mark")
 def test_imports_go_down_the_layers():
     bad = upward_imports(import_graph(), _moved())
     assert not bad, "imports against the layers (LAYERS):\n" + "\n".join(sorted(bad))

@@ -30,9 +30,10 @@ from chimera.passes import lower
 from chimera.runtime.executor import MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.nccl_emulation import ENV, MODES, NcclEmulation, transport_from_env
-from chimera.runtime.p2p import CommTimeout, Transport, wait_work
+from chimera.runtime.p2p import CommTimeout, wait_work
 from chimera.runtime.sync import DEVICE_PLAN_ENV
 from chimera.runtime.pipeline import PipelineRuntime
+from chimera.runtime.transport import TorchDist, Transport
 from chimera.schedules import build
 from chimera.check.validate import validate
 
@@ -87,8 +88,7 @@ def _data(rt: PipelineRuntime, step: int) -> MicroData:
 def _use(rt: PipelineRuntime, transport: Transport) -> None:
     """Route the runtime's p2p and stage allreduces through ``transport`` (instead of one per
     run via the env var: a runtime per mode would triple the start-up collectives)."""
-    rt.executor.mailbox.transport = transport
-    rt.sync.collectives = transport if isinstance(transport, NcclEmulation) else None
+    rt.executor.mailbox.transport = rt.sync.transport = transport
 
 
 def _train(rt: PipelineRuntime, transport: Transport) -> tuple[list[float], list[torch.Tensor]]:
@@ -113,13 +113,13 @@ def _train(rt: PipelineRuntime, transport: Transport) -> tuple[list[float], list
 def _compare(name, opts, stages, n, dp) -> dict:
     rt = _runtime(name, opts, stages, n, dp)
     start = [p.detach().clone() for p in rt.parameters()]
-    base_losses, base_grads = _train(rt, Transport())
+    base_losses, base_grads = _train(rt, TorchDist())
     out = {"config": f"{name} {opts} D={stages} N={n} W={dp}", "losses": base_losses}
     for mode in MODES:
         with torch.no_grad():
             for p, p0 in zip(rt.parameters(), start):
                 p.copy_(p0)
-        emulation = NcclEmulation(dist.get_rank(), mode)
+        emulation = NcclEmulation(TorchDist(), mode)
         losses, grads = _train(rt, emulation)
         emulation.close()
         out[mode] = {"losses": losses, "messages": sum(emulation.sent.values()),
@@ -145,8 +145,8 @@ def _late_order(mode: str) -> dict:
     """chimera D=2 N=4 with late posts: gloo completes it, the emulation times out."""
     rt = _runtime("chimera", {}, 2, 4, 1, timeout_s=3.0)
     rt.program = _late_posts(rt.program, rt.schedule.stages)
-    plain, _ = _train(rt, Transport())
-    emulation = NcclEmulation(dist.get_rank(), mode)
+    plain, _ = _train(rt, TorchDist())
+    emulation = NcclEmulation(TorchDist(), mode)
     _use(rt, emulation)
     try:
         rt.run(_data(rt, 0))
@@ -160,7 +160,7 @@ def _late_order(mode: str) -> dict:
 
 def _disagreeing_order(mode: str) -> str:
     """Rank 0 sends tags 1 then 2, rank 1 receives 2 then 1: fine on gloo, not on NCCL."""
-    emulation, other = NcclEmulation(dist.get_rank(), mode), 1 - dist.get_rank()
+    emulation, other = NcclEmulation(TorchDist(), mode), 1 - dist.get_rank()
     a, b = torch.ones(3), torch.zeros(3)
     if dist.get_rank() == 0:
         works = [emulation.isend(a, other, 1), emulation.isend(a, other, 2)]
@@ -184,9 +184,9 @@ def _allreduce_orders(mode: str) -> dict:
     rank, out = dist.get_rank(), {}
     for order in ("same", "crossed"):
         seq = [0, 1] if order == "same" or rank == 0 else [1, 0]
-        emulation = NcclEmulation(rank, mode)
+        emulation = NcclEmulation(TorchDist(), mode)
         tensors = {g: torch.full((3,), float(rank + 1 + 10 * g)) for g in seq}
-        works = {g: emulation.all_reduce(tensors[g], groups[g]) for g in seq}
+        works = {g: emulation.all_reduce(tensors[g], group=groups[g], async_op=True) for g in seq}
         try:
             for g in seq:
                 wait_work(works[g], datetime.timedelta(seconds=3), rank, f"allreduce {g}", 1 - rank)
@@ -207,7 +207,7 @@ def _from_env() -> list[str]:
     for value in ("", "rank", "pair", "bogus"):
         os.environ[ENV] = value
         try:
-            t = transport_from_env(dist.get_rank())
+            t = transport_from_env(TorchDist())
             seen.append(getattr(t, "mode", type(t).__name__))
             if isinstance(t, NcclEmulation):
                 t.close()
@@ -289,7 +289,7 @@ def test_allreduces_in_crossed_orders_hang(world2):
 @pytest.mark.slow
 def test_env_var_selects_the_transport(world2):
     seen = world2[0]["from_env"]
-    assert seen[:3] == ["Transport", "rank", "pair"]
+    assert seen[:3] == ["TorchDist", "rank", "pair"]
     assert seen[3].startswith(f"{ENV}='bogus'")
 
 

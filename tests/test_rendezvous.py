@@ -203,13 +203,15 @@ class _RecordingDist:
         self.log.append(entry)
         return _Work(self.log, len(self.log) - 1)
 
-    def isend(self, tensor, dst, tag=0):
+    matches_by_tag = False  # as NCCL
+
+    def isend(self, tensor, dst, tag=0, group=None):
         return self._call("isend", dst, tag)
 
-    def irecv(self, tensor, src, tag=0):
+    def irecv(self, tensor, src, tag=0, group=None):
         return self._call("irecv", src, tag)
 
-    def all_reduce(self, tensor, group=None, async_op=False):
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
         return self._call("all_reduce", group, tensor.numel())
 
     def reduce_scatter_single(self, output, input, group=None, async_op=False):
@@ -218,7 +220,7 @@ class _RecordingDist:
     def all_gather_single(self, output, input, group=None, async_op=False):
         return self._call("all_gather", group, output.numel())
 
-    def new_group(self, ranks, **kw):
+    def new_group(self, ranks):
         return _Group(ranks)
 
     def get_process_group_ranks(self, group):
@@ -228,7 +230,7 @@ class _RecordingDist:
         return "nccl"  # the calls NCCL gets (off NCCL a sharded replica reduces by allreduce)
 
 
-def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int,
+def _record(plan: CommPlan, rank: int, w: int, bucket_bytes: int,
             sharded: bool = False) -> list[tuple]:
     """The dist calls rank ``rank`` makes running one iteration of ``plan`` (tiny model);
     ``sharded``: two iterations with the optimizer sharded, each followed by the runtime's
@@ -242,24 +244,22 @@ def _record(monkeypatch, plan: CommPlan, rank: int, w: int, bucket_bytes: int,
     from chimera.runtime.pipeline import PipelineRuntime
     from chimera.runtime.sync import CommChoices, GradSync, ReplicaGrads
 
-    fake = _RecordingDist()
-    for module in ("p2p", "sync", "grid", "shard"):
-        monkeypatch.setattr(f"chimera.runtime.{module}.dist", fake)
+    fake = _RecordingDist()  # the transport every part is given
     s = plan.schedule
     grid = ProcessGrid(s.placement, w, rank)
-    grid.build_groups()
+    grid.build_groups(fake)
     modules = {key: torch.nn.Linear(WIDTH, WIDTH) for key in grid.held()}
     runtime = PipelineRuntime.__new__(PipelineRuntime)  # the parts gather_parameters reads
-    runtime.grid, runtime.gathering = grid, {}
+    runtime.grid, runtime.gathering, runtime.transport = grid, {}, fake
     runtime.choices = CommChoices(bucket_bytes, True)  # the device plan (the fake is NCCL)
     runtime.grads = {key: ReplicaGrads(m, None, len(grid.stage_ranks[key[1]]) if sharded else 1)
                      for key, m in modules.items()}
     runtime.shards = runtime._shards() if sharded else {}
     sync = runtime.sync = GradSync(runtime.grads, grid.stage_groups, rank, None, bucket_bytes,
-                                   None, runtime.shards)
+                                   fake, runtime.shards)
     spec = BoundarySpec.of(torch.nn.Linear(WIDTH, WIDTH)(torch.zeros(ROWS, WIDTH)))
     mailbox = Mailbox(plan, grid, lambda m: (spec.nbytes(backward=m.kind is Op.RECV_B),),
-                      torch.uint8, torch.device("cpu"), None)
+                      torch.uint8, torch.device("cpu"), None, fake)
     loss = lambda y, t: ((y - t) ** 2).mean()  # noqa: E731
     executor = Executor(s, modules, loss, mailbox, sync, early=plan.early[grid.d])
     executor.boundaries = [spec] * s.stages
@@ -309,7 +309,7 @@ HONEST = [(name, opts, d) for name, opts in
 
 
 @pytest.mark.parametrize("name,options,d", HONEST, ids=[f"{n}-{o}-D{d}" for n, o, d in HONEST])
-def test_runtime_calls_equal_the_replayed_calls(monkeypatch, name, options, d):
+def test_runtime_calls_equal_the_replayed_calls(name, options, d):
     from chimera.runtime.sync import BUCKET_BYTES
 
     # bucket_bytes 0: one allreduce per replica at its Launch (the CPU plan); otherwise
@@ -320,7 +320,7 @@ def test_runtime_calls_equal_the_replayed_calls(monkeypatch, name, options, d):
         for w in (1, 2):
             for bucket_bytes in (0, 8, BUCKET_BYTES):
                 for rank in range(w * d):
-                    got = _record(monkeypatch, plan, rank, w, bucket_bytes)
+                    got = _record(plan, rank, w, bucket_bytes)
                     want = _replayed(plan, rank, w, bucket_bytes > 0, False,
                                      _sizes(plan, w, bucket_bytes))
                     assert got == want, f"{name} {options} D={d} sync={sync} W={w} rank {rank}"
@@ -341,7 +341,7 @@ SHARDED = [("chimera", {}, 2), ("chimera", {"strategy": "doubling"}, 4), ("chime
 
 
 @pytest.mark.parametrize("name,options,d", SHARDED, ids=[f"{n}-{o}-D{d}" for n, o, d in SHARDED])
-def test_sharded_runtime_calls_equal_the_replayed_calls(monkeypatch, name, options, d):
+def test_sharded_runtime_calls_equal_the_replayed_calls(name, options, d):
     """With the optimizer sharded the replay's two iterations are the runtime's: reduce-scatters
     at the Launches (never bucketed), all-gathers after the step, each waited for at its
     replica's first forward of the next iteration."""
@@ -350,7 +350,7 @@ def test_sharded_runtime_calls_equal_the_replayed_calls(monkeypatch, name, optio
     plan = plan_comm(lower(build(name, d, 2 * d, **options)))
     for w in (1, 2):
         for rank in range(w * d):
-            got = _record(monkeypatch, plan, rank, w, BUCKET_BYTES, sharded=True)
+            got = _record(plan, rank, w, BUCKET_BYTES, sharded=True)
             want = _replayed(plan, rank, w, True, True, _sizes(plan, w, BUCKET_BYTES, True))
             assert got == want, f"{name} {options} D={d} W={w} rank {rank}"
             if w == 1 and name == "1f1b":

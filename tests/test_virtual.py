@@ -35,11 +35,12 @@ def test_a_failing_virtual_rank_fails_the_run_instead_of_hanging():
     from chimera.runtime.virtual import run_virtual
 
     def body(rank):
-        import chimera.runtime.p2p as p2p
         import torch
+
+        from chimera.runtime.transport import current
         if rank == 1:
             raise ValueError("rank 1 broke")
-        p2p.dist.recv(torch.zeros(1), src=1)  # would wait forever for rank 1
+        current().recv(torch.zeros(1), src=1)  # would wait forever for rank 1
 
     with pytest.raises(ValueError, match="rank 1 broke"):
         run_virtual(2, body)
@@ -74,39 +75,49 @@ def test_a_pipe_without_micro_batches_still_syncs(schedule):
 
 def test_a_gradient_hook_on_another_thread_runs_as_its_rank():
     """CUDA's autograd runs a backward on its device thread, not the rank's: GradSync's
-    bucket allreduces (gradient hooks) must still be issued as the rank that registered them."""
+    bucket allreduces (gradient hooks) must still be issued as the rank that built it."""
     import threading
 
     import torch
 
-    from chimera.runtime.virtual import run_virtual
+    from chimera.runtime.sync import GradSync, ReplicaGrads
+    from chimera.runtime.transport import current
+    from chimera.runtime.virtual import VirtualWorld, run_virtual
 
     def body(rank):
-        import chimera.runtime.sync as sync
-        w = torch.nn.Parameter(torch.ones(2))
-        seen = []
-        w.register_post_accumulate_grad_hook(lambda p: seen.append(sync.dist.get_rank()))
-        device_thread = threading.Thread(target=lambda: (w * 2).sum().backward())
+        layer = torch.nn.Linear(2, 2, dtype=torch.float64)
+        group = current().new_group([0, 1])
+        sync = GradSync({(0, 0): ReplicaGrads(layer)}, {0: group}, rank, None, bucket_bytes=8)
+        sync.arm(0, 0)  # a bucket per parameter, launched by its gradient hook
+        x = torch.full((1, 2), float(rank + 1), dtype=torch.float64)
+        device_thread = threading.Thread(target=lambda: layer(x).sum().backward())
         device_thread.start()
         device_thread.join()
-        return seen
+        sync.start(0, 0)
+        sync.wait_all()
+        return layer.weight.grad.clone()
 
-    assert run_virtual(2, body) == [[0], [1]]
+    world = VirtualWorld(2, record=True)
+    grads = run_virtual(2, body, world)
+    assert torch.equal(grads[0], torch.full((2, 2), 3.0, dtype=torch.float64))  # 1 + 2
+    assert torch.equal(grads[0], grads[1])
+    for mine in world.recorded():
+        assert sum(f.get("name") == "all_reduce" for _, f in mine) == 2  # bias, weight
 
 
 def _sends_first(rank):
     import torch
 
-    import chimera.runtime.p2p as p2p
-    p2p.dist.isend(torch.ones(3), 1 - rank, tag=rank)  # both ranks send first: gloo buffers
-    p2p.dist.irecv(torch.zeros(3), 1 - rank, tag=1 - rank).wait()
+    from chimera.runtime.transport import current
+    current().isend(torch.ones(3), 1 - rank, tag=rank)  # both ranks send first: gloo buffers
+    current().irecv(torch.zeros(3), 1 - rank, tag=1 - rank).wait()
 
 
 def _send_then_allreduce(rank):
     import torch
 
-    import chimera.runtime.p2p as p2p
-    d = p2p.dist
+    from chimera.runtime.transport import current
+    d = current()
     if rank == 0:  # the shape of issue 23: rank 0 sends, then reduces; rank 1 the other way
         d.isend(torch.ones(3), 1, tag=0)
         d.all_reduce(torch.ones(2), async_op=True).wait()

@@ -58,7 +58,6 @@ import functools
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -75,6 +74,7 @@ from chimera.runtime.launch_local import SpawnError, spawn
 from chimera.runtime.p2p import peers_text, wait_work
 from chimera.runtime.pipeline import PipelineRuntime, ProbeError
 from chimera.runtime.shared import TieSync, counters, sync_buffers
+from chimera.runtime.transport import ReduceOp, Transport, current
 from chimera.schedules import build, require_runnable
 from chimera.check.validate import validate
 
@@ -111,11 +111,12 @@ def _check_numbers(micro_batch_size, micro_batches, comm_timeout) -> None:
                         f"{MAX_COMM_TIMEOUT_S:g} seconds, got {t!r}")
 
 
-def default_device() -> torch.device:
+def default_device(transport: Transport | None = None) -> torch.device:
     """cuda:LOCAL_RANK when CUDA is there and the backend is not gloo (which moves CPU tensors)."""
     import os
 
-    if torch.cuda.is_available() and dist.get_backend() != "gloo":
+    transport = transport if transport is not None else current()
+    if torch.cuda.is_available() and transport.get_backend() != "gloo":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -150,7 +151,7 @@ class _BatchCheck:
         self.runtime = runtime
         mine = _fingerprint(tree)
         self.both = torch.cat([mine, -mine]).to(collective_device())
-        self.work = runtime.all_reduce_async(self.both, op=dist.ReduceOp.MAX)
+        self.work = runtime.all_reduce_async(self.both, op=ReduceOp.MAX)
 
     MISMATCH = ("the ranks were given different mini-batches: every rank must pass the same "
                 "whole mini-batch to step()/eval_step() (seed its generator or loader alike on "
@@ -160,7 +161,7 @@ class _BatchCheck:
         """Wait for the comparison; UserError when the ranks' mini-batches differ."""
         if self.work is None:
             return
-        rank, ranks = self.runtime.grid.rank, list(range(dist.get_world_size()))
+        rank, ranks = self.runtime.grid.rank, list(range(self.runtime.transport.get_world_size()))
         wait_work(self.work, self.runtime.sync.timeout, rank,
                   f"batch fingerprint allreduce with {peers_text(rank, ranks)}", ranks)
         self.work = None
@@ -213,7 +214,9 @@ class Pipeline:
     gives one range of layer indices per stage (default: balanced by parameter count).
     Shared Parameters (tied weights) are found by identity, or named in ``ties``.
     ``example_input`` (optional; one row or a micro-batch, a pytree) sizes the boundaries now;
-    otherwise the first ``step`` does, and a new input shape re-probes.
+    otherwise the first ``step`` does, and a new input shape re-probes. ``transport``: how
+    the ranks talk (default ``torch.distributed``, or the one in effect:
+    :func:`chimera.runtime.transport.current`).
     """
 
     def __init__(self, layers, loss_fn: Callable, schedule: str = "chimera", stages: int = 2,
@@ -227,8 +230,10 @@ class Pipeline:
                  sync_buffers: bool = True, example_target=None,
                  init: Callable[[nn.Module], None] | None = None,
                  wire_dtype: torch.dtype | None = None, token_count: Callable | None = None,
-                 check_batch: bool = True, shard_optimizer: bool = False):
-        self._check_args(loss_reduction, stages, data_parallel)
+                 check_batch: bool = True, shard_optimizer: bool = False,
+                 transport: Transport | None = None):
+        self.transport = transport if transport is not None else current()
+        self._check_args(self.transport, loss_reduction, stages, data_parallel)
         _check_numbers(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                        comm_timeout=comm_timeout)
         keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
@@ -238,7 +243,7 @@ class Pipeline:
         self.loss_reduction, self.ignore_index = loss_reduction, ignore_index
         self.token_count, self.check_batch = token_count, check_batch
         self.sync_buffers = sync_buffers
-        self.grid = ProcessGrid(self.schedule.placement, data_parallel, dist.get_rank())
+        self.grid = ProcessGrid(self.schedule.placement, data_parallel, self.transport.get_rank())
         self.batch_rows = micro_batch_size * n * data_parallel
         self.rows = int(micro_batch_size * self.schedule.micro_scale)
         if self.rows * self.schedule.micro_batches * data_parallel != self.batch_rows:
@@ -247,7 +252,7 @@ class Pipeline:
         self.ranges = self._partition(source, partition)
         self.ties = source.ties(self.ranges)
         refuse_sharded_ties([t.names[0] for t in self.ties] if shard_optimizer else [])
-        device = torch.device(device) if device is not None else default_device()
+        device = torch.device(device) if device is not None else default_device(self.transport)
         if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
             device = torch.device("cuda", torch.cuda.current_device())
         if device.type == "cuda":  # NCCL's object collectives (probe, state_dict) use it
@@ -259,19 +264,19 @@ class Pipeline:
             rows=self.rows, recompute=recompute, autocast=autocast, device=device,
             comm_timeout=comm_timeout, example=self._example(example_input, device),
             target_example=self._example(example_target, device), wire_dtype=wire_dtype,
-            shard_optimizer=shard_optimizer)
+            shard_optimizer=shard_optimizer, transport=self.transport)
         del source, stage_of  # the layers a rank does not hold are garbage now
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
 
     @staticmethod
-    def _check_args(loss_reduction: str, stages: int, data_parallel: int) -> None:
-        if not dist.is_initialized():
+    def _check_args(transport: Transport, loss_reduction: str, stages: int, data_parallel: int) -> None:
+        if not transport.is_initialized():
             raise RuntimeError("chimera.api.Pipeline needs torch.distributed initialized "
                                "(use chimera.api.spawn or torchrun)")
         if loss_reduction not in REDUCTIONS:
             raise UserError(f"loss_reduction must be one of {REDUCTIONS}, got {loss_reduction!r}")
-        world = dist.get_world_size()
+        world = transport.get_world_size()
         if world != stages * data_parallel:
             raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
 
@@ -456,8 +461,8 @@ class Pipeline:
     def _gather_outputs(self, mine: dict):
         w, n = self.grid.w, self.schedule.micro_batches
         local = {w * n + m: pytree.tree_map(lambda t: t.detach().cpu(), y) for m, y in mine.items()}
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
+        parts: list = [None] * self.transport.get_world_size()
+        self.transport.all_gather_object(parts, local)
         merged = {k: v for p in parts for k, v in p.items()}
         ordered = [merged[k] for k in sorted(merged)]
         leaves = [pytree.tree_flatten(y)[0] for y in ordered]
@@ -470,7 +475,7 @@ class Pipeline:
         and return that norm: the value ``torch.nn.utils.clip_grad_norm_`` gives on one device."""
         if self.runtime.shards:  # each rank's slices: every stage once, no ties (refused)
             return clip_by_global_norm_(self.runtime.grad_tensors(), self.runtime.owned_sq_norm(),
-                                        max_norm, eps, all_reduce=dist.all_reduce)
+                                        max_norm, eps, all_reduce=self.transport.all_reduce)
         sq = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         skip = self.tie_sync.counted_elsewhere()
         counted = set()
@@ -482,7 +487,7 @@ class Pipeline:
                 if p.grad is not None and id(p) not in skip:
                     sq += p.grad.detach().double().pow(2).sum()
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        return clip_by_global_norm_(grads, sq, max_norm, eps, all_reduce=dist.all_reduce)
+        return clip_by_global_norm_(grads, sq, max_norm, eps, all_reduce=self.transport.all_reduce)
 
     def _owner(self, stage: int) -> int:
         return self.grid.global_rank(self.grid.placement.rank_of(0, stage), 0)
@@ -496,11 +501,11 @@ class Pipeline:
         for (pipe, stage), module in sorted(self.runtime.modules.items()):
             if pipe == 0 and self.grid.rank == self._owner(stage):
                 part.update({k: v.detach().cpu().clone() for k, v in module.state_dict().items()})
-        parts: list = [None] * dist.get_world_size()
+        parts: list = [None] * self.transport.get_world_size()
         if all_ranks:
-            dist.all_gather_object(parts, part)
+            self.transport.all_gather_object(parts, part)
         else:
-            dist.gather_object(part, parts if self.grid.rank == 0 else None, dst=0)
+            self.transport.gather_object(part, parts if self.grid.rank == 0 else None, dst=0)
             if self.grid.rank != 0:
                 return {}
         merged = {k: v for p in parts for k, v in p.items()}
@@ -532,8 +537,8 @@ class Pipeline:
             own = module.state_dict().keys()
             keys |= set(own)
             missing += [k for k in own if k not in state]
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (sorted(keys), sorted(set(missing))))
+        everyone: list = [None] * self.transport.get_world_size()
+        self.transport.all_gather_object(everyone, (sorted(keys), sorted(set(missing))))
         known = {k for ks, _ in everyone for k in ks}
         missing = sorted({k for _, ms in everyone for k in ms})
         unexpected = sorted(set(state) - known)

@@ -2,38 +2,23 @@
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from chimera.check.comm_plan import CommPlan
 from chimera.ir import Placement
+from chimera.runtime.transport import Transport, current
 
 
-def collective_device() -> torch.device:
+def collective_device(transport: Transport | None = None) -> torch.device:
     """Where tensors handed to a collective of the default group must live: the current CUDA
-    device under NCCL (which rejects CPU tensors), the CPU otherwise."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    device under NCCL (which rejects CPU tensors), the CPU otherwise. ``transport``: default
+    the one in effect (:func:`chimera.runtime.transport.current`)."""
+    transport = transport if transport is not None else current()
+    if transport.is_initialized() and transport.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def end_group(device) -> None:
-    """The one teardown of a worker that succeeded: finish outstanding device work, barrier
-    (no rank closes its connections while a peer still uses them: gloo aborted at exit under
-    load without it), drop unreachable group objects, destroy. Only on success: after a
-    failure a peer may be gone, so skip the barrier."""
-    if not dist.is_initialized():
-        return
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        dist.barrier(device_ids=[device.index])
-    else:
-        dist.barrier()
-    gc.collect()  # a subgroup kept alive by a reference cycle would outlive its backend
-    dist.destroy_process_group()
 
 
 @dataclass
@@ -77,13 +62,14 @@ class ProcessGrid:
     def held(self) -> list[tuple[int, int]]:
         return self.placement.held(self.d)
 
-    def build_groups(self) -> None:
+    def build_groups(self, transport: Transport | None = None) -> None:
         """Create one group per stage; every rank calls new_group for every stage, in order."""
+        transport = transport if transport is not None else current()
         for stage in range(self.placement.stages):
             ranks = sorted({self.global_rank(d, w) for w in range(self.data_parallel)
                             for d in self.placement.replicas(stage)})
             self.stage_ranks[stage] = ranks
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = transport.new_group(ranks) if len(ranks) > 1 else None
             if self.rank in ranks:
                 self.stage_groups[stage] = group
 
@@ -93,7 +79,7 @@ class ProcessGrid:
         return sorted((self.global_rank(a, w), self.global_rank(b, w))
                       for w in range(self.data_parallel) for a, b in inner)
 
-    def warm_up(self, plan: CommPlan, device: torch.device) -> None:
+    def warm_up(self, plan: CommPlan, device: torch.device, transport: Transport | None = None) -> None:
         """Create every communicator now, in one order on every rank.
 
         NCCL creates a communicator at its first use, and creation blocks until every member
@@ -103,12 +89,13 @@ class ProcessGrid:
         Each rank's list is a subsequence of one global list, so these blocking steps cannot
         wait on each other in a cycle. Cheap on gloo, where it only opens the connections.
         """
+        transport = transport if transport is not None else current()
         one = torch.zeros(1, device=device)
         for stage in sorted(self.stage_groups):
             if self.stage_groups[stage] is not None:
-                dist.all_reduce(one, group=self.stage_groups[stage])
+                transport.all_reduce(one, group=self.stage_groups[stage])
         for a, b in self.pairs(plan):
             if self.rank == a:
-                dist.send(one, dst=b)
+                transport.send(one, dst=b)
             elif self.rank == b:
-                dist.recv(one, src=a)
+                transport.recv(one, src=a)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from chimera.errors import UserError
 from chimera.runtime import workers
-from chimera.runtime.grid import end_group
+from chimera.runtime.workers import end_group
 
 COMM_WORDS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
               "nccl", "gloo", "peer", "socket")

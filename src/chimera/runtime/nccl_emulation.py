@@ -1,8 +1,9 @@
 """NCCL's p2p and collective semantics emulated on gloo (``CHIMERA_EMULATE_NCCL=pair|rank|strict``).
 
 gloo matches messages by tag and lets either end run ahead, so a p2p order that hangs on
-GPUs can train fine on CPU. :class:`NcclEmulation` is a :class:`~chimera.runtime.p2p.Transport`
-that makes the runtime's ``isend``/``irecv`` complete only as NCCL would let them:
+GPUs can train fine on CPU. :class:`NcclEmulation` is a :class:`~chimera.runtime.transport.Transport`
+that wraps another (``torch.distributed`` on gloo, or a virtual rank) and makes the runtime's
+``isend``/``irecv`` complete only as NCCL would let them:
 
 - **Streams.** Each rank runs its p2p on FIFO streams: one per peer, shared by both
   directions (``pair``: NCCL's default, a communicator per pair of ranks), or one for all
@@ -29,8 +30,8 @@ Not emulated:
 - Real NCCL sends small messages eagerly (below ``NCCL_BUFFSIZE``, about 4 MiB per
   connection), so an order that hangs here may pass on GPUs with small activations: this
   is the worst case, which is what a schedule must survive (large models, large batches).
-- Collectives: :meth:`NcclEmulation.all_reduce`, :meth:`~NcclEmulation.reduce_scatter` and
-  :meth:`~NcclEmulation.all_gather` gate gloo's async collectives the same way, on one
+- Collectives: :meth:`NcclEmulation.all_reduce`, :meth:`~NcclEmulation.reduce_scatter_single`
+  and :meth:`~NcclEmulation.all_gather_single` gate gloo's async collectives the same way, on one
   collective stream per rank shared by every group (the worst case of NCCL's rule that
   communicators used concurrently see their operations in one order): one completes when
   every member has it at the head. The runtime routes the stage allreduces and, with a
@@ -42,7 +43,8 @@ Not emulated:
   allreduces, checkpoints, communicator creation and ``grid.warm_up``'s exchange go
   straight to gloo: they are blocking and issued in one program order on every rank; a
   recorded virtual run (:func:`chimera.check.rendezvous.replay_recorded`) replays them with the
-  rest. p2p and collectives are separate streams except in ``strict`` mode.
+  rest (the emulation passes every call it does not gate to the transport it wraps). p2p
+  and collectives are separate streams except in ``strict`` mode.
 - **Start-up.** :func:`agree` refuses, in one line on every rank, an emulation mode or
   device plan that differs across ranks (it would only show as a timeout).
 - Timing: a rendezvous costs a few store round trips (microseconds on one host) and a
@@ -66,11 +68,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from chimera.errors import UserError
-from chimera.runtime.p2p import Transport
 from chimera.runtime.sync import DEVICE_PLAN_ENV
+from chimera.runtime.transport import ReduceOp, Transport, Wrapping
 
 __all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "agree", "collectives_from_env",
            "transport_from_env"]
@@ -81,38 +82,38 @@ PREFIX = "chimera-nccl-emulation"
 POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3  # store polling backs off from min to max while it waits
 
 
-def transport_from_env(rank: int, matches_by_tag: bool = False) -> Transport:
-    """Plain ``torch.distributed`` (``matches_by_tag`` on gloo: receives may be posted ahead,
-    see ``Mailbox.receive``), or the emulation when ``CHIMERA_EMULATE_NCCL`` names a
+def transport_from_env(inner: Transport) -> Transport:
+    """``inner`` itself, or the emulation wrapping it when ``CHIMERA_EMULATE_NCCL`` names a
     stream mode."""
     mode = os.environ.get(ENV, "")
     if not mode:
-        return Transport(matches_by_tag)
+        return inner
     if mode not in MODES:
         raise UserError(f"{ENV}={mode!r}: choose one of {', '.join(MODES)} (or leave it unset)")
-    return NcclEmulation(rank, mode)
+    return NcclEmulation(inner, mode)
 
 
-def collectives_from_env(rank: int) -> "NcclEmulation | None":
-    """The emulation's collective stream for the stage collectives (GradSync, the shards), or
-    None (plain ``dist``); in ``strict`` mode also the transport of every Mailbox (one stream
-    for everything). Create it at the same point on every rank (its store keys count)."""
+def collectives_from_env(inner: Transport) -> "NcclEmulation | None":
+    """The emulation's collective stream (wrapping ``inner``) for the stage collectives
+    (GradSync, the shards), or None (no emulation); in ``strict`` mode also the transport of
+    every Mailbox (one stream for everything). Create it at the same point on every rank (its
+    store keys count)."""
     mode = os.environ.get(ENV, "")
-    return NcclEmulation(rank, mode) if mode in MODES else None
+    return NcclEmulation(inner, mode) if mode in MODES else None
 
 
-def agree(rank: int) -> None:
+def agree(transport: Transport) -> None:
     """Refuse, on every rank and in one line, a ``CHIMERA_EMULATE_NCCL`` or
     ``CHIMERA_DEVICE_PLAN`` that differs across ranks: one rank emulating NCCL (or bucketing)
     while its peer does not would only show as a communication timeout. One small collective
     at start-up."""
     mine = (os.environ.get(ENV, ""), os.environ.get(DEVICE_PLAN_ENV, ""))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every: list = [None] * transport.get_world_size()
+    transport.all_gather_object(every, mine)
     if len(set(map(tuple, every))) > 1:
         seen = "; ".join(f"rank {r}: {ENV}={e[0]!r} {DEVICE_PLAN_ENV}={e[1]!r}"
                          for r, e in enumerate(every))
-        raise UserError(f"rank {rank}: the NCCL emulation and device plan must be set alike on "
+        raise UserError(f"rank {transport.get_rank()}: the NCCL emulation and device plan must be set alike on "
                         f"every rank ({seen})")
 
 
@@ -274,21 +275,23 @@ def _settle(op: _Op) -> None:
     op.gloo = None
 
 
-class NcclEmulation(Transport):
-    """The runtime's p2p (and collectives, through :meth:`all_reduce` and its siblings) under
-    NCCL's rendezvous semantics on gloo (see the module docstring).
+class NcclEmulation(Wrapping):
+    """The p2p and async collectives of the transport ``inner`` (``isend``, ``irecv``,
+    ``all_reduce``, ``reduce_scatter_single``, ``all_gather_single``) under NCCL's rendezvous
+    semantics (see the module docstring); every other call goes to ``inner`` as it is.
 
     ``mode``: ``pair`` (one stream per peer), ``rank`` (one stream for all p2p) or
     ``strict`` (one stream for p2p and collectives together).
-    ``store``: the rendezvous store (default: the default process group's).
+    ``store``: the rendezvous store (default: ``inner``'s).
     """
 
-    def __init__(self, rank: int, mode: str = "pair", store=None):
+    def __init__(self, inner: Transport, mode: str = "pair", store=None):
         if mode not in MODES:
             raise UserError(f"NCCL emulation mode {mode!r}: choose one of {', '.join(MODES)}")
-        self.rank, self.mode = rank, mode
-        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
-        instance = self.store.add(f"{PREFIX}/instances/{rank}", 1)  # same n on every rank
+        super().__init__(inner)
+        self.rank, self.mode = inner.get_rank(), mode
+        self.rendezvous = store if store is not None else inner.store()
+        instance = self.rendezvous.add(f"{PREFIX}/instances/{self.rank}", 1)  # same n on every rank
         self.namespace = f"{PREFIX}/{instance}/"
         self.stop = threading.Event()
         self.sent: dict[int, int] = {}  # per destination: sends issued so far
@@ -298,49 +301,57 @@ class NcclEmulation(Transport):
         self.streams: dict[object, _Stream] = {}
         self.issuing = threading.Lock()  # issue order is the streams' order, whatever the thread
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> EmulatedWork:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, group=None) -> EmulatedWork:
         with self.issuing:
             k = self.sent.get(dst, 0)
             self.sent[dst] = k + 1
-            gloo = dist.isend(tensor, dst=dst, tag=tag)
+            gloo = self.inner.isend(tensor, dst=dst, tag=tag)
             op = _P2P(True, self.rank, dst, k, tag, tensor.numel(), gloo)
             return self._issue(op, self._p2p_stream(dst))
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> EmulatedWork:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, group=None) -> EmulatedWork:
         with self.issuing:
             k = self.received.get(src, 0)
             self.received[src] = k + 1
-            gloo = dist.irecv(tensor, src=src, tag=tag)
+            gloo = self.inner.irecv(tensor, src=src, tag=tag)
             op = _P2P(False, src, self.rank, k, tag, tensor.numel(), gloo)
             return self._issue(op, self._p2p_stream(src))
 
-    def all_reduce(self, tensor: torch.Tensor, group=None, op=None) -> EmulatedWork:
-        """gloo's async allreduce (``op``, default sum) on ``group`` (default: every rank),
-        complete only once every member has it at the head of its collective stream (see the
-        module docstring)."""
-        group = group or dist.group.WORLD
-        op = dist.ReduceOp.SUM if op is None else op
-        return self._collective("allreduce", group, lambda: dist.all_reduce(
+    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+        """The inner transport's async allreduce on ``group`` (default: every rank), complete
+        only once every member has it at the head of its collective stream (see the module
+        docstring)."""
+        return self._collective("allreduce", group, async_op, lambda: self.inner.all_reduce(
             tensor, op=op, group=group, async_op=True))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group) -> EmulatedWork:
-        """gloo's async reduce-scatter (sum), gated as :meth:`all_reduce`."""
-        return self._collective("reduce-scatter", group, lambda: dist.reduce_scatter_single(
-            output, input, group=group, async_op=True))
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, group=None,
+                              async_op: bool = False):
+        """The inner transport's async reduce-scatter (sum), gated as :meth:`all_reduce`."""
+        return self._collective("reduce-scatter", group, async_op,
+                                lambda: self.inner.reduce_scatter_single(output, input, group=group,
+                                                                         async_op=True))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group) -> EmulatedWork:
-        """gloo's async all-gather into one tensor, gated as :meth:`all_reduce`."""
-        return self._collective("all-gather", group, lambda: dist.all_gather_single(
-            output, input, group=group, async_op=True))
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, group=None,
+                          async_op: bool = False):
+        """The inner transport's async all-gather into one tensor, gated as :meth:`all_reduce`."""
+        return self._collective("all-gather", group, async_op,
+                                lambda: self.inner.all_gather_single(output, input, group=group,
+                                                                     async_op=True))
 
-    def _collective(self, kind: str, group, issue) -> EmulatedWork:
+    def _collective(self, kind: str, group, async_op: bool, issue) -> EmulatedWork | None:
         with self.issuing:
-            name = group.group_name
+            name = "world" if group is None else group.group_name
+            ranks = range(self.inner.get_world_size()) if group is None else \
+                self.inner.get_process_group_ranks(group)
             k = self.reduced.get(name, 0)
             self.reduced[name] = k + 1
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
-            op = _Collective(kind, name, tuple(dist.get_process_group_ranks(group)), k, issue())
-            return self._issue(op, "all" if self.mode == "strict" else "collectives")
+            op = _Collective(kind, name, tuple(ranks), k, issue())
+            work = self._issue(op, "all" if self.mode == "strict" else "collectives")
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def _p2p_stream(self, peer: int) -> int | str:
         return {"pair": peer, "rank": "p2p", "strict": "all"}[self.mode]
@@ -360,7 +371,7 @@ class NcclEmulation(Transport):
     def match(self, op: _P2P) -> None:
         """Called by ``op``'s stream when ``op`` is at its head: returns once the matching
         operation is at the head of the peer's stream (raises on a mismatch)."""
-        store, mine, theirs = self.store, op.key(op.is_send), op.key(not op.is_send)
+        store, mine, theirs = self.rendezvous, op.key(op.is_send), op.key(not op.is_send)
         store.set(self.namespace + mine, op.stamp())
         self._poll(self.namespace + theirs)
         stamp = store.get(self.namespace + theirs).decode()
@@ -374,16 +385,17 @@ class NcclEmulation(Transport):
         """Called when ``op`` is at the head of this rank's collective stream: returns once
         every member of its group has it at the head of theirs."""
         key, members = self.namespace + op.key(), len(op.ranks)
-        self.store.add(key, 1)
-        self._poll(key, lambda: self.store.add(key, 0) >= members)
-        if self.store.add(key + "/seen", 1) == members:  # the last to see it: nobody polls now
-            self.store.delete_key(key)
-            self.store.delete_key(key + "/seen")
+        store = self.rendezvous
+        store.add(key, 1)
+        self._poll(key, lambda: store.add(key, 0) >= members)
+        if store.add(key + "/seen", 1) == members:  # the last to see it: nobody polls now
+            store.delete_key(key)
+            store.delete_key(key + "/seen")
 
     def _poll(self, key: str, ready=None) -> None:
         """Until ``key`` exists (or ``ready()``); check, not wait: a blocking wait would hold
         the store client that the other streams share."""
-        ready = ready or (lambda: self.store.check([key]))
+        ready = ready or (lambda: self.rendezvous.check([key]))
         delay = POLL_MIN_S
         while not ready():
             if self.stop.is_set():
@@ -400,4 +412,5 @@ class NcclEmulation(Transport):
             stream.thread.join(timeout=1.0)
 
     def __repr__(self) -> str:
-        return f"NcclEmulation(rank={self.rank}, mode={self.mode!r}, streams={len(self.streams)})"
+        return (f"NcclEmulation({self.inner!r}, rank={self.rank}, mode={self.mode!r}, "
+                f"streams={len(self.streams)})")

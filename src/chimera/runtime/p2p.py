@@ -10,8 +10,9 @@ gloo does anyway). On NCCL ``Work.wait()`` only makes the compute stream wait fo
 communication stream: no CPU blocking and no polling in the hot path; hangs are the process
 group's timeout and watchdog's job (``init_process_group(timeout=--comm-timeout)``).
 
-The calls go through a :class:`Transport` so that CI can run the same calls under an
-emulation of NCCL's rendezvous semantics on gloo (:mod:`chimera.runtime.nccl_emulation`).
+The calls go through the :class:`~chimera.runtime.transport.Transport` the runtime is given,
+so that CI can run the same calls under an emulation of NCCL's rendezvous semantics on gloo
+(:mod:`chimera.runtime.nccl_emulation`) or on virtual ranks (:mod:`chimera.runtime.virtual`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import re
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from chimera.check.comm_plan import CommPlan, Message
 from chimera.ir import Action
+from chimera.runtime.transport import Transport, current
 
-__all__ = ["CommTimeout", "Mailbox", "Message", "Transport", "peers_text"]
+__all__ = ["CommTimeout", "Mailbox", "Message", "peers_text"]
 
 
 class CommTimeout(RuntimeError):
@@ -43,23 +44,6 @@ class CommTimeout(RuntimeError):
 
 
 _PEER_GONE = re.compile(r"connection|closed|reset by peer|broken pipe", re.IGNORECASE)
-
-
-class Transport:
-    """The p2p calls the Mailbox makes: plain ``torch.distributed``. ``matches_by_tag``: a
-    receive may be posted at any time without holding up other operations (gloo), unlike
-    NCCL's FIFO streams."""
-
-    matches_by_tag = False  # (a class default: the NCCL emulation, a Transport, sets no own)
-
-    def __init__(self, matches_by_tag: bool = False):
-        self.matches_by_tag = matches_by_tag
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
-        return dist.isend(tensor, dst=dst, tag=tag)
-
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int):
-        return dist.irecv(tensor, src=src, tag=tag)
 
 
 def peers_text(rank: int, ranks) -> str:
@@ -98,7 +82,7 @@ class Mailbox:
         self.order = plan.incoming[grid.d]  # the receives, in the order the plan posts them
         self.buffers = {m: torch.empty(shape_of(m), dtype=dtype, device=device) for m in self.order}
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        self.transport = transport or Transport()
+        self.transport = transport if transport is not None else current()
         self.dtype = dtype
         self.pending: dict[Message, object] = {}
         self.begin_iteration()

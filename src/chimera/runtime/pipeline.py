@@ -10,7 +10,6 @@ import functools
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from chimera import rng
@@ -24,6 +23,7 @@ from chimera.runtime.nccl_emulation import agree, collectives_from_env, transpor
 from chimera.runtime.p2p import Mailbox, peers_text, wait_work
 from chimera.runtime.shard import StageShard
 from chimera.runtime.sync import GradSync, ReplicaGrads, comm_choices
+from chimera.runtime.transport import ReduceOp, Transport, current
 from chimera.sim.engine import Deadlock, simulate
 
 
@@ -74,7 +74,8 @@ def _probe_stage(module: nn.Module, stage: int, x, last: bool, loss_fn, target, 
 
 
 def probe_boundaries(grid: ProcessGrid, modules: dict, example, loss_fn=None, target=None,
-                     device: torch.device = torch.device("cpu")) -> list[BoundarySpec]:
+                     device: torch.device = torch.device("cpu"),
+                     transport: Transport | None = None) -> list[BoundarySpec]:
     """Per stage, the BoundarySpec of its output for one micro-batch ``example``, agreed on by
     every rank; a failure raises ProbeError on every rank (not only the failing one).
 
@@ -83,6 +84,7 @@ def probe_boundaries(grid: ProcessGrid, modules: dict, example, loss_fn=None, ta
     to learn which outputs carry gradients) rather than the meta device: meta's first use
     imports torch's compiler stack (seconds per process).
     """
+    transport = transport if transport is not None else current()
     out: list[BoundarySpec] = []
     stages = grid.placement.stages
     for stage in range(stages):
@@ -94,7 +96,7 @@ def probe_boundaries(grid: ProcessGrid, modules: dict, example, loss_fn=None, ta
                                 target, device)]
         with warnings.catch_warnings():  # unpickling a TreeSpec warns about an internal isinstance
             warnings.simplefilter("ignore", FutureWarning)
-            dist.broadcast_object_list(box, src=owner)
+            transport.broadcast_object_list(box, src=owner)
         kind, payload = box[0]
         if kind == "error":
             raise ProbeError(payload)
@@ -120,7 +122,9 @@ class PipelineRuntime:
     """One rank's share of a pipelined model, running a lowered schedule.
 
     ``stage_factory(stage)`` builds stage ``stage`` (identical weights on every replica);
-    ``loss_fn(output, targets)`` turns the last stage's output into a loss.
+    ``loss_fn(output, targets)`` turns the last stage's output into a loss. ``transport``:
+    how the rank talks to the others (default :func:`chimera.runtime.transport.current`:
+    ``torch.distributed`` unless a virtual world or a test set another).
     """
 
     def __init__(self, schedule: Schedule, grid: ProcessGrid,
@@ -128,32 +132,35 @@ class PipelineRuntime:
                  input_dtype: torch.dtype | None = None, rows: int = 1, recompute: bool = False,
                  autocast: torch.dtype | None = None, device: torch.device | None = None,
                  comm_timeout: float = 300.0, example=None, target_example=None,
-                 wire_dtype: torch.dtype | None = None, shard_optimizer: bool = False):
+                 wire_dtype: torch.dtype | None = None, shard_optimizer: bool = False,
+                 transport: Transport | None = None):
         if not schedule.lowered:
             raise ScheduleError("the runtime needs a lowered schedule (chimera.passes.lower)")
         self.schedule, self.grid, self.loss_fn = schedule, grid, loss_fn
+        self.transport = transport if transport is not None else current()
         self.gathering: dict[tuple[int, int], tuple] = {}  # replica -> (all-gather work, source)
         self.device = device or torch.device("cpu")
         self.rows = rows  # rows of one schedule micro-batch
         self.wire_dtype = wire_dtype  # floating boundary leaves travel in it (None: as computed)
         self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
-        grid.build_groups()
-        agree(grid.rank)  # an emulation or plan set on one rank only would hang, not fail
+        grid.build_groups(self.transport)
+        agree(self.transport)  # an emulation or plan set on one rank only would hang, not fail
         # the device path's choices on CUDA (or forced on CPU), per process but alike on every
         # rank; where a replica buckets is the plan's, per stage (CommPlan.early)
-        self.choices = comm_choices(self.device, dist.get_backend() == "nccl")
+        self.choices = comm_choices(self.device, self.transport.get_backend() == "nccl")
         multiple = {key: len(grid.stage_ranks[key[1]]) if shard_optimizer else 1 for key in self.modules}
         self.grads = {key: ReplicaGrads(m, self.device, multiple[key]) for key, m in self.modules.items()}
         self.trainable = self._trainable()
         self.plan = plan_comm(schedule)
-        grid.warm_up(self.plan, self.device)
+        grid.warm_up(self.plan, self.device, self.transport)
         self._equalize_replicas()
         self.shards = self._shards() if shard_optimizer else {}
         # NCCL: no timed (CPU-blocking, polling) waits; its timeout and watchdog catch hangs
-        self.timeout = None if dist.get_backend() == "nccl" else comm_timeout
-        self.emulation = collectives_from_env(grid.rank)  # None: plain dist
+        self.timeout = None if self.transport.get_backend() == "nccl" else comm_timeout
+        self.emulation = collectives_from_env(self.transport)  # None: no NCCL emulation
         self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout,
-                             self.choices.bucket_bytes, self.emulation, self.shards)
+                             self.choices.bucket_bytes, self.emulation or self.transport,
+                             self.shards)
         self.executor = Executor(schedule, self.modules, loss_fn, None, self.sync,
                                  recompute, autocast, self.device, early=self.plan.early[grid.d])
         self.eval_schedule = forward_only(schedule)
@@ -185,7 +192,7 @@ class PipelineRuntime:
             for dtype in sorted({t.dtype for t in tensors}, key=str):
                 same = [t for t in tensors if t.dtype == dtype]
                 flat = torch.cat([t.reshape(-1) for t in same])
-                dist.broadcast(flat, src=self.grid.stage_ranks[stage][0], group=group)
+                self.transport.broadcast(flat, src=self.grid.stage_ranks[stage][0], group=group)
                 torch._foreach_copy_(same, [v.view_as(t) for v, t in
                                             zip(flat.split([t.numel() for t in same]), same)])
 
@@ -198,7 +205,7 @@ class PipelineRuntime:
             if group is not None and g.params:
                 out[key] = StageShard.build(g.params, g.offsets, g.flat.numel(),
                                             self.grid.stage_ranks[key[1]], self.grid.rank, group,
-                                            self.choices.reduce_scatter)
+                                            self.choices.reduce_scatter, self.transport)
         return out
 
     def optimizer_parameters(self) -> list[tuple[torch.Tensor, bool]]:
@@ -229,7 +236,7 @@ class PipelineRuntime:
         (:meth:`finish_gather`)."""
         self.finish_gather()  # a replica that ran no forward since the last step
         for key in sorted(self.shards, key=lambda k: (k[1], k[0])):
-            self.gathering[key] = self.shards[key].all_gather_async(self.sync.collectives)
+            self.gathering[key] = self.shards[key].all_gather_async(self.sync.transport)
 
     def _gathered(self, key: tuple[int, int]) -> None:
         if key in self.gathering:
@@ -258,7 +265,8 @@ class PipelineRuntime:
             return
         if sig not in self._probed:
             bounds = [dataclasses.replace(b, wire=self.wire_dtype) for b in probe_boundaries(
-                self.grid, self.modules, example, self.loss_fn, target, self.device)]
+                self.grid, self.modules, example, self.loss_fn, target, self.device,
+                self.transport)]
             if len(self._probed) >= self.KEEP_SHAPES:
                 self._probed.pop(next(iter(self._probed)))
             self._probed[sig] = (bounds, self._mailbox(self.plan, bounds), None)
@@ -269,8 +277,7 @@ class PipelineRuntime:
     def _mailbox(self, plan, bounds: list) -> Mailbox:
         # the strictest emulation runs every operation of the rank on one stream: p2p too
         strict = self.emulation is not None and self.emulation.mode == "strict"
-        transport = self.emulation if strict else \
-            transport_from_env(self.grid.rank, dist.get_backend() == "gloo")
+        transport = self.emulation if strict else transport_from_env(self.transport)
         return Mailbox(plan, self.grid, functools.partial(self._message_shape, bounds),
                        torch.uint8, self.device, self.timeout, transport)
 
@@ -284,19 +291,19 @@ class PipelineRuntime:
     def all_reduce(self, tensor: torch.Tensor, group=None, op=None) -> None:
         """A blocking allreduce outside the schedule (tie and buffer syncs, the API's loss):
         under the strict NCCL emulation on the rank's one stream, so it takes its place in
-        the rank's order as on NCCL; else ``dist.all_reduce``."""
-        ranks = dist.get_process_group_ranks(group) if group is not None else \
-            list(range(dist.get_world_size()))
+        the rank's order as on NCCL; else the transport's."""
+        ranks = self.transport.get_process_group_ranks(group) if group is not None else \
+            list(range(self.transport.get_world_size()))
         wait_work(self.all_reduce_async(tensor, group, op), self.sync.timeout, self.grid.rank,
                   f"allreduce with {peers_text(self.grid.rank, ranks)}", ranks)
 
     def all_reduce_async(self, tensor: torch.Tensor, group=None, op=None):
         """The same allreduce started, its work returned (the API's batch fingerprint: issued
         when a step starts, read before it returns)."""
-        op = dist.ReduceOp.SUM if op is None else op
-        if self.emulation is None or self.emulation.mode != "strict":
-            return dist.all_reduce(tensor, op=op, group=group, async_op=True)
-        return self.emulation.all_reduce(tensor, group, op)
+        op = ReduceOp.SUM if op is None else op
+        strict = self.emulation is not None and self.emulation.mode == "strict"
+        return (self.emulation if strict else self.transport).all_reduce(
+            tensor, op=op, group=group, async_op=True)
 
     def parameters(self) -> list[nn.Parameter]:
         self.finish_gather()

@@ -32,8 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from chimera.runtime.transport import Transport, current
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -76,10 +77,12 @@ class StageShard:
     params: list[nn.Parameter] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
+    transport: Transport = field(default_factory=current)  # the group's (blocking gathers)
 
     @classmethod
     def build(cls, params: list[nn.Parameter], offsets: list[int], padded: int, ranks: list[int],
-              rank: int, group, scatter: bool = True) -> "StageShard":
+              rank: int, group, scatter: bool = True,
+              transport: Transport | None = None) -> "StageShard":
         """``params`` must not be empty: a replica with nothing to train has no shard (its
         one-element buffer cannot be cut into n slices; it keeps its allreduce)."""
         n, k = len(ranks), ranks.index(rank)
@@ -89,7 +92,8 @@ class StageShard:
         ref = params[0]
         flat = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
         shard = cls(flat, torch.zeros(size, dtype=ref.dtype, device=ref.device), k * size,
-                    (k + 1) * size, group, scatter, list(params), list(offsets))
+                    (k + 1) * size, group, scatter, list(params), list(offsets),
+                    transport=transport if transport is not None else current())
         for p, off in zip(params, offsets):
             view = flat[off:off + p.numel()]
             view.copy_(p.detach().reshape(-1))
@@ -114,34 +118,30 @@ class StageShard:
                 view.copy_(g) if g is not None else view.zero_()
             pc.piece.grad = view
 
-    def reduce(self, flat_grad: torch.Tensor, collectives=None):
-        """Async: the group's sum of slice k of ``flat_grad`` into ``self.grad`` (through the
-        NCCL emulation's collective stream when ``collectives`` is given). A reduce-scatter
-        with ``scatter`` (the device plan); else an allreduce of the whole ``flat_grad`` in
-        place (gloo's reduce-scatter is slower), whose owned slice is then copied out:
-        ``flat_grad`` then holds the whole sum, which nothing reads."""
+    def reduce(self, flat_grad: torch.Tensor, transport: Transport | None = None):
+        """Async: the group's sum of slice k of ``flat_grad`` into ``self.grad``, through
+        ``transport`` (default the shard's; the NCCL emulation's collective stream under it).
+        A reduce-scatter with ``scatter`` (the device plan); else an allreduce of the whole
+        ``flat_grad`` in place (gloo's reduce-scatter is slower), whose owned slice is then
+        copied out: ``flat_grad`` then holds the whole sum, which nothing reads."""
+        transport = transport if transport is not None else self.transport
         if not self.scatter:
-            work = collectives.all_reduce(flat_grad, self.group) if collectives is not None \
-                else dist.all_reduce(flat_grad, group=self.group, async_op=True)
+            work = transport.all_reduce(flat_grad, group=self.group, async_op=True)
             return _SliceOfAllreduce(work, flat_grad[self.lo:self.hi], self.grad)
-        if collectives is not None:
-            return collectives.reduce_scatter(self.grad, flat_grad, self.group)
-        return dist.reduce_scatter_single(self.grad, flat_grad, group=self.group, async_op=True)
+        return transport.reduce_scatter_single(self.grad, flat_grad, group=self.group, async_op=True)
 
-    def all_gather_async(self, collectives=None):
-        """Async: every member's updated slice into every member's parameters. Returns the
-        work; the slice's copy it sends lives as long as the work (``work.source``)."""
+    def all_gather_async(self, transport: Transport | None = None):
+        """Async: every member's updated slice into every member's parameters (through
+        ``transport``, as :meth:`reduce`). Returns the work; the slice's copy it sends lives
+        as long as the work (``work.source``)."""
+        transport = transport if transport is not None else self.transport
         source = self.flat[self.lo:self.hi].clone()
-        if collectives is not None:
-            work = collectives.all_gather(self.flat, source, self.group)
-        else:
-            work = dist.all_gather_single(self.flat, source, group=self.group, async_op=True)
-        return work, source
+        return transport.all_gather_single(self.flat, source, group=self.group, async_op=True), source
 
     def all_gather(self, flat: torch.Tensor | None = None) -> torch.Tensor:
         """Every member's slice of ``flat`` (default: the parameters) into every member's."""
         flat = self.flat if flat is None else flat
-        dist.all_gather_single(flat, flat[self.lo:self.hi].clone(), group=self.group)
+        self.transport.all_gather_single(flat, flat[self.lo:self.hi].clone(), group=self.group)
         return flat
 
     def gather_state(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, dict]:

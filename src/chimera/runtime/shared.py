@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class TieSync:
         holders = sorted({r for s in tie.stage_set for r in grid.stage_ranks[s]})
         held = {r: {s for _, s in grid.placement.held(r % grid.depth)} for r in holders}
         local = all(set(tie.stage_set) <= held[r] for r in holders)
-        group = None if local or len(holders) == 1 else dist.new_group(holders)
+        group = None if local or len(holders) == 1 else self.runtime.transport.new_group(holders)
         return holders, group, local
 
     def copies(self, tie: Tie) -> dict[int, list[torch.nn.Parameter]]:

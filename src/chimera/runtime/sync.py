@@ -24,11 +24,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from chimera.errors import UserError
 from chimera.runtime.p2p import peers_text, wait_work
+from chimera.runtime.transport import Transport, current
 
 BUCKET_BYTES = 4 * 2**20  # allreduce granularity inside the last backward (0: one allreduce at SYNC)
 DEVICE_PLAN_ENV = "CHIMERA_DEVICE_PLAN"
@@ -133,15 +133,17 @@ class GradSync:
 
     def __init__(self, grads: dict[tuple[int, int], ReplicaGrads], groups: dict[int, object],
                  rank: int, timeout_s: float | None, bucket_bytes: int = BUCKET_BYTES,
-                 collectives=None, shards: dict | None = None):
+                 transport: Transport | None = None, shards: dict | None = None):
         self.grads, self.groups, self.rank = grads, groups, rank
         self.shards = shards or {}  # (pipe, stage) -> StageShard: its slice of the group's sum (ZeRO-1)
-        self.collectives = collectives  # NCCL emulation's collective stream (None: dist)
+        # the stage collectives' transport (the NCCL emulation's collective stream, under it);
+        # held, not looked up: bucket hooks may run on autograd's device thread
+        self.transport = transport if transport is not None else current()
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.bucket_bytes = bucket_bytes
         self.inflight: list[tuple[object, tuple[int, int]]] = []
         self.early: dict[tuple[int, int], _EarlySync] = {}
-        self.peers = {stage: dist.get_process_group_ranks(g) for stage, g in groups.items() if g}
+        self.peers = {stage: self.transport.get_process_group_ranks(g) for stage, g in groups.items() if g}
 
     def arm(self, pipe: int, stage: int) -> None:
         """Called right before the replica's last backward: reduce buckets as they finish."""
@@ -150,10 +152,7 @@ class GradSync:
             self.early[(pipe, stage)] = _EarlySync(self, pipe, stage, group)
 
     def launch(self, pipe: int, stage: int, tensor: torch.Tensor, group) -> None:
-        if self.collectives is not None:
-            work = self.collectives.all_reduce(tensor, group)
-        else:
-            work = dist.all_reduce(tensor, group=group, async_op=True)
+        work = self.transport.all_reduce(tensor, group=group, async_op=True)
         self.inflight.append((work, (pipe, stage)))
 
     def start(self, pipe: int, stage: int) -> None:
@@ -166,7 +165,7 @@ class GradSync:
             return
         shard = self.shards.get((pipe, stage))
         if shard is not None:
-            work = shard.reduce(self.grads[(pipe, stage)].flat, self.collectives)
+            work = shard.reduce(self.grads[(pipe, stage)].flat, self.transport)
             self.inflight.append((work, (pipe, stage)))
             return
         self.launch(pipe, stage, self.grads[(pipe, stage)].flat, group)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import gc
 import os
 import signal
 import socket
@@ -34,7 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from chimera.runtime.grid import end_group
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_S = 5.0  # after SIGTERM, how long a rank gets before SIGKILL
@@ -177,6 +177,22 @@ def _watch(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(WATCH_S)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def end_group(device) -> None:
+    """The one teardown of a worker that succeeded: finish outstanding device work, barrier
+    (no rank closes its connections while a peer still uses them: gloo aborted at exit under
+    load without it), drop unreachable group objects, destroy. Only on success: after a
+    failure a peer may be gone, so skip the barrier."""
+    if not dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+    gc.collect()  # a subgroup kept alive by a reference cycle would outlive its backend
+    dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -15,9 +15,9 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
 
 from chimera.runtime import workers
+from chimera.runtime.transport import current
 from chimera.runtime.workers import gloo_group
 from chimera.train.config import TrainConfig
 from chimera.train.launch import free_port
@@ -44,8 +44,9 @@ def _one(rank: int, cfg: TrainConfig, device: torch.device | None = None) -> dic
     losses += [trainer.step(s).loss for s in range(1, cfg.steps)]
     mine = {"grads": box["g"], "params": [(n, pipe, p.detach().clone())
                                           for n, pipe, p in trainer.replica_parameters()]}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    transport = current()
+    gathered = [None] * transport.get_world_size()
+    transport.all_gather_object(gathered, mine)
     if rank != 0:
         return None
     return _compare(cfg, gathered, losses, device)

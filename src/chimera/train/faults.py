@@ -23,12 +23,11 @@ import os
 import signal
 import time
 
-import torch.distributed as dist
-
 from chimera.check.comm_plan import Message, Post
 from chimera.errors import UserError
 from chimera.ir import Action, Op, Schedule
 from chimera.runtime.p2p import CommTimeout, peers_text
+from chimera.runtime.transport import current
 
 ENV = "CHIMERA_FAULT"
 GRACE_S = 1.5  # how long a failing rank waits for the others' positions
@@ -103,7 +102,8 @@ def collective(what: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        transport = current()
+        rank = transport.get_rank() if transport.is_initialized() else 0
         raise CommTimeout(f"rank {rank}: {what} with {_peers(rank, kwargs.get('group'))} failed or "
                           f"timed out: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
                           rank=rank, what=what) from exc
@@ -111,7 +111,9 @@ def collective(what: str, fn, *args, **kwargs):
 
 def _peers(rank: int, group) -> str:
     try:
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        transport = current()
+        ranks = transport.get_process_group_ranks(group) if group is not None else \
+            range(transport.get_world_size())
     except (RuntimeError, ValueError):  # the group is already gone
         return "its peers"
     return peers_text(rank, ranks)
@@ -156,7 +158,7 @@ def _picture(schedule: Schedule, d: int, index: int) -> str:
 def _gather_positions(rank: int, world: int, mine: str) -> dict[int, str]:
     """Post our position to the rendezvous store; read the others' (best effort, bounded)."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = current().store()
         store.set_timeout(datetime.timedelta(seconds=GRACE_S))
         store.set(f"chimera/position/{rank}", mine)
         keys = [f"chimera/position/{r}" for r in range(world)]

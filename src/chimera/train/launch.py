@@ -24,9 +24,8 @@ from chimera.data.formats import ids_in_memory, open_data, to_token_file
 from chimera.errors import UserError
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
-from chimera.runtime.grid import end_group
 from chimera.runtime.p2p import CommTimeout
-from chimera.runtime.workers import free_port
+from chimera.runtime.workers import end_group, free_port
 from chimera.train import checkpoint, faults
 from chimera.train.checkpoint import lease as leases
 from chimera.train.config import TrainConfig

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from chimera.data import VAL_FRACTION, Corpus, get_batch, split_corpus
 from chimera.data.formats import open_data
@@ -23,6 +22,7 @@ from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.pipeline import PipelineRuntime
 from chimera.runtime.shared import TieSync
+from chimera.runtime.transport import current
 from chimera.train import faults
 from chimera.train.config import WIRE_DTYPES, TrainConfig
 from chimera.train.optim import lr_at, make_optimizer  # noqa: F401 (lr_at: the loop's schedule)
@@ -283,7 +283,7 @@ class Trainer:
             for g, k in zip(self.runtime.grad_tensors(), kept or []):
                 g += k
         total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
-        faults.collective("all-reduce of the loss", dist.all_reduce, total)
+        faults.collective("all-reduce of the loss", current().all_reduce, total)
         return float(total.item())
 
     def _micro_data(self, inputs, targets, weight: float | None = None) -> MicroData:
@@ -329,7 +329,7 @@ class Trainer:
         if self.cfg.reference:
             return float(local)
         total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
-        faults.collective("all-reduce of the held-out loss", dist.all_reduce, total)
+        faults.collective("all-reduce of the held-out loss", current().all_reduce, total)
         return float(total.item())
 
     def probe_loss(self, step: int) -> float:
@@ -346,7 +346,7 @@ class Trainer:
             except CommTimeout as exc:
                 raise faults.explain(exc, self.runtime.eval_schedule, self.grid) from exc
         total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
-        faults.collective("all-reduce of the probe loss", dist.all_reduce, total)
+        faults.collective("all-reduce of the probe loss", current().all_reduce, total)
         return float(total.item())
 
     @contextlib.contextmanager
@@ -376,7 +376,7 @@ class Trainer:
         else:
             sq = (self.runtime.owned_sq_norm() - self._tie_excess()).to(collective_device())
             reduce = functools.partial(faults.collective, "all-reduce of the gradient norm",
-                                       dist.all_reduce)
+                                       current().all_reduce)
         return float(clip_by_global_norm_(grads, sq, self.cfg.clip or None, all_reduce=reduce))
 
     def _tie_excess(self) -> torch.Tensor:

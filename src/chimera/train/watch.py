@@ -24,10 +24,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from chimera.plan.hardware import get_hardware
 from chimera.runtime.grid import collective_device
+from chimera.runtime.transport import current
 from chimera.train import faults
 from chimera.train.loop import peak_rss_mb
 from chimera.train.report import perplexity
@@ -77,7 +77,7 @@ class Watch:
     def __init__(self, trainer, logdir: str, rank: int):
         self.trainer, self.rank = trainer, rank
         self.stages = 1 if trainer.cfg.reference else trainer.schedule.stages
-        self.ranks = 1 if trainer.cfg.reference else dist.get_world_size()
+        self.ranks = 1 if trainer.cfg.reference else current().get_world_size()
         self.flops = model_flops_per_token(trainer.source)
         self.peak = peak_flops_per_rank(trainer.cfg.peak_flops, trainer.device)
         self.writer = None
@@ -104,7 +104,7 @@ class Watch:
             return [mine]
         device = collective_device()
         rows = [torch.empty_like(mine, device=device) for _ in range(self.ranks)]
-        faults.collective("gathering the step's times for --tensorboard", dist.all_gather, rows,
+        faults.collective("gathering the step's times for --tensorboard", current().all_gather, rows,
                           mine.to(device))
         return [r.cpu() for r in rows]
 
