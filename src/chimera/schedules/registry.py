@@ -166,6 +166,13 @@ def require_runnable(name: str) -> Scheme:
     return scheme
 
 
+def default_micro_batches(stages: int, schedule: str = "chimera") -> int:
+    """N when none is given, the same for ``chimera train``, ``api.Pipeline``, ``show`` and
+    ``simulate``: two of Chimera's basic units (2D), so steady state is reached and the bubbles
+    are amortized; 1 for ``none``, single-process training (the reference takes no pipeline)."""
+    return 1 if schedule == "none" else 2 * stages
+
+
 def build(name: str, stages: int, micro_batches: int, **options) -> Schedule:
     """Build schedule ``name``. Options the scheme does not take must be None (unset)."""
     scheme = get_scheme(name)
