@@ -438,14 +438,14 @@ def test_every_user_facing_error_type_is_a_user_error():
 
 def test_a_config_checks_values_and_preflight_reads_files(files, monkeypatch):
     """Making a TrainConfig reads no file and builds no schedule; preflight() does both, once."""
-    import chimera.train.config
+    import chimera.train.build
 
     cases = [(dict(data="/no/such/file"), "no such file"),
              (dict(resume=True, checkpoint_dir=str(files / "corrupt")), "corrupt"),
              (dict(stages=3), "stages")]
     built = []
-    monkeypatch.setattr(chimera.train.config.TrainConfig, "_schedule",
-                        property(lambda self: built.append(self) or pytest.fail("built")))
+    monkeypatch.setattr(chimera.train.build, "build_scheme",
+                        lambda *a, **k: built.append(a) or pytest.fail("built"))
     for kwargs, _ in cases:
         TrainConfig(**kwargs)  # values only: fine
     assert not built
@@ -454,7 +454,7 @@ def test_a_config_checks_values_and_preflight_reads_files(files, monkeypatch):
         with pytest.raises(ConfigError, match=word):
             TrainConfig(**kwargs).preflight()
     cfg = TrainConfig(schedule="1f1b")
-    assert cfg.preflight() is cfg and "_schedule" in vars(cfg)
+    assert cfg.preflight() is cfg and "schedule" in vars(cfg)["_built"]  # kept beside it
     with pytest.raises(ConfigError, match="--micro-batch-size"):  # a value: refused when made
         TrainConfig(strategy="halving", micro_batch_size=3)
 

@@ -75,7 +75,7 @@ from chimera.runtime.p2p import peers_text, wait_work
 from chimera.runtime.pipeline import PipelineRuntime, ProbeError
 from chimera.runtime.shared import TieSync, counters, sync_buffers
 from chimera.runtime.transport import ReduceOp, Transport, current
-from chimera.schedules import build, require_runnable
+from chimera.schedules import build, default_micro_batches, require_runnable
 from chimera.check.validate import validate
 
 __all__ = ["Pipeline", "ProbeError", "SpawnError", "balanced_partition", "build_layers", "spawn"]
@@ -237,7 +237,7 @@ class Pipeline:
         _check_numbers(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                        comm_timeout=comm_timeout)
         keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
-        n = micro_batches or stages
+        n = micro_batches or default_micro_batches(stages, schedule)
         require_runnable(schedule)
         self.schedule = validate(lower(build(schedule, stages, n, **(schedule_options or {})), sync))
         self.loss_reduction, self.ignore_index = loss_reduction, ignore_index

@@ -11,7 +11,7 @@ import tempfile
 from chimera.errors import UserError
 from chimera.ir import Schedule
 from chimera.passes import SYNC_MODES, lower
-from chimera.schedules import build, get_scheme, schemes
+from chimera.schedules import build, default_micro_batches, get_scheme, schemes
 from chimera.schedules.registry import option_declarations
 from chimera.train.config import RESUME_ALLOWABLE
 from chimera.check.validate import validate
@@ -136,7 +136,7 @@ def add_schedule_options(p: argparse.ArgumentParser, default: str = "chimera",
     g.add_argument("--stages", "-D", type=positive_int, default=stages,
                    help=f"pipeline depth D = ranks per pipeline (default: {stages})")
     g.add_argument("--micro-batches", "-N", type=positive_int, default=micro_batches,
-                   help="micro-batches per iteration N (default: D)")
+                   help="micro-batches per iteration N (default: 2D, as chimera train and the API)")
     add_scheme_options(g)
     g.add_argument("--sync", choices=SYNC_MODES, default="eager",
                    help="when a stage's gradient allreduce starts: eager (right after its last "
@@ -169,6 +169,6 @@ def scheme_options_from_args(args: argparse.Namespace, scheme: str | None = None
 
 def schedule_from_args(args: argparse.Namespace) -> Schedule:
     """Build, lower and validate the schedule the options describe."""
-    n = args.micro_batches or args.stages
+    n = args.micro_batches or default_micro_batches(args.stages, args.schedule)
     schedule = build(args.schedule, args.stages, n, **scheme_options_from_args(args, args.schedule))
     return validate(lower(schedule, args.sync))

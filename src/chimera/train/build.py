@@ -63,7 +63,12 @@ def data_info(cfg):
     and checked by ``open_data``: in ``chimera train`` before any process starts)."""
     from chimera.data.formats import describe  # lazy: chimera.data imports torch
 
-    return _cached(cfg, "data_info", lambda: describe(data_spec(cfg)))
+    def make():
+        try:
+            return describe(data_spec(cfg))
+        except UserError as exc:  # bad data is bad input to the config (anything else: a bug)
+            raise ConfigError(str(exc).splitlines()[0]) from None
+    return _cached(cfg, "data_info", make)
 
 
 def model_source(cfg):
