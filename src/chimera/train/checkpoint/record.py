@@ -20,6 +20,8 @@ from chimera.train.checkpoint import disk
 from chimera.train.checkpoint.disk import (FORMAT, META, CheckpointError, published, read_index,
                                            sha256_of)
 
+CONFIG = "config.toml"  # the run's TrainConfig (TrainConfig.from_toml reads it back)
+
 # -- health (chimera.train.health): recorded in meta.json, read to resume and to prune -------
 HEALTHY, UNCONFIRMED, IN_DOUBT = "healthy", "unconfirmed", "in doubt"
 
@@ -145,6 +147,7 @@ def verify(path: str | os.PathLike, model: str | None = None, model_config: dict
 def write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, seconds: float,
                 health: dict | None) -> None:
     cfg = trainer.cfg
+    disk.write_synced(tmp / CONFIG, cfg.to_toml())  # the run: chimera train --config restarts it
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
              for p in sorted(tmp.iterdir()) if p.is_file()}
     meta = {
