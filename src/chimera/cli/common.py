@@ -13,7 +13,6 @@ from chimera.ir import Schedule
 from chimera.passes import SYNC_MODES, lower
 from chimera.schedules import build, default_micro_batches, get_scheme, schemes
 from chimera.schedules.registry import option_declarations
-from chimera.train.config import RESUME_ALLOWABLE
 from chimera.check.validate import validate
 
 
@@ -98,21 +97,6 @@ def positive_float(text: str) -> float:
     return _real(text, lambda v: v > 0, "a finite number > 0")
 
 
-def unit_float(text: str) -> float:
-    return _real(text, lambda v: 0 <= v <= 1, "a number from 0 to 1")
-
-
-def beta_float(text: str) -> float:
-    return _real(text, lambda v: 0 <= v < 1, "a number >= 0 and < 1")
-
-
-def resume_fields(text: str) -> tuple[str, ...]:
-    """``--resume-allow data``: the names ``TrainConfig.resume_allow`` takes."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    bad = [n for n in names if n not in RESUME_ALLOWABLE]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"expected some of {', '.join(RESUME_ALLOWABLE)}, got {text!r}")
-    return names
 
 
 def add_checkpoint_input(p: argparse.ArgumentParser) -> None:
