@@ -17,7 +17,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
@@ -28,6 +27,7 @@ from chimera.bench.torchpp import TorchPipeline
 from chimera.ir import Action, Op, Placement, Schedule
 from chimera.models.emulated import EmulatedCost, WaitLog, emulated_batch, emulated_layers
 from chimera.passes import lower
+from chimera.runtime.transport import ReduceOp, current
 from chimera.schedules import build
 from chimera.sim import CostModel, simulate
 
@@ -133,12 +133,12 @@ def link_latency(cfg: BenchConfig, rank: int, reps: int = 30) -> dict:
     width, rows = cost_of(cfg).width, cfg.micro_batch_size
     msg, grad = torch.zeros(rows, width), torch.zeros(width * 2)
     ends = (0, cfg.stages - 1)
-    pair = dist.new_group(list(ends))
+    pair = current().new_group(list(ends))
     trips = [ping(rank, msg) for _ in range(reps + 3)][3:]
     reduces = [allreduce_time(rank, grad, pair, ends) for _ in range(reps + 3)][3:]
     # ranks outside a pair timed nothing (0): the pair's own medians win the MAX
     box = torch.tensor([statistics.median(trips), statistics.median(reduces)], dtype=torch.float64)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    current().all_reduce(box, op=ReduceOp.MAX)
     return {"p2p_s": float(box[0]), "allreduce_s": float(box[1]),
             "how": f"p2p: median of {reps} half round trips of a {rows}x{width} float32 message "
                    f"between ranks 0 and 1; allreduce: median of {reps} allreduces of "
@@ -232,7 +232,7 @@ def traced_step(runner, i: int) -> tuple[list[tuple], float]:
     """One more step of ``runner`` with its layers' waits logged; (waits, step start)."""
     runner.log.events.clear()
     runner.log.on = True
-    dist.barrier()
+    current().barrier()
     start = time.perf_counter()
     try:
         runner.step(i)

@@ -19,7 +19,6 @@ import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 
 from chimera.bench import emulated
 from chimera.models.emulated import tighten_timer_slack
@@ -28,6 +27,7 @@ from chimera.bench.runners import OursRunner, SingleRunner, peak_activation_byte
 from chimera.bench.torchpp import TorchRunner
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
+from chimera.runtime.transport import ReduceOp, current
 from chimera.runtime.workers import free_port, gloo_group
 
 
@@ -65,8 +65,8 @@ def _build(cfg: BenchConfig, rows: list[Row], rank: int) -> tuple[list, dict[str
         except Exception as exc:  # a scheme that cannot run this layout: report, go on
             runners.append(None)
             failed[row.id] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, failed)
+    everyone: list = [None] * current().get_world_size()
+    current().all_gather_object(everyone, failed)
     for other in everyone:
         failed.update(other)
     return [None if row.id in failed else r for row, r in zip(rows, runners)], failed
@@ -81,7 +81,7 @@ def _rounds(cfg: BenchConfig, rows: list[Row], runners: list, rank: int) -> tupl
         start = time.perf_counter()
         for j in range(len(live)):
             k = live[(rnd + j) % len(live)]
-            dist.barrier()
+            current().barrier()
             t0 = time.perf_counter()
             loss = runners[k].step(rnd)
             times[k].append(time.perf_counter() - t0)
@@ -96,14 +96,14 @@ def _slowest(values: list[list[float]]) -> list[list[float]]:
     """Element-wise maximum over ranks (rows of different lengths are padded with zeros)."""
     width = max((len(v) for v in values), default=0)
     t = torch.tensor([v + [0.0] * (width - len(v)) for v in values], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    current().all_reduce(t, op=ReduceOp.MAX)
     return [t[k, :len(v)].tolist() for k, v in enumerate(values)]
 
 
 def _activations(cfg: BenchConfig, runners: list) -> list[float | None]:
     peaks = []
     for r in runners:
-        dist.barrier()
+        current().barrier()
         peaks.append(None if r is None else peak_activation_bytes(r, cfg.rounds) / 2**20)
     merged = _slowest([[p or 0.0] for p in peaks])
     return [None if r is None else m[0] for r, m in zip(runners, merged)]
@@ -129,8 +129,8 @@ def _timing_worker(rank: int, world: int, cfg: BenchConfig, rows: list[Row], por
 
 
 def _from_every_rank(value) -> list:
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
+    everyone: list = [None] * current().get_world_size()
+    current().all_gather_object(everyone, value)
     return everyone
 
 
@@ -140,7 +140,7 @@ def _emulated_extras(cfg: BenchConfig, runners: list, rank: int) -> dict:
     rank's wait totals (asked and taken, per kind, over all its steps)."""
     peaks, orders, traces, totals = [], [], [], []
     for k, r in enumerate(runners):
-        dist.barrier()
+        current().barrier()
         peak = 0 if r is None else peak_activation_bytes(r, cfg.rounds + 1)
         peaks.append(None if r is None else _from_every_rank(peak))
         order = None if r is None else r.order()
@@ -155,10 +155,10 @@ def _memory_worker(rank: int, world: int, cfg: BenchConfig, row: Row, port: int,
     with _group(rank, world, port, cfg):
         runner = make_runner(cfg, row, rank)
         for i in range(2):
-            dist.barrier()
+            current().barrier()
             runner.step(i)
         peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        current().all_reduce(peak, op=ReduceOp.MAX)
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({"peak_rss_mb": float(peak)}, f)

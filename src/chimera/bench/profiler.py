@@ -29,13 +29,13 @@ import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 
 from chimera.bench.runners import ActivationMeter
 from chimera.models import build_layers, get_config, layer_names, loss_fn
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.split_backward import backward_input, backward_weight
+from chimera.runtime.transport import current
 from chimera.sim.profile import PROFILE_SCHEMA
 from chimera.train.config import TrainConfig
 from chimera.train.loop import make_optimizer
@@ -145,27 +145,27 @@ def fit_link(samples: list[tuple[int, float]], steps: int = 1) -> dict:
 
 def ping(rank: int, buf: torch.Tensor, pair: tuple[int, int] = (0, 1)) -> float:
     """Half a round trip of ``buf`` between the ranks of ``pair`` (0.0 on the others)."""
-    dist.barrier()
+    current().barrier()
     if rank not in pair:
         return 0.0
     peer = pair[1] if rank == pair[0] else pair[0]
     t0 = time.perf_counter()
     if rank == pair[0]:
-        dist.isend(buf, peer).wait()
-        dist.irecv(buf, peer).wait()
+        current().isend(buf, peer).wait()
+        current().irecv(buf, peer).wait()
     else:
-        dist.irecv(buf, peer).wait()
-        dist.isend(buf, peer).wait()
+        current().irecv(buf, peer).wait()
+        current().isend(buf, peer).wait()
     return (time.perf_counter() - t0) / 2
 
 
 def allreduce_time(rank: int, buf: torch.Tensor, group=None, members=None) -> float:
     """Seconds of one allreduce of ``buf`` over ``group`` (0.0 on ranks outside ``members``)."""
-    dist.barrier()
+    current().barrier()
     if members is not None and rank not in members:
         return 0.0
     t0 = time.perf_counter()
-    dist.all_reduce(buf, group=group)
+    current().all_reduce(buf, group=group)
     return time.perf_counter() - t0
 
 

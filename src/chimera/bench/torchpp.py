@@ -10,13 +10,13 @@ and AdamW step.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed import pipelining
 
 from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row
 from chimera.data import get_batch, load_corpus
 from chimera.models import build_layers, get_config, loss_fn
 from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares
+from chimera.runtime.transport import current
 from chimera.train.config import TrainConfig
 from chimera.train.loop import make_optimizer, stage_ranges
 
@@ -38,7 +38,7 @@ def run_schedule(schedule, first: bool, last: bool, inputs, targets, micro_batch
                   losses=losses if last else None, return_outputs=False)
     total = torch.tensor([sum(float(l.detach()) for l in losses) / micro_batches],
                          dtype=torch.float64)
-    dist.all_reduce(total)
+    current().all_reduce(total)
     return float(total.item())
 
 
@@ -95,4 +95,4 @@ class TorchRunner(TorchPipeline):
     def _clip(self) -> float:
         grads = [p.grad for p in self.params if p.grad is not None]
         return float(clip_by_global_norm_(grads, sum_of_squares(grads), self.tc.clip or None,
-                                          all_reduce=dist.all_reduce))
+                                          all_reduce=current().all_reduce))

@@ -206,6 +206,9 @@ class TorchDist(Wrapping):
     def __init__(self):
         super().__init__(dist)
 
+    def is_initialized(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
     @property
     def matches_by_tag(self) -> bool:
         return self.is_initialized() and self.get_backend() == "gloo"

@@ -25,6 +25,7 @@ from chimera.errors import UserError
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.p2p import CommTimeout
+from chimera.runtime.transport import current
 from chimera.runtime.workers import end_group, free_port
 from chimera.train import checkpoint, faults
 from chimera.train.checkpoint import lease as leases
@@ -112,7 +113,7 @@ def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -
 
 def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks,
                   lease) -> dict | None:
-    rank = 0 if cfg.reference else dist.get_rank()
+    rank = 0 if cfg.reference else current().get_rank()
     start = checkpoint.restore(trainer, cfg.checkpoint_dir) if cfg.resume else 0
     trace_step = cfg.trace_step if cfg.trace_step is not None else cfg.steps - 1
     bar = _progress(cfg, start) if rank == 0 else None
@@ -227,9 +228,11 @@ def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> d
     if cfg.reference:
         gathered = [mine]
     else:
-        gathered = [None] * dist.get_world_size()
-        faults.collective("gathering the results on rank 0", dist.all_gather_object, gathered, mine)
-        if dist.get_rank() != 0:
+        transport = current()
+        gathered = [None] * transport.get_world_size()
+        faults.collective("gathering the results on rank 0", transport.all_gather_object,
+                          gathered, mine)
+        if transport.get_rank() != 0:
             return None
     result = {
         "config": cfg.to_dict(),

@@ -22,10 +22,10 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from chimera.errors import UserError
 from chimera.runtime.grid import collective_device
+from chimera.runtime.transport import current
 from chimera.train.faults import collective
 
 FORMAT = "chimera-checkpoint/1"
@@ -158,14 +158,15 @@ def sha256_of(path: Path) -> str:
 
 
 def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+    transport = current()
+    if transport.is_initialized():
+        return transport.get_rank(), transport.get_world_size()
     return 0, 1
 
 
 def barrier(what: str) -> None:
     if rank_world()[1] > 1:
-        collective(what, dist.barrier)
+        collective(what, current().barrier)
 
 
 def agree(error: str | None, what: str, kind: type[Exception] = CheckpointIOError) -> None:
@@ -173,7 +174,7 @@ def agree(error: str | None, what: str, kind: type[Exception] = CheckpointIOErro
     rank that failed says why)."""
     flag = torch.tensor([0.0 if error is None else 1.0], device=collective_device())
     if rank_world()[1] > 1:
-        collective(f"checkpoint: {what}", dist.all_reduce, flag)
+        collective(f"checkpoint: {what}", current().all_reduce, flag)
     if flag.item():
         exc = kind(error or f"{what} failed on another rank")
         exc.reported = error is None  # chimera train prints each rank's own message

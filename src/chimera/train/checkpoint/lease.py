@@ -19,8 +19,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
+from chimera.runtime.transport import current
 from chimera.train.checkpoint.disk import CheckpointError, agree, latest, published
 from chimera.train.checkpoint.record import newest_healthy, owner
 
@@ -112,7 +111,7 @@ def claim_all(directory: str | os.PathLike, resume: bool) -> Lease:
     """Collective :func:`claim`: rank 0 gets the lease (the others a token), every rank raises
     if it was refused."""
     lease, error = None, None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if not current().is_initialized() or current().get_rank() == 0:
         try:
             lease = claim(directory, resume)
         except CheckpointError as exc:
