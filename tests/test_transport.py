@@ -142,3 +142,29 @@ def test_nccl_emulation_wraps_virtual_ranks():
     for total, message in run_virtual(2, body):
         assert total == [3.0, 3.0]
         assert "NCCL would match it with tag" in message
+
+
+def test_a_one_stage_pipeline_on_one_rank_is_single_device_training():
+    """api.Pipeline on a world of one (no process group): the loss and gradients of the
+    same layers on one device."""
+    from torch import nn
+
+    from chimera.api import Pipeline
+    from chimera.byo import seeded
+
+    def layers():
+        return [nn.Linear(4, 4).double(), nn.Tanh(), nn.Linear(4, 2).double()]
+
+    pipe = Pipeline(layers, nn.functional.mse_loss, schedule="1f1b", stages=1, micro_batches=2,
+                    micro_batch_size=2, transport=OneRank())
+    with seeded(0):  # what Pipeline does with seed=0
+        ref = nn.Sequential(*layers())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(4, 2, generator=g, dtype=torch.float64)
+    loss = pipe.step(x, y)
+    want = nn.functional.mse_loss(ref(x), y)
+    want.backward()
+    assert loss == pytest.approx(want.item(), rel=1e-12)
+    for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0, msg=name)
