@@ -13,10 +13,10 @@ import torch
 
 from chimera.train import ConfigError, TrainConfig
 from chimera.train import checkpoint as ckpt
-from chimera.train.health import MIN_RISE, WINDOW, LossHistory
+from chimera.train.checkpoint import CheckpointManager
 from chimera.train.checkpoint.keeper import Keeper, RunInDoubt
+from chimera.train.health import MIN_RISE, WINDOW, LossHistory
 from chimera.train.launch import launch
-from chimera.train.checkpoint.lease import claim
 from chimera.train.loop import StepLog, Trainer
 
 
@@ -61,8 +61,9 @@ def fake(step, loss, norm=1.0):
 
 def test_a_spike_marks_the_checkpoint_it_ran_on_and_keeps_the_healthy_one(data, tmp_path, capsys):
     cfg = ref_cfg(data, checkpoint_dir=str(tmp_path), checkpoint_every=1, keep_checkpoints=1)
-    trainer, lease = Trainer(cfg), claim(tmp_path, resume=False)
-    keeper = Keeper(cfg, trainer, lease, rank=0, start=0)
+    trainer, manager = Trainer(cfg), CheckpointManager(tmp_path, cfg.keep_checkpoints)
+    manager.claim(resume=False)
+    keeper = Keeper(cfg, trainer, manager, rank=0, start=0)
     try:
         for step, loss in enumerate([5.5, 5.4, 60.0]):  # step 2 spikes
             keeper.after_step(step, fake(step, loss))
@@ -70,7 +71,7 @@ def test_a_spike_marks_the_checkpoint_it_ran_on_and_keeps_the_healthy_one(data, 
         with pytest.raises(RunInDoubt, match=r"ended in doubt \(step 2: the loss 60 is a spike"):
             keeper.finish(3)
     finally:
-        lease.release()
+        manager.release()
     names = [p.name for _, p in ckpt.published(tmp_path)]
     assert names == ["step-00000001", "step-00000002"]  # keep 1, and the newest healthy one
     health = {n: ckpt.health_of(ckpt.read_meta(tmp_path / n)) for n in names}
@@ -208,8 +209,9 @@ def test_weights_that_overflowed_are_not_published_and_name_the_way_back(data, t
     """A finite loss and norm, then an update to inf: the state is refused, and the message
     says which checkpoint to resume from."""
     cfg = ref_cfg(data, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-    trainer, lease = Trainer(cfg), claim(tmp_path, resume=False)
-    keeper = Keeper(cfg, trainer, lease, rank=0, start=0)
+    trainer, manager = Trainer(cfg), CheckpointManager(tmp_path, cfg.keep_checkpoints)
+    manager.claim(resume=False)
+    keeper = Keeper(cfg, trainer, manager, rank=0, start=0)
     try:
         keeper.after_step(0, fake(0, 5.5))
         keeper.publish(1, fake(0, 5.5))
@@ -219,5 +221,5 @@ def test_weights_that_overflowed_are_not_published_and_name_the_way_back(data, t
         with pytest.raises(ckpt.NonFiniteCheckpoint, match="newest healthy checkpoint .*step-00000001"):
             keeper.publish(2, fake(1, 5.4))
     finally:
-        lease.release()
+        manager.release()
     assert [p.name for _, p in ckpt.published(tmp_path)] == ["step-00000001"]

@@ -20,7 +20,6 @@ ALLOWED = {
     "runtime/workers.py": "starts and ends the gloo group of a spawned worker (init/destroy_process_group)",
     "runtime/launch_local.py": "chimera.api.spawn's init_process_group",
     "train/launch.py": "chimera train's init_process_group (torchrun's rendezvous, a store per restart)",
-    "train/checkpoint/state.py": "for now: being rewritten alongside (issue 24's checkpoint manager)",
 }
 # Libraries built on a process group: importing them is not calling torch.distributed.
 LIBRARIES = {"checkpoint", "pipelining"}

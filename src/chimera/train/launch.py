@@ -28,9 +28,9 @@ from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.transport import current
 from chimera.runtime.workers import end_group, free_port
 from chimera.train import checkpoint, faults
-from chimera.train.checkpoint import lease as leases
-from chimera.train.config import TrainConfig
+from chimera.train.checkpoint import CheckpointManager
 from chimera.train.checkpoint.keeper import Keeper
+from chimera.train.config import TrainConfig
 from chimera.train.loop import NonFiniteLoss, StepLog, Trainer, log_line, peak_rss_mb
 from chimera.train.watch import Watch, model_flops_per_token, peak_flops_per_rank
 
@@ -103,25 +103,28 @@ def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta
 
 def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -> dict | None:
     # the directory's lease, before anything is read from it or written to it
-    lease = leases.claim_all(cfg.checkpoint_dir, cfg.resume) if cfg.checkpoint_dir else None
+    manager = None
+    if cfg.checkpoint_dir:
+        manager = CheckpointManager(cfg.checkpoint_dir, cfg.keep_checkpoints)
+        manager.claim(cfg.resume)
     try:
-        return _train_owning(trainer, cfg, result_path, hooks, lease)
+        return _train_owning(trainer, cfg, result_path, hooks, manager)
     finally:
-        if lease is not None:
-            lease.release()
+        if manager is not None:
+            manager.release()
 
 
 def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks,
-                  lease) -> dict | None:
+                  manager: CheckpointManager | None) -> dict | None:
     rank = 0 if cfg.reference else current().get_rank()
-    start = checkpoint.restore(trainer, cfg.checkpoint_dir) if cfg.resume else 0
+    start = manager.restore(trainer) if cfg.resume else 0
     trace_step = cfg.trace_step if cfg.trace_step is not None else cfg.steps - 1
     bar = _progress(cfg, start) if rank == 0 else None
     watch = Watch(trainer, cfg.tensorboard, rank) if cfg.tensorboard else None  # times every step
     logs: list[StepLog] = []
     record: list = []
     log_file = _open_log(cfg.log_json, start) if (cfg.log_json and rank == 0) else None
-    keeper = Keeper(cfg, trainer, lease, rank, start)
+    keeper = Keeper(cfg, trainer, manager, rank, start)
     try:
         for step in range(start, cfg.steps):
             faults.before_step(rank, step)
@@ -279,7 +282,7 @@ def _say_what_resume_skips(cfg: TrainConfig) -> None:
     """--resume passes over checkpoints in doubt (``checkpoint.resumable``): say which, once."""
     if not (cfg.resume and cfg.checkpoint_dir) or os.environ.get("RANK", "0") != "0":
         return
-    path, skipped = checkpoint.resumable(cfg.checkpoint_dir)
+    path, skipped = CheckpointManager(cfg.checkpoint_dir).resumable()
     for folder, why in skipped:
         print(f"chimera train: --resume: passing over {folder.name}, in doubt ({why}); "
               f"resuming from {path.name}", file=sys.stderr)

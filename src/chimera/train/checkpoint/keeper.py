@@ -4,7 +4,7 @@
   in its ``meta.json`` as *unconfirmed*: the loss that tells whether its weights are good is
   the next step's (or, at the end of the run, a forward-only probe of the next mini-batch).
 - That verdict is written into the checkpoint (*healthy* or *in doubt*). Pruning keeps the
-  run's newest healthy checkpoint whatever ``--keep-checkpoints`` says (``lease.prune``), so
+  run's newest healthy checkpoint whatever ``--keep-checkpoints`` says (``CheckpointManager``), so
   a run diverging after a good checkpoint cannot delete it; ``--resume`` passes over the
   checkpoints in doubt (``record.resumable``).
 - ``--skip-nonfinite`` skips at most ``--skip-limit`` steps in a row, and a run whose last
@@ -17,14 +17,10 @@ so all ranks take the same branches, and saves are collective.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from chimera.train.checkpoint.disk import (CheckpointError, NonFiniteCheckpoint, agree, published,
-                                           step_dir)
-from chimera.train.checkpoint.lease import prune
-from chimera.train.checkpoint.record import (HEALTHY, IN_DOUBT, UNCONFIRMED, health_of,
-                                             newest_healthy, read_meta, set_health)
-from chimera.train.checkpoint.state import save
+from chimera.train.checkpoint.disk import NonFiniteCheckpoint, step_dir
+from chimera.train.checkpoint.manager import CheckpointManager
+from chimera.train.checkpoint.record import UNCONFIRMED, health_of, read_meta
 from chimera.train.health import LossHistory
 from chimera.train.loop import NonFiniteLoss
 
@@ -36,10 +32,11 @@ class RunInDoubt(NonFiniteLoss):
 
 class Keeper:
     """One rank's view of the run's checkpoints: what is pending judgement, why the newest
-    step is in doubt, how many steps were skipped in a row."""
+    step is in doubt, how many steps were skipped in a row. ``manager``: the run's
+    checkpoints (it publishes and records the verdicts; None: no --checkpoint-dir)."""
 
-    def __init__(self, cfg, trainer, lease, rank: int, start: int):
-        self.cfg, self.trainer, self.lease, self.rank = cfg, trainer, lease, rank
+    def __init__(self, cfg, trainer, manager: CheckpointManager | None, rank: int, start: int):
+        self.cfg, self.trainer, self.manager, self.rank = cfg, trainer, manager, rank
         self.directory = cfg.checkpoint_dir
         record, same_data = self._start_record(start)
         # losses measured on other data say nothing about this data's (a fine-tune's jump)
@@ -84,8 +81,7 @@ class Keeper:
         record = {"status": UNCONFIRMED, "recent_losses": self.history.losses,
                   "made_by": {"step": step - 1, "loss": log.loss, "grad_norm": log.grad_norm}}
         try:
-            self.pending = save(self.trainer, self.directory, step, self.cfg.keep_checkpoints,
-                                self.lease, health=record)
+            self.pending = self.manager.save(self.trainer, step, health=record)
         except NonFiniteCheckpoint as exc:  # the update itself overflowed
             exc.args = (f"{exc}{self._fallback()}",)
             raise
@@ -108,27 +104,10 @@ class Keeper:
         path, self.pending = self.pending, None
         if path is None or path.name != f"step-{step:08d}":
             return
-        error = None
-        if self.rank == 0:
-            error = self._write_verdict(path, why, loss, grad_norm, by or f"step {step}")
-        agree(error, f"recording the health of {path.name}")
+        self.manager.judge(path, why, {"by": by or f"step {step}", "loss": loss,
+                                       "grad_norm": grad_norm})
         if why is not None:
             self._say(f"checkpoint {path.name} is in doubt ({why}): --resume passes over it")
-
-    def _write_verdict(self, path: Path, why, loss, grad_norm, by: str) -> str | None:
-        try:  # (any failure on rank 0 must reach the others through agree, not hang them)
-            record = health_of(read_meta(path))
-            record.update(status=IN_DOUBT if why else HEALTHY,
-                          judged_by={"by": by, "loss": loss, "grad_norm": grad_norm})
-            if why:
-                record["reason"] = f"{by}: {why}"
-            set_health(path, record)
-            if not why:  # a newer healthy one: the older one kept back may go now
-                prune(self.directory, self.cfg.keep_checkpoints, self.lease.run_id)
-        except (OSError, CheckpointError) as exc:
-            why_not = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            return f"rank 0: recording the health of {path.name} failed: {why_not}"
-        return None
 
     def _count_skips(self, step: int, skipped: bool) -> None:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
@@ -139,9 +118,9 @@ class Keeper:
 
     def _fallback(self) -> str:
         """Where to go back to, for a message."""
-        if not self.directory:
+        if self.manager is None:
             return ""
-        found = newest_healthy([p for _, p in published(self.directory)])
+        found = self.manager.last_good()
         if found is None:
             return "; no healthy checkpoint to go back to"
         return f"; newest healthy checkpoint {found} (--resume continues from it)"

@@ -9,27 +9,21 @@ What one holds, keyed so that it depends on neither D, W nor the schedule:
 - ``rng.cpu.rank<r>``: each rank's torch RNG state (restored when the world size matches).
 - ``meta.json`` (``chimera.train.checkpoint.record``).
 
-The last ``keep`` are kept. A directory belongs to one run: ``meta.json`` names the run
-(``run_id``), and ``chimera.train.checkpoint.lease`` keeps it that way (a lock while a run
-writes, no mixing of runs, pruning only the run's own checkpoints).
+Where it is written, published and pruned is the manager's (``CheckpointManager``).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from chimera.runtime.grid import collective_device
-from chimera.train.checkpoint.disk import (CheckpointError, NonFiniteCheckpoint, agree, barrier,
-                                           dcp_call, publish, rank_world, read_index,
-                                           safe_reader, step_dir)
-from chimera.train.checkpoint.lease import claim_all, prune
-from chimera.train.checkpoint.record import read_meta, resumable, write_meta
+from chimera.runtime.transport import current
+from chimera.train.checkpoint.disk import (CheckpointError, NonFiniteCheckpoint, dcp_call,
+                                           rank_world, read_index, safe_reader)
+from chimera.train.checkpoint.record import read_meta
 from chimera.train.faults import collective
 
 _OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -62,63 +56,31 @@ def _first_nonfinite(state: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def save(trainer, directory: str | os.PathLike, step: int, keep: int, lease=None,
-         health: dict | None = None) -> Path:
-    """Write the state after ``step`` optimizer steps to ``directory/step-<step>``.
-
-    Collective: every rank calls it. Raises NonFiniteCheckpoint (on every rank, before
-    anything is written) when some parameter or optimizer state is NaN or infinite.
-    ``lease``: rank 0's claim on the directory for the whole run (``lease.claim_all``);
-    without one, rank 0 claims it for this save alone, continuing its newest checkpoint's run.
-    ``health``: the record ``meta.json`` keeps (``health_of``; None: none, read as healthy).
-    """
-    import torch.distributed.checkpoint as dcp  # loaded when a checkpoint is used: start-up time
-
+def gather(trainer, step: int) -> dict[str, torch.Tensor]:
+    """This rank's share of the checkpoint after ``step`` optimizer steps (collective).
+    Raises NonFiniteCheckpoint on every rank when some parameter or optimizer state is NaN
+    or infinite on any."""
     rank, world = rank_world()
     whole = trainer.whole_optimizer_state()  # sharded: gathered over each group (collective)
     state = _tensors(trainer.optimizer, trainer.checkpoint_parameters(), whole)
     state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
     _refuse_nonfinite(state, step, world)
-
-    own = lease or claim_all(directory, resume=True)
-    try:
-        final = step_dir(directory, step)
-        tmp = final.with_name(f".tmp-{final.name}")
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier("checkpoint: creating the folder")
-        start = time.perf_counter()
-        dcp_call(f"writing {final.name}", dcp.save, state,
-                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-        error = None
-        if rank == 0:
-            error = _publish_on_rank0(trainer, own.run_id, tmp, final, world, keep,
-                                      time.perf_counter() - start, health)
-        agree(error, f"publishing {final.name}")
-    finally:
-        if lease is None:
-            own.release()
-    return final
+    return state
 
 
-def _publish_on_rank0(trainer, run_id: str, tmp: Path, final: Path, world: int, keep: int,
-                      seconds: float, health: dict | None) -> str | None:
-    """Add ``meta.json``, publish, prune; the error text if the disk refused (full, read-only)."""
-    try:
-        write_meta(trainer, tmp, final, run_id, world, seconds, health)
-        publish(tmp, final)
-        prune(final.parent, keep, run_id)
-    except OSError as exc:
-        return f"rank 0: publishing {final.name} failed: {exc.strerror or exc} ({exc.filename or tmp})"
-    return None
+def write(state: dict[str, torch.Tensor], folder: Path, what: str) -> None:
+    """Every rank writes its ``state`` into ``folder`` (collective; fsynced)."""
+    import torch.distributed.checkpoint as dcp  # loaded when a checkpoint is used: start-up time
+
+    dcp_call(f"writing {what}", dcp.save, state,
+             storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
 
 
 def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
     bad = _first_nonfinite(state)
     flag = torch.tensor([0.0 if bad is None else 1.0], device=collective_device())
     if world > 1:
-        collective("checkpoint: agreeing that the state is finite", dist.all_reduce, flag)
+        collective("checkpoint: agreeing that the state is finite", current().all_reduce, flag)
     if flag.item():
         where = f" ({bad} on this rank)" if bad else " (on another rank)"
         raise NonFiniteCheckpoint(f"refusing to write the checkpoint of step {step}: the state "
@@ -126,19 +88,15 @@ def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
 
 
 # -- what comes out -----------------------------------------------------------------------
-def restore(trainer, directory: str | os.PathLike) -> int:
-    """Load the newest checkpoint not in doubt (``resumable``) into ``trainer``; return the
-    step to continue at (0: none).
+def load(trainer, path: Path) -> int:
+    """Load the checkpoint ``path`` into ``trainer``; return the step to continue at.
 
-    Collective. Rank 0 chooses the checkpoint and tells the others, so all load the same.
-    Parameters and AdamW state are read by name, so the layout may differ from the writer's.
+    Collective: every rank loads the same folder. Parameters and AdamW state are read by
+    name, so the layout may differ from the writer's.
     """
     import torch.distributed.checkpoint as dcp  # loaded when a checkpoint is used: start-up time
 
     rank, world = rank_world()
-    path = _agree_on_latest(directory, rank, world)
-    if path is None:
-        return 0
     meta = read_meta(path)
     index = read_index(path)
     replicas = _replicas_by_name(trainer)
@@ -156,15 +114,6 @@ def restore(trainer, directory: str | os.PathLike) -> int:
     trainer.equalize_ties()  # a tie is one key, read into each copy: equal, and kept so
     trainer.load_run_state(meta.get("run") or {})
     return int(meta["step"])
-
-
-def _agree_on_latest(directory, rank: int, world: int) -> Path | None:
-    found, _ = resumable(directory)  # rank 0's choice is everyone's (broadcast)
-    step = torch.tensor([-1 if found is None else int(found.name[len("step-"):])],
-                        device=collective_device())
-    if world > 1:
-        collective("checkpoint: choosing the one to resume from", dist.broadcast, step, 0)
-    return None if step.item() < 0 else step_dir(directory, int(step.item()))
 
 
 def _replicas_by_name(trainer) -> dict[str, list[torch.Tensor]]:
