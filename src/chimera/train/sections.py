@@ -355,8 +355,9 @@ class Ckpt:
                         "--steps, the optimizer, logging and the layout (same batch) are accepted "
                         "and announced; the model, --seq-len, the batch (W*N*B*K), --seed and "
                         "--data are refused")
-    resume_allow: tuple[str, ...] = knob((), "changes --resume accepts that it refuses otherwise: "
-                                         "data (train on new data from the checkpoint's weights)",
+    resume_allow: tuple[str, ...] = knob((), "changes --resume accepts that it refuses otherwise, "
+                                         "comma-separated: data (train on new data from the "
+                                         "checkpoint's weights)",
                                          metavar="FIELDS")
 
     def __post_init__(self) -> None:
