@@ -162,7 +162,7 @@ def test_training_lowers_the_held_out_loss_on_a_repetitive_corpus(tmp_path):
 
 @pytest.mark.parametrize("kw, message", [
     (dict(eval_every=-1), "--eval-every must be an integer >= 0"),
-    (dict(eval_every=2, eval_batches=0), "--eval-batches must be an integer >= 1"),
+    (dict(eval_every=2, eval_batches=0), "--eval-batches must be a positive integer"),
     (dict(eval_every=1, eval_batches=10**6), "--eval-batches 1000000 exceeds the limit"),
 ])
 def test_bad_eval_settings_are_refused(kw, message):

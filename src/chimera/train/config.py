@@ -147,10 +147,12 @@ class TrainConfig:
         return dataclasses.replace(self, **flat)
 
     def to_dict(self) -> dict:
-        """Every field by its flat name (``options``: the scheme's, a dict)."""
+        """Every field by its flat name, as the flat config had them (a result's and a bench
+        report's ``config``): pipes, chunks and strategy by name, other scheme options in
+        ``options`` (None: none)."""
         out = {f.name: getattr(getattr(self, s), f.name) for s, cls in SECTIONS.items()
                for f in fields(cls)}
-        out["options"] = dict(out["options"])
+        out.update({k: self.get(k) for k in self.option_fields()}, options=self.get("options"))
         return out
 
     def sections(self) -> dict:
