@@ -61,7 +61,7 @@ def fake(step, loss, norm=1.0):
 
 def test_a_spike_marks_the_checkpoint_it_ran_on_and_keeps_the_healthy_one(data, tmp_path, capsys):
     cfg = ref_cfg(data, checkpoint_dir=str(tmp_path), checkpoint_every=1, keep_checkpoints=1)
-    trainer, manager = Trainer(cfg), CheckpointManager(tmp_path, cfg.keep_checkpoints)
+    trainer, manager = Trainer(cfg), CheckpointManager(tmp_path, cfg.ckpt.keep_checkpoints)
     manager.claim(resume=False)
     keeper = Keeper(cfg, trainer, manager, rank=0, start=0)
     try:
@@ -209,7 +209,7 @@ def test_weights_that_overflowed_are_not_published_and_name_the_way_back(data, t
     """A finite loss and norm, then an update to inf: the state is refused, and the message
     says which checkpoint to resume from."""
     cfg = ref_cfg(data, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-    trainer, manager = Trainer(cfg), CheckpointManager(tmp_path, cfg.keep_checkpoints)
+    trainer, manager = Trainer(cfg), CheckpointManager(tmp_path, cfg.ckpt.keep_checkpoints)
     manager.claim(resume=False)
     keeper = Keeper(cfg, trainer, manager, rank=0, start=0)
     try:

@@ -37,11 +37,11 @@ class Keeper:
 
     def __init__(self, cfg, trainer, manager: CheckpointManager | None, rank: int, start: int):
         self.cfg, self.trainer, self.manager, self.rank = cfg, trainer, manager, rank
-        self.directory = cfg.checkpoint_dir
+        self.directory = cfg.ckpt.checkpoint_dir
         record, same_data = self._start_record(start)
         # losses measured on other data say nothing about this data's (a fine-tune's jump)
         recent = record.get("recent_losses", ()) if same_data else ()
-        self.history = LossHistory(recent, cfg.spike_factor)
+        self.history = LossHistory(recent, cfg.run.spike_factor)
         # the checkpoint whose weights the next step judges (the start one if nobody has)
         unjudged = record.get("status") == UNCONFIRMED
         self.pending = step_dir(self.directory, start) if unjudged else None
@@ -55,7 +55,7 @@ class Keeper:
             return {}, False
         meta = read_meta(step_dir(self.directory, start))
         data = meta.get("data") or {}
-        return health_of(meta), data.get("source") == self.cfg.data
+        return health_of(meta), data.get("source") == self.cfg.corpus.data
 
     # -- the loop calls these ---------------------------------------------------------------
     def after_step(self, step: int, log) -> None:
@@ -111,10 +111,11 @@ class Keeper:
 
     def _count_skips(self, step: int, skipped: bool) -> None:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
-        if self.skipped_in_a_row >= self.cfg.skip_limit:
+        if self.skipped_in_a_row >= self.cfg.run.skip_limit:
             raise RunInDoubt(f"step {step}: {self.skipped_in_a_row} steps in a row skipped with a "
                              f"non-finite loss or gradient norm (--skip-limit "
-                             f"{self.cfg.skip_limit}): the run is not recovering{self._fallback()}")
+                             f"{self.cfg.run.skip_limit}): the run is not recovering"
+                             f"{self._fallback()}")
 
     def _fallback(self) -> str:
         """Where to go back to, for a message."""

@@ -1,8 +1,8 @@
 """One run's checkpoint folder, owned by one object: the lease, publishing, pruning, the
 verdict on each checkpoint, and restoring.
 
-    manager = CheckpointManager(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
-    manager.claim(resume=cfg.resume)        # refused while another live run holds the folder
+    manager = CheckpointManager(folder, keep=3)
+    manager.claim(resume=True)              # refused while another live run holds the folder
     start = manager.restore(trainer)        # the newest checkpoint not in doubt (0: none)
     manager.save(trainer, step, health)     # whole or absent; the last good one is never lost
     manager.judge(path, why, judged_by)     # healthy, or in doubt (why); then pruned

@@ -152,12 +152,13 @@ def write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, seconds
              for p in sorted(tmp.iterdir()) if p.is_file()}
     meta = {
         "format": FORMAT, "step": int(final.name[len("step-"):]), "run_id": run_id,
-        "model": cfg.model, "model_config": cfg.model_source.fingerprint(),
-        "data": {"next_step": int(final.name[len("step-"):]), "seed": cfg.seed,
-                 "global_batch": cfg.global_batch, "source": cfg.data,
-                 "tokenizer": tokenizer_record(cfg), "mask_id": cfg.mask_id},
-        "layout": {"schedule": cfg.schedule, "stages": cfg.stages,
-                   "data_parallel": cfg.data_parallel, "world": world, "dtype": cfg.dtype},
+        "model": cfg.net.model, "model_config": cfg.get("model_source").fingerprint(),
+        "data": {"next_step": int(final.name[len("step-"):]), "seed": cfg.optim.seed,
+                 "global_batch": cfg.global_batch, "source": cfg.corpus.data,
+                 "tokenizer": tokenizer_record(cfg), "mask_id": cfg.get("mask_id")},
+        "layout": {"schedule": cfg.pipeline.schedule, "stages": cfg.pipeline.stages,
+                   "data_parallel": cfg.pipeline.data_parallel, "world": world,
+                   "dtype": cfg.net.dtype},
         "files": files, "save_seconds": round(seconds, 4), "written_at": time.time(),
         # the optimizer settings and batch, for --resume to compare; fp16's loss scale
         "run": {**resume.record(cfg), **trainer.run_state()},
@@ -173,8 +174,11 @@ def tokenizer_record(cfg) -> dict | None:
     tokenizer file (absolute path) and its SHA-256; None for byte tokens. Reads
     the data's tokenizer: ``--tokenizer``, or the one ``chimera tokenize`` left beside its
     token files (``DataInfo.tokenizer``); None for byte tokens and for bare token files."""
-    info = getattr(cfg, "data_info", None)
-    path = getattr(info, "tokenizer", None) or getattr(cfg, "tokenizer", None)
+    if hasattr(cfg, "corpus"):  # a TrainConfig; else anything with a ``tokenizer``
+        info, given = cfg.get("data_info"), cfg.corpus.tokenizer
+    else:
+        info, given = None, getattr(cfg, "tokenizer", None)
+    path = getattr(info, "tokenizer", None) or given
     if not path:
         return None
     path = Path(path).resolve()
