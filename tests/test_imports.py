@@ -314,7 +314,9 @@ def test_the_docs_draw_the_layers_of_the_check(doc, after):
     bottom layer first, in the order the check enforces (any order inside one layer)."""
     drawn = _drawn_layers((SRC.parent / doc).read_text(), after)
     declared = [layer & set(drawn) for layer in LAYERS if layer - {"_moved", "__main__"}]
+    unknown = set(drawn) - set().union(*LAYERS)
+    assert not unknown, f"{doc} draws units that are in no layer: {sorted(unknown)}"
     order = [next(i for i, layer in enumerate(declared) if unit in layer) for unit in drawn]
-    assert order == sorted(order) and set().union(*declared) == set(drawn), (drawn, declared)
+    assert order == sorted(order), f"{doc} draws the layers out of order: {drawn}"
     missing = set().union(*LAYERS) - {"_moved", "__main__"} - set(drawn)
     assert not missing, f"{doc} does not draw {sorted(missing)}"
