@@ -28,13 +28,14 @@ demo-hf: setup
 	$(BIN)/chimera export --checkpoint out/hf-demo/ckpt --out out/hf-demo/llama-hf
 	$(BIN)/chimera generate --checkpoint out/hf-demo/ckpt --prompt "def " --temperature 0 --max-new-tokens 30
 
+# every test but the long multi-process ones (marked slow); CI runs both targets (.ci/run)
 test: setup
-	$(BIN)/python -m pytest -q -x --durations=10
+	$(BIN)/python -m pytest -q -x -m "not slow" --durations=10
 
-test-fast: setup
-	$(BIN)/python -m pytest -q -x -m "not slow"
+# kept for one release: what make test now is
+test-fast: test
 
-# the long multi-process tests alone (make test runs them too)
+# the long multi-process tests: real gloo process groups, CLI runs on several ranks, signals
 test-slow: setup
 	$(BIN)/python -m pytest -q -x -m slow --durations=10
 
