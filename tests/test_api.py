@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import chimera.api as chimera
+from ranks import run_ranks
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -39,7 +40,8 @@ def make_layers64():
 SCHEDULES = ["chimera", "1f1b", "gpipe"]
 
 
-def _worker(rank, world, out):
+def _worker(rank, world) -> dict:
+    out = {}
     for schedule in SCHEDULES:
         pipe = chimera.Pipeline(make_layers64, nn.functional.mse_loss, schedule=schedule, stages=2,
                                 micro_batches=4, micro_batch_size=4,
@@ -49,15 +51,17 @@ def _worker(rank, world, out):
         for (p_, stage), module in pipe.runtime.modules.items():
             for name, param in module.named_parameters():
                 grads[(p_, stage, name)] = param.grad.clone()
-        torch.save(grads, f"{out}.{schedule}.{rank}")
+        out[schedule] = grads
+    return out
+
+
+def _by_schedule(got: list[dict]) -> dict:
+    return {s: [r[s] for r in got] for s in SCHEDULES}
 
 
 @pytest.fixture(scope="module")
-def byo_grads(tmp_path_factory):
-    import functools
-    out = str(tmp_path_factory.mktemp("byo") / "grads")
-    chimera.spawn(functools.partial(_worker, out=out), world=2)
-    return {s: [torch.load(f"{out}.{s}.{r}", weights_only=True) for r in range(2)] for s in SCHEDULES}
+def byo_grads():
+    return _by_schedule(run_ranks(_worker, 2))  # virtual ranks; on processes: below
 
 
 def _check(got):
@@ -77,6 +81,13 @@ def test_byo_chimera_gradients_equal_single_device(byo_grads):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_byo_one_directional_gradients_equal_single_device(byo_grads, schedule):
     assert _check(byo_grads[schedule]) == 8
+
+
+@pytest.mark.slow
+def test_byo_gradients_on_spawned_gloo_processes():
+    """The same runs on real processes (the API's spawn, gloo): the same gradients."""
+    got = _by_schedule(run_ranks(_worker, 2, processes=True))
+    assert [_check(got[s]) for s in SCHEDULES] == [2 * 8, 8, 8]
 
 
 @pytest.mark.slow

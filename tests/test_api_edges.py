@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 import chimera.api as chimera
+from chimera import rng
 from chimera.byo import FunctionLayer, as_module
+from ranks import run_ranks
 
 N, B = 4, 2  # micro-batches, rows each: a mini-batch of 8
 
@@ -32,11 +34,12 @@ def aux_loss(out, aux, target):
 
 
 def layers(last=None, middle=torch.tanh, bn: bool = False) -> list:
-    """``last``: the class of the last layer (built here, after the seed)."""
-    torch.manual_seed(0)
-    first = nn.Linear(4, 6, dtype=torch.float64)
-    norm = [nn.BatchNorm1d(6, momentum=None, dtype=torch.float64)] if bn else []
-    return [first, *norm, middle, last() if last else nn.Linear(6, 1, dtype=torch.float64)]
+    """``last``: the class of the last layer (built here, after the seed; under the lock of
+    torch's global RNG, which virtual ranks share)."""
+    with rng.seeded(0):
+        first = nn.Linear(4, 6, dtype=torch.float64)
+        norm = [nn.BatchNorm1d(6, momentum=None, dtype=torch.float64)] if bn else []
+        return [first, *norm, middle, last() if last else nn.Linear(6, 1, dtype=torch.float64)]
 
 
 def batch():
@@ -53,7 +56,7 @@ def _refusal(fn) -> str | None:
     return None
 
 
-def _worker(rank: int, world: int, out: str) -> None:
+def _worker(rank: int, world: int) -> dict:
     kw = dict(micro_batches=N, micro_batch_size=B)
     x, y = batch()
     res = {}
@@ -71,12 +74,12 @@ def _worker(rank: int, world: int, out: str) -> None:
     res["bad"] = [_refusal(lambda: chimera.Pipeline(layers(), nn.functional.mse_loss, **bad))
                   for bad in (dict(micro_batch_size=0), dict(comm_timeout=-5.0),
                               dict(comm_timeout=float("nan")), dict(micro_batches=0))]
-    torch.save(res, f"{out}.{rank}")
+    return res
 
 
 @pytest.fixture(scope="module")
-def world(spawn_world):
-    return spawn_world(_worker, 2)
+def world():
+    return run_ranks(_worker, 2)  # virtual ranks: the transport is not the subject here
 
 
 def test_eval_outputs_with_a_scalar_auxiliary_loss(world):
@@ -140,6 +143,7 @@ def _noop(rank, world):
     pass
 
 
+@pytest.mark.slow
 def test_spawn_says_why_a_child_could_not_rebuild_its_function(tmp_path, cli_env):
     """The function lives in a module the new process cannot import: the child's own error,
     not "no Python error" (its traceback used to be printed above, the report said nothing)."""
@@ -193,6 +197,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_rank_given_another_shape_is_refused_on_every_rank(tmp_path, cli_env):
     """The batch check starts with the step and is read at its end: the rank whose shape
     changed reads it at once (before probing), the other went on into the run; when that

@@ -1,7 +1,8 @@
 """Real-model API paths against single-process training in float64 (issue 12).
 
-One spawned run per world size executes several cases; the tests below read its results.
-Items of the issue each test covers are named in its docstring (#1 .. #12).
+One run per world size (virtual ranks: the transport is not the subject here) executes
+several cases; the tests below read its results. Items of the issue each test covers are named
+in its docstring (#1 .. #12).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from torch import nn
 
 import byo_models as bm
 import chimera.api as chimera
+from chimera import rng
 from chimera.ir import ScheduleError
-
-pytestmark = pytest.mark.slow  # most tests here share a multi-process run (module fixture)
+from ranks import run_ranks
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 MAIN2 = [("chimera", 2, 1), ("1f1b", 2, 1), ("zb-h1", 2, 1)]  # (schedule, D, W) at world 2
@@ -112,8 +113,9 @@ class Bad(nn.Module):
         raise ValueError("boom")
 
 
-def _error_cases() -> dict:
-    """#6, #11, #12: refused partitions, explicit options, no reseeding, named probe errors."""
+def _error_cases(rank: int) -> dict:
+    """#6, #11, #12: refused partitions, explicit options, no reseeding (on rank 0: the
+    virtual ranks share one global RNG), named probe errors."""
     out = {}
     for name, part in [("gap", [range(0, 2), range(3, 5)]), ("overlap", [range(0, 3), range(2, 5)]),
                        ("range", [range(0, 2), range(2, 7)])]:
@@ -126,9 +128,11 @@ def _error_cases() -> dict:
         chimera.Pipeline(mlp, nn.functional.mse_loss, autocast=torch.bfloat16, schedule_options={"x": 1})
     except ScheduleError as exc:
         out["options"] = str(exc)
-    torch.manual_seed(123)
+    if rank == 0:
+        torch.manual_seed(123)
     chimera.Pipeline(mlp, nn.functional.mse_loss, micro_batches=4, micro_batch_size=2)
-    out["rng"] = torch.rand(3)
+    if rank == 0:
+        out["rng"] = torch.rand(3)
     bad = lambda: mlp()[:3] + [Bad()] + mlp()[3:]  # noqa: E731
     try:
         chimera.Pipeline(bad, nn.functional.mse_loss, partition=[range(0, 2), range(2, 6)],
@@ -180,13 +184,14 @@ def _review_cases(rank: int) -> dict:
         with torch.device("meta"):
             return mlp()[:2] + [OwnParam()] + mlp()[2:]
     out["meta_unwritten"] = _raises(lambda: chimera.Pipeline(meta_layers, nn.functional.mse_loss, **kw))
-    torch.manual_seed(rank)  # a list built on each rank with its own RNG
-    per_rank = chimera.Pipeline(mlp(), nn.functional.mse_loss, **kw)
+    with rng.seeded(rank):  # a list built on each rank with its own RNG
+        own = mlp()
+    per_rank = chimera.Pipeline(own, nn.functional.mse_loss, **kw)
     out["replicas"] = [(n, p.detach().clone()) for n, p in per_rank.named_parameters()]
     return out
 
 
-def _worker2(rank: int, world: int, out: str) -> None:
+def _worker2(rank: int, world: int) -> dict:
     res = {s: _main_case(s, d, w) for s, d, w in MAIN2}
     res.update({f"shard-{s}-{d}-{w}": _main_case(s, d, w, True) for s, d, w in SHARDED2})
     res["shard_tied"] = _raises(lambda: chimera.Pipeline(
@@ -196,25 +201,25 @@ def _worker2(rank: int, world: int, out: str) -> None:
     res["factory"] = _factory_case(rank)
     res["meta"] = _meta_case()
     res["bn"] = _bn_case()
-    res["errors"] = _error_cases()
+    res["errors"] = _error_cases(rank)
     res["review"] = _review_cases(rank)
-    torch.save(res, f"{out}.{rank}")
+    return res
 
 
-def _worker4(rank: int, world: int, out: str) -> None:
+def _worker4(rank: int, world: int) -> dict:
     res = {f"{s}-{d}-{w}": _main_case(s, d, w) for s, d, w in MAIN4}
     res.update({f"shard-{s}-{d}-{w}": _main_case(s, d, w, True) for s, d, w in SHARDED4})
-    torch.save(res, f"{out}.{rank}")
+    return res
 
 
 @pytest.fixture(scope="module")
-def world2(spawn_world):
-    return spawn_world(_worker2, 2)
+def world2():
+    return run_ranks(_worker2, 2)
 
 
 @pytest.fixture(scope="module")
-def world4(spawn_world):
-    return spawn_world(_worker4, 4)
+def world4():
+    return run_ranks(_worker4, 4)
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +345,8 @@ def test_errors_name_their_cause(world2):
         assert "layers 2..2 are in two stages" in e["overlap"]
         assert "past the model's last layer" in e["range"]
         assert "does not take option(s) x" in e["options"]
-        assert torch.equal(e["rng"], torch.rand(3, generator=torch.Generator().manual_seed(123)))
+        if rank == 0:
+            assert torch.equal(e["rng"], torch.rand(3, generator=torch.Generator().manual_seed(123)))
         assert "stage 1, layer 3 (Bad) failed on input (2, 6) float64: ValueError: boom" in e["probe"]
 
 
@@ -354,6 +360,7 @@ def _dies(rank: int, world: int) -> None:
     dist.recv(torch.zeros(1), src=1)  # the victim: fails when rank 1 is gone
 
 
+@pytest.mark.slow
 def test_spawn_reports_the_root_cause_first():
     """#12: the rank that raised comes first, not the peer that lost its connection."""
     with pytest.raises(chimera.SpawnError) as info:
@@ -362,6 +369,7 @@ def test_spawn_reports_the_root_cause_first():
     assert [e["rank"] for e in info.value.errors] == [1, 0]
 
 
+@pytest.mark.slow
 def test_byo_example_gpt_runs(cli_env):
     import subprocess
     import sys
