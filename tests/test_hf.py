@@ -1,7 +1,8 @@
 """chimera.hf: HF GPT-2 (tied), Llama (RoPE, GQA, causal mask) and BERT (MLM) as pipelines,
 against HF's own model trained in one process (float64), export and reload, partial loads.
 
-One spawned run per world size executes every case; the tests below read its results.
+One run per world size (virtual ranks: the transport is not the subject here) executes every
+case; the tests below read its results.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ pytest.importorskip("safetensors", reason="chimera.hf needs safetensors (pip ins
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-import chimera.api as chimera  # noqa: E402
 import hf_models as hm  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 from chimera import hf  # noqa: E402
 from chimera.runtime.boundary import call_layer  # noqa: E402
 
@@ -55,15 +56,14 @@ def _export_case(folders: dict, arch: str, out: str) -> dict:
     return {"logits": logits, "written": None if written is None else str(written)}
 
 
-def _worker2(rank: int, world: int, folders: dict, out: str) -> None:
+def _worker2(rank: int, world: int, folders: dict, out: str) -> dict:
     res = {_name(*c): _main_case(folders, *c) for c in MAIN2}
     res["export"] = {a: _export_case(folders, a, out + ".export") for a in ARCHS}
-    torch.save(res, f"{out}.{rank}")
+    return res
 
 
-def _worker4(rank: int, world: int, folders: dict, out: str) -> None:
-    res = {_name(*c): _main_case(folders, *c) for c in MAIN4}
-    torch.save(res, f"{out}.{rank}")
+def _worker4(rank: int, world: int, folders: dict, out: str) -> dict:
+    return {_name(*c): _main_case(folders, *c) for c in MAIN4}
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,7 @@ def saved(tmp_path_factory):
 def _run(tmp_path_factory, saved, worker, world: int) -> list[dict]:
     out = str(tmp_path_factory.mktemp("hfrun") / "res")
     folders = {a: f for a, (f, _) in saved.items()}
-    chimera.spawn(functools.partial(worker, folders=folders, out=out), world=world)
-    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+    return run_ranks(functools.partial(worker, folders=folders, out=out), world)
 
 
 @pytest.fixture(scope="module")
