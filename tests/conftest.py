@@ -3,16 +3,16 @@
 - ``cli_env`` / ``run_cli``: the environment of a ``python -m chimera`` subprocess (this
   checkout's ``src`` first on the path, no fault injection inherited) and a runner for one;
 - ``data``: a small text corpus on disk (60 kB of the standard library's argparse source);
-- ``spawn_world``: run a worker on W spawned gloo ranks and collect what each rank saved;
 - ``regen_goldens``: true under ``pytest --regen-goldens``, when the golden files are
   rewritten from the current code instead of compared (``tests/test_golden_schedules.py``).
 
-Long tests carry ``@pytest.mark.slow``: ``make test`` runs every test, ``make test-fast``
-leaves those out.
+Ranks for a test come from ``tests/ranks.py`` (``run_ranks``: virtual ranks in this process,
+or spawned gloo processes where the transport or the processes are the subject). The long
+multi-process tests carry ``@pytest.mark.slow``: ``make test`` leaves them out, ``make
+test-slow`` runs them.
 """
 
 import argparse
-import functools
 import os
 import subprocess
 import sys
@@ -58,19 +58,3 @@ def data(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "text.txt"
     path.write_bytes(Path(argparse.__file__).read_bytes()[:60_000])
     return str(path)
-
-
-@pytest.fixture(scope="session")
-def spawn_world(tmp_path_factory):
-    """``spawn_world(worker, world)``: ``worker(rank, world, out=PATH)`` on ``world`` spawned gloo
-    ranks (``chimera.spawn``, the API's launcher), each saving what it found with ``torch.save(x, f"{out}.{rank}")``;
-    returns those objects in rank order."""
-    def run(worker, world: int) -> list:
-        import torch  # not at the top: most test modules never load torch
-
-        from chimera.runtime.launch_local import spawn
-
-        out = str(tmp_path_factory.mktemp(f"world{world}") / "result")
-        spawn(functools.partial(worker, out=out), world=world)
-        return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world)]
-    return run

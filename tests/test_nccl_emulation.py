@@ -36,6 +36,7 @@ from chimera.runtime.pipeline import PipelineRuntime
 from chimera.runtime.transport import TorchDist, Transport
 from chimera.schedules import build
 from chimera.check.validate import validate
+from ranks import run_ranks
 
 WIDTH, B, STEPS, TIMEOUT_S = 4, 2, 2, 60.0
 D2 = [("chimera", {}, 4), ("chimera", {"strategy": "doubling"}, 4),
@@ -217,7 +218,7 @@ def _from_env() -> list[str]:
     return seen
 
 
-def _worker(rank, world, out):
+def _worker(rank, world) -> dict:
     # every runtime takes the device path's plan: buckets (several per stage at 64 bytes) and
     # reduce-scatters, the collectives a GPU run issues
     os.environ[DEVICE_PLAN_ENV] = "64"
@@ -229,18 +230,18 @@ def _worker(rank, world, out):
         report["disagree"] = {mode: _disagreeing_order(mode) for mode in MODES}
         report["from_env"] = _from_env()
         report["allreduce"] = _allreduce_orders("pair")
-    torch.save(report, f"{out}.{rank}")
+    return report
 
 
 @pytest.fixture(scope="module")
-def world2(spawn_world):
-    return spawn_world(_worker, 2)
+def world2():
+    return run_ranks(_worker, 2, processes=True)  # the emulation over real gloo
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_training_under_emulation_equals_gloo(world, world2, spawn_world):
-    reports = world2 if world == 2 else spawn_world(_worker, world)
+def test_training_under_emulation_equals_gloo(world, world2):
+    reports = world2 if world == 2 else run_ranks(_worker, world, processes=True)
     expected = sum(len(rows) for _, _, rows in WORLDS[world])
     for report in reports:
         assert len(report["compare"]) == expected
