@@ -1,8 +1,9 @@
 """Issue 25's training knobs: the learning-rate shapes, AdamW's settings, --grad-accum (the
-same step as one K-times larger batch, pipelined on gloo against one process), --compile, and
+same step as one K-times larger batch, pipelined on virtual ranks against one process), --compile, and
 a one-line refusal (exit 2) for every bad value."""
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -10,12 +11,11 @@ import pytest
 import torch
 
 from chimera.cli import main
-from chimera.runtime import workers
-from chimera.runtime.workers import gloo_group
 from chimera.train import ConfigError, TrainConfig
-from chimera.train.launch import free_port, launch
+from chimera.train.launch import launch
 from chimera.train.loop import Trainer
 from chimera.train.optim import lr_at
+from ranks import run_ranks
 
 
 # -- learning rate --------------------------------------------------------------------------
@@ -86,18 +86,14 @@ def _run(cfg, rank):
     return [(l.step, l.loss, l.grad_norm, l.tokens) for l in logs], params
 
 
-def _worker(rank, world, port, root, data):
-    with gloo_group(rank, world, port):
-        out = {name: _run(TrainConfig(data=data, **{**F64, **kw}), rank) for name, kw in ACCUM.items()}
-        torch.save(out, os.path.join(root, f"out.{rank}"))
+def _worker(rank, world, data):
+    return {name: _run(TrainConfig(data=data, **{**F64, **kw}), rank) for name, kw in ACCUM.items()}
 
 
 @pytest.fixture(scope="module")
-def accumulated(tmp_path_factory, data):
-    root = tmp_path_factory.mktemp("accum")
-    codes = workers.run(_worker, (2, free_port(), str(root), data), 2, grace=10.0)
-    assert codes == [0, 0]
-    return [torch.load(root / f"out.{r}", weights_only=True) for r in range(2)]
+def accumulated(data):
+    """Virtual ranks: accumulation, not the transport, is the subject."""
+    return run_ranks(functools.partial(_worker, data=data), 2)
 
 
 def _one_process(data, rows, model="gpt2-tiny", grad_accum=1):
@@ -119,7 +115,6 @@ def _assert_same(got, want):
         torch.testing.assert_close(p, ref_params[name], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ACCUM))
 def test_grad_accum_is_one_step_over_the_larger_batch(accumulated, data, name):
     model = ACCUM[name].get("model", "gpt2-tiny")
@@ -214,30 +209,27 @@ def test_the_new_flags_end_to_end(run_cli, data, tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in board.iterdir())
 
 
-def _compile_worker(rank, world, port, root, data):
-    from torch._dynamo.utils import counters
+def _compile_worker(rank, world, data):
+    """In a process of its own: torch.nn.Module.compile patched, dynamo's counters its own."""
+    from torch._dynamo.utils import counters  # here: dynamo loads only in this rank
 
     original = torch.nn.Module.compile
     # dynamo's own tracing with the eager backend: what --compile does to the stages, without
     # inductor's code generation (minutes on one CPU core; --compile itself uses inductor)
     torch.nn.Module.compile = lambda self, **kw: original(self, backend="eager")
-    with gloo_group(rank, world, port):
-        out = {}
-        for on in (False, True):
-            cfg = TrainConfig(data=data, steps=3, dtype="float64", compile=on, progress=False)
-            t = Trainer(cfg, rank)
-            out[on] = ([t.step(s).loss for s in range(3)],
-                       [m._compiled_call_impl is not None for m in t.runtime.modules.values()])
-        out["graphs"] = counters["stats"]["unique_graphs"]
-        torch.save(out, os.path.join(root, f"out.{rank}"))
+    out = {}
+    for on in (False, True):
+        cfg = TrainConfig(data=data, steps=3, dtype="float64", compile=on, progress=False)
+        t = Trainer(cfg, rank)
+        out[on] = ([t.step(s).loss for s in range(3)],
+                   [m._compiled_call_impl is not None for m in t.runtime.modules.values()])
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    return out
 
 
 @pytest.mark.slow
-def test_compiled_stages_train_as_the_uncompiled_ones(tmp_path, data):
-    codes = workers.run(_compile_worker, (2, free_port(), str(tmp_path), data), 2, grace=10.0)
-    assert codes == [0, 0]
-    for rank in (0, 1):
-        out = torch.load(tmp_path / f"out.{rank}", weights_only=True)
+def test_compiled_stages_train_as_the_uncompiled_ones(data):
+    for out in run_ranks(functools.partial(_compile_worker, data=data), 2, processes=True):
         assert out[False][1] == [False, False] and out[True][1] == [True, True]
         assert out["graphs"] > 0  # dynamo traced the stages
         assert out[True][0] == out[False][0]
