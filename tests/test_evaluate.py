@@ -1,6 +1,8 @@
 """`--eval-every`: the held-out loss is the single-process value on every layout, and
-evaluating changes nothing about training (one spawned gloo group of two runs the layouts)."""
+evaluating changes nothing about training (two virtual ranks run the layouts: evaluation, not
+the transport, is the subject)."""
 
+import functools
 import json
 import math
 import os
@@ -8,11 +10,10 @@ import os
 import pytest
 import torch
 
-from chimera.runtime import workers
-from chimera.runtime.workers import gloo_group
 from chimera.train import ConfigError, TrainConfig
-from chimera.train.launch import free_port, launch
+from chimera.train.launch import launch
 from chimera.train.loop import Trainer
+from ranks import run_ranks
 
 F64 = dict(dtype="float64", steps=3, eval_every=2, eval_batches=2, micro_batch_size=2,
            progress=False)
@@ -45,20 +46,17 @@ def _run(cfg, rank):
     return [(l.step, l.loss, l.val_loss) for l in logs], params
 
 
-def _worker(rank, world, port, root, data):
-    with gloo_group(rank, world, port):
-        out = {name: _run(_cfg(data, **kw), rank) for name, kw in LAYOUTS.items()}
-        log = os.path.join(root, f"log.{rank}.jsonl")
-        _run(_cfg(data, **LAYOUTS["chimera"], log_json=log if rank == 0 else None), rank)
-        torch.save(out, os.path.join(root, f"out.{rank}"))
+def _worker(rank, world, root, data):
+    out = {name: _run(_cfg(data, **kw), rank) for name, kw in LAYOUTS.items()}
+    log = os.path.join(root, f"log.{rank}.jsonl")
+    _run(_cfg(data, **LAYOUTS["chimera"], log_json=log if rank == 0 else None), rank)
+    return out
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory, data):
     root = tmp_path_factory.mktemp("layouts")
-    codes = workers.run(_worker, (2, free_port(), str(root), data), 2, grace=10.0)
-    assert codes == [0, 0]
-    return root, [torch.load(root / f"out.{r}", weights_only=True) for r in range(2)]
+    return root, run_ranks(functools.partial(_worker, root=str(root), data=data), 2)
 
 
 def _reference(data, **kw):
@@ -68,7 +66,6 @@ def _reference(data, **kw):
     return [(s["step"], s["loss"], s["val_loss"]) for s in launch(cfg)["steps"]]
 
 
-@pytest.mark.slow
 def test_held_out_loss_is_the_same_on_every_layout(layouts, data):
     _, outs = layouts
     ref = _reference(data)
@@ -83,7 +80,6 @@ def test_held_out_loss_is_the_same_on_every_layout(layouts, data):
                     assert g == pytest.approx(r, rel=1e-10, abs=0), name
 
 
-@pytest.mark.slow
 def test_bert_held_out_loss_counts_every_masked_token_once(layouts, data):
     _, outs = layouts
     ref = _reference(data, model="bert-tiny")
@@ -94,7 +90,6 @@ def test_bert_held_out_loss_counts_every_masked_token_once(layouts, data):
             assert g == pytest.approx(r, rel=1e-10, abs=0)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("on, off", [("chimera", "chimera-off"), ("bert-halving", "bert-off")])
 def test_evaluating_does_not_change_training(layouts, on, off):
     _, outs = layouts
@@ -106,7 +101,6 @@ def test_evaluating_does_not_change_training(layouts, on, off):
         assert all(torch.equal(p_on[k], p_off[k]) for k in p_on)
 
 
-@pytest.mark.slow
 def test_log_json_carries_the_held_out_loss(layouts):
     root, outs = layouts
     lines = [json.loads(l) for l in (root / "log.0.jsonl").read_text().splitlines()]
