@@ -63,11 +63,11 @@ from torch.utils import _pytree as pytree
 
 from chimera.byo import LayerSource, build_layers, check_partition, refuse_sharded_ties
 from chimera.errors import UserError
-from chimera.ir import ScheduleError
+from chimera.ir import Schedule, ScheduleError
 from chimera.passes import lower
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.boundary import signature
-from chimera.runtime.clip import clip_by_global_norm_
+from chimera.runtime.clip import EPS as CLIP_EPS, clip_by_global_norm_
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.grid import ProcessGrid, collective_device
 from chimera.runtime.launch_local import SpawnError, spawn
@@ -191,6 +191,22 @@ def _rows(tree, lo: int, hi: int, device=None):
     return pytree.tree_map(rows, tree)
 
 
+def micro_count(schedule: Schedule) -> int:
+    """Micro-batches of ``micro_batch_size`` rows a schedule's iteration takes (backward
+    halving runs twice as many, of half the rows)."""
+    return round(schedule.micro_batches * schedule.micro_scale)
+
+
+def _lowered(schedule: str | Schedule, stages: int, n: int, options: dict | None,
+             sync: str) -> Schedule:
+    """The lowered, validated schedule: ``schedule`` built by name, or given (lowered here
+    unless it is already)."""
+    if isinstance(schedule, Schedule):
+        return schedule if schedule.lowered else validate(lower(schedule, sync))
+    require_runnable(schedule)
+    return validate(lower(build(schedule, stages, n, **(options or {})), sync))
+
+
 def _build_stage(source: LayerSource, ranges: list[range], ties, device, compile_opts, stage: int):
     return source.stage(ranges[stage], ties, device, compile_opts)
 
@@ -214,8 +230,10 @@ class Pipeline:
     gives one range of layer indices per stage (default: balanced by parameter count).
     Shared Parameters (tied weights) are found by identity, or named in ``ties``.
     ``example_input`` (optional; one row or a micro-batch, a pytree) sizes the boundaries now;
-    otherwise the first ``step`` does, and a new input shape re-probes. ``transport``: how
-    the ranks talk (default ``torch.distributed``, or the one in effect:
+    otherwise the first ``step`` does, and a new input shape re-probes. ``schedule`` is a
+    scheme's name, or a :class:`~chimera.ir.Schedule` built already (its ``placement.ranks``
+    is then ``stages``; lowered here with ``sync`` unless it is). ``transport``: how the
+    ranks talk (default ``torch.distributed``, or the one in effect:
     :func:`chimera.runtime.transport.current`).
     """
 
@@ -233,16 +251,19 @@ class Pipeline:
                  check_batch: bool = True, shard_optimizer: bool = False,
                  transport: Transport | None = None):
         self.transport = transport if transport is not None else current()
-        self._check_args(self.transport, loss_reduction, stages, data_parallel)
         _check_numbers(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                        comm_timeout=comm_timeout)
+        if isinstance(schedule, Schedule):  # built already (chimera train's config builds it)
+            stages, n = schedule.placement.ranks, micro_batches or micro_count(schedule)
+        else:
+            n = micro_batches or default_micro_batches(stages, schedule)
+        self._check_args(self.transport, loss_reduction, stages, data_parallel)
         keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
-        n = micro_batches or default_micro_batches(stages, schedule)
-        require_runnable(schedule)
-        self.schedule = validate(lower(build(schedule, stages, n, **(schedule_options or {})), sync))
+        self.schedule = _lowered(schedule, stages, n, schedule_options, sync)
         self.loss_reduction, self.ignore_index = loss_reduction, ignore_index
         self.token_count, self.check_batch = token_count, check_batch
         self.sync_buffers = sync_buffers
+        self._prefetched = False  # prefetch_parameters() ran since the last step
         self.grid = ProcessGrid(self.schedule.placement, data_parallel, self.transport.get_rank())
         self.batch_rows = micro_batch_size * n * data_parallel
         self.rows = int(micro_batch_size * self.schedule.micro_scale)
@@ -346,15 +367,15 @@ class Pipeline:
                 raise UserError(f"{what}: expected tensors of {self.batch_rows} rows first "
                                  f"(W x N x micro_batch_size), got a leaf of shape {got}")
 
-    def _micro_data(self, inputs, targets, scale: float,
-                    outputs: bool = False) -> tuple[MicroData, _BatchCheck | None]:
+    def _micro_data(self, inputs, targets, scale: float, outputs: bool = False,
+                    tokens: int | None = None) -> tuple[MicroData, _BatchCheck | None]:
         """The rank's micro-batches, and the started batch check (wait for it before the
         step returns)."""
         s, grid, rows, dev = self.schedule, self.grid, self.rows, self.runtime.device
         self._check_rows(inputs, "inputs")
         if targets is not None:
             self._check_rows(targets, "targets")
-        weight = scale * self._loss_weight(targets)  # (refusals of the input come first)
+        weight = scale * self._loss_weight(targets, tokens)  # (refusals of the input first)
         check = _BatchCheck((inputs, targets), self.runtime) if self.check_batch else None
         example = _rows(inputs, 0, rows, dev)
         if check is not None and signature(example) != self.runtime.signature:
@@ -374,12 +395,14 @@ class Pipeline:
             data.targets[m] = _rows(mine_out, m * rows, (m + 1) * rows)
         return data, check
 
-    def _loss_weight(self, targets) -> float:
+    def _loss_weight(self, targets, tokens: int | None = None) -> float:
         if self.loss_reduction == "mean":
             return self.rows / self.batch_rows
         if self.loss_reduction == "sum" or targets is None:
             return 1.0
-        if self.token_count is not None:
+        if tokens is not None:
+            count = int(tokens)
+        elif self.token_count is not None:
             count = int(self.token_count(targets))
         else:
             leaves = [t for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
@@ -391,7 +414,7 @@ class Pipeline:
         return 1.0 / max(count, 1)
 
     def step(self, inputs, targets, accumulate: bool = False, loss_scale: float = 1.0,
-             record: list[ActionRecord] | None = None) -> float:
+             record: list[ActionRecord] | None = None, *, total_tokens: int | None = None) -> float:
         """Forward, backward and gradient sync of one mini-batch; returns its loss.
 
         Gradients are left in ``.grad`` of :meth:`parameters`; call your optimizer next.
@@ -401,13 +424,15 @@ class Pipeline:
         Mini-batches that differ across ranks are refused (UserError) once the forwards and
         backwards ran (the check overlaps them): the refused step's gradients are not to be
         used (accumulated ones are put back as they were), BatchNorm statistics have moved.
+        ``total_tokens`` (``loss_reduction="token_mean"``): divide by this count instead of
+        the mini-batch's, e.g. the tokens of every mini-batch accumulated into one optimizer
+        step, so that the step's loss is the mean over all of them.
         """
         if targets is None:
             raise UserError("step() needs targets (the loss is computed from them); "
                              "eval_step(inputs) runs the forwards alone")
-        data, check = self._micro_data(inputs, targets, loss_scale)
-        if self.runtime.shards:  # the slices the optimizer updated; each replica waits for
-            self.runtime.gather_parameters()  # its own at its first forward (prefetch)
+        data, check = self._micro_data(inputs, targets, loss_scale, tokens=total_tokens)
+        self._gather_updated()
         self.runtime.zero_grad(keep=accumulate)
         kept = [t.clone() for t in self.runtime.grad_tensors()] if accumulate else None
         if kept is not None:  # the sums below must cover only this step's gradients
@@ -429,6 +454,23 @@ class Pipeline:
         self.runtime.all_reduce(loss)
         return float(loss)
 
+    def prefetch_parameters(self) -> None:
+        """With ``shard_optimizer=True``: start gathering the slices the optimizer just
+        updated (call right after ``optimizer.step()``; a collective). Each replica waits for
+        its own at its first forward, so a rank's later stages gather while its first ones
+        compute; the next :meth:`step` or :meth:`eval_step` does not gather again. Nothing
+        to do otherwise."""
+        if self.runtime.shards:
+            self.runtime.gather_parameters()
+            self._prefetched = True
+
+    def _gather_updated(self) -> None:
+        """Sharded: every replica gets the slices the optimizer updated, unless
+        :meth:`prefetch_parameters` started that since the last step."""
+        if self.runtime.shards and not self._prefetched:
+            self.runtime.gather_parameters()  # each replica waits at its first forward
+        self._prefetched = False
+
     @staticmethod
     def _checked(run, data, check: _BatchCheck | None, *args):
         """``run(data, *args)``; a failure while the batch check is pending is explained by it
@@ -441,14 +483,16 @@ class Pipeline:
             raise
 
     @torch.no_grad()
-    def eval_step(self, inputs, targets=None, return_outputs: bool = False):
+    def eval_step(self, inputs, targets=None, return_outputs: bool = False, *,
+                  loss_scale: float = 1.0, total_tokens: int | None = None):
         """Forwards only (no gradients, no sync; run ``eval()`` first for dropout/BatchNorm):
         the mini-batch loss (None without targets), and with ``return_outputs`` also the last
         stage's outputs for the whole mini-batch, on every rank, in row order (a 0-dim leaf,
-        such as an auxiliary loss per micro-batch, as a vector of one value per micro-batch)."""
-        data, check = self._micro_data(inputs, targets, 1.0, outputs=return_outputs)
-        if self.runtime.shards:
-            self.runtime.gather_parameters()
+        such as an auxiliary loss per micro-batch, as a vector of one value per micro-batch).
+        ``loss_scale`` and ``total_tokens`` weigh the loss as in :meth:`step`."""
+        data, check = self._micro_data(inputs, targets, loss_scale, outputs=return_outputs,
+                                       tokens=total_tokens)
+        self._gather_updated()
         loss = self._checked(self.runtime.run_forward, data, check)
         if check is not None:
             check.wait()
@@ -470,24 +514,32 @@ class Pipeline:
         return pytree.tree_unflatten([_join(col) for col in zip(*leaves)], spec)
 
     # -- model in and out ------------------------------------------------------------------------
-    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float | None, eps: float = CLIP_EPS,
+                        parameters=None) -> torch.Tensor:
         """Clip the gradients by the model's global 2-norm (each stage once, each tie once)
-        and return that norm: the value ``torch.nn.utils.clip_grad_norm_`` gives on one device."""
-        if self.runtime.shards:  # each rank's slices: every stage once, no ties (refused)
-            return clip_by_global_norm_(self.runtime.grad_tensors(), self.runtime.owned_sq_norm(),
-                                        max_norm, eps, all_reduce=self.transport.all_reduce)
-        sq = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        skip = self.tie_sync.counted_elsewhere()
-        counted = set()
-        for (pipe, stage), module in sorted(self.runtime.modules.items()):
-            if stage in counted or self.grid.rank != self.grid.stage_ranks[stage][0]:
-                continue  # each stage once, by the first rank among its replicas
-            counted.add(stage)
+        and return that norm: the value ``torch.nn.utils.clip_grad_norm_`` gives on one device.
+        ``max_norm=None`` measures it and clips nothing. ``parameters`` (default
+        :meth:`parameters`): the tensors whose ``.grad`` is scaled, where the optimizer updates
+        others holding the same gradients (float32 masters of bf16 weights). A collective."""
+        sq = (self.runtime.owned_sq_norm() - self._tie_excess()).to(collective_device(self.transport))
+        params = self.parameters() if parameters is None else parameters
+        grads = [p.grad for p in params if p.grad is not None]
+        return clip_by_global_norm_(grads, sq, max_norm, eps, all_reduce=self.runtime.all_reduce)
+
+    def _tie_excess(self) -> torch.Tensor:
+        """``owned_sq_norm`` counts each stage once, so a tie in k stages k times: the squares
+        of its copies outside its first stage, each stage's once (by its first replica rank),
+        to take away. (Ties with a sharded optimizer are refused.)"""
+        total = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        elsewhere, seen = self.tie_sync.counted_elsewhere(), set()
+        for (_, stage), module in sorted(self.runtime.modules.items()):
+            if stage in seen or self.grid.rank != self.grid.stage_ranks[stage][0]:
+                continue
+            seen.add(stage)
             for p in module.parameters():
-                if p.grad is not None and id(p) not in skip:
-                    sq += p.grad.detach().double().pow(2).sum()
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        return clip_by_global_norm_(grads, sq, max_norm, eps, all_reduce=self.transport.all_reduce)
+                if id(p) in elsewhere and p.grad is not None:
+                    total += p.grad.detach().double().pow(2).sum()
+        return total
 
     def _owner(self, stage: int) -> int:
         return self.grid.global_rank(self.grid.placement.rank_of(0, stage), 0)

@@ -32,8 +32,7 @@ def _reference(cfg: TrainConfig) -> TrainConfig:
 
 
 def _grads(trainer: Trainer) -> list[tuple[str, int, torch.Tensor]]:
-    if not trainer.cfg.reference:
-        trainer.runtime.gather_gradients()  # a sharded optimizer reduced only its slice
+    trainer.runtime.gather_gradients()  # a sharded optimizer reduced only its slice
     return [(n, pipe, p.grad.detach().clone()) for n, pipe, p in trainer.replica_parameters()]
 
 

@@ -1,4 +1,5 @@
-"""The training loop of one rank: data, optimizer, clipping, logging, measured timeline."""
+"""The training loop of one rank: data, optimizer, precision, logging, measured timeline,
+around the library's :class:`chimera.api.Pipeline`, which runs each step."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from chimera.api import Pipeline, micro_count
+from chimera.check.validate import validate
 from chimera.data import VAL_FRACTION, Corpus, get_batch, split_corpus
 from chimera.data.formats import open_data
 from chimera.errors import UserError
+from chimera.ir import Schedule
 from chimera.models import parse_partition, partition
-from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares
-from chimera.runtime.executor import ActionRecord, MicroData, to_device
-from chimera.runtime.grid import ProcessGrid, collective_device
+from chimera.passes import lower
+from chimera.runtime.executor import ActionRecord, MicroData
+from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.pipeline import PipelineRuntime
-from chimera.runtime.shared import TieSync
-from chimera.runtime.transport import current
+from chimera.runtime.transport import OneRank, Transport
+from chimera.schedules import build
 from chimera.train import faults
 from chimera.train.config import WIRE_DTYPES, TrainConfig
 from chimera.train.optim import lr_at, make_optimizer  # noqa: F401 (lr_at: the loop's schedule)
@@ -75,24 +79,6 @@ def stage_ranges(cfg: TrainConfig, source, n_stages: int) -> list[range]:
     return partition(source.layer_costs(), n_stages)
 
 
-def loss_weights(source, targets: torch.Tensor, rows: int, n: int) -> dict[int, float]:
-    """Per schedule micro-batch: the factor that makes the sum of losses the mini-batch mean
-    (a summed loss: over the target tokens of the whole mini-batch, which differ per
-    micro-batch for BERT's masks; a mean loss: by the micro-batch's share of the rows)."""
-    if source.sums:
-        return {m: 1.0 / source.token_count(targets) for m in range(n)}
-    return {m: rows / targets.shape[0] for m in range(n)}
-
-
-def eval_weight(cfg: TrainConfig, source, targets: list[torch.Tensor], rows: int) -> float:
-    """The factor of each micro-batch loss (of ``rows`` rows) in the held-out loss: the mean
-    over every target token of the evaluation's mini-batches (a mean loss weighted by its
-    share of the rows; a summed loss divided by the count of every target token)."""
-    if source.sums:
-        return 1.0 / sum(source.token_count(t) for t in targets)
-    return rows / (cfg.global_batch * len(targets))
-
-
 def check_heldout(corpus: torch.Tensor, kind: str, seq_len: int) -> None:
     """--eval-every needs at least one sequence in the held-out split (ValueError)."""
     held = len(split_corpus(corpus, "val"))
@@ -107,8 +93,32 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def layout(cfg: TrainConfig) -> Schedule:
+    """The lowered schedule a config runs: its own, or for the single-process reference
+    (``--schedule none``) one stage of 1f1b that takes the whole mini-batch as one
+    micro-batch, the computation of one device."""
+    if not cfg.reference:
+        return cfg.build_schedule()
+    return validate(lower(build("1f1b", 1, 1), cfg.sync))
+
+
+def transport_of(cfg: TrainConfig) -> Transport | None:
+    """How a run's ranks talk: a run of one rank (the single-process reference) in this
+    process with nobody (:class:`OneRank`, no process group); else the transport in effect
+    (``torch.distributed``, or a virtual rank's)."""
+    return OneRank() if cfg.world == 1 else None
+
+
+def _layer(source, seed: int, dtype: torch.dtype, index: int) -> torch.nn.Module:
+    return source.build_layer(index, seed).to(dtype)
+
+
 class Trainer:
-    """One rank of a pipelined run (or the single-process reference)."""
+    """One rank of a run: the config's data, optimizer, precision and schedule of steps
+    around an :class:`chimera.api.Pipeline` (``self.pipe``), which owns the step itself
+    (slicing, loss weights, gradient and tie sync, clipping, the sharded gather). The
+    single-process reference is a one-stage pipeline on a world of one rank (:func:`layout`).
+    """
 
     def __init__(self, cfg: TrainConfig, rank: int = 0, device: torch.device | None = None,
                  corpus: Corpus | None = None):
@@ -127,19 +137,30 @@ class Trainer:
         self.scaler = LossScaler() if cfg.dtype == "fp16" else None
         self.master: MasterWeights | None = None  # bf16-master: the optimizer's float32 copies
         self.last_records: list[ActionRecord] = []  # the last step's action times, when recorded
-        if cfg.reference:
-            self._build_reference()
-        else:
-            self._build_pipeline()
+        self._build()
 
     # -- construction -----------------------------------------------------------------
-    def _build_reference(self) -> None:
-        self.model = self.source.whole(self.cfg.seed).to(self.device, self.dtype)  # ties: one Parameter
-        if self.cfg.compile:
-            self.model.compile()  # in place: parameter names (checkpoint keys) are unchanged
-        self._make_optimizer(list(self.model.parameters()))
+    def _build(self) -> None:
+        cfg, source = self.cfg, self.source
+        schedule = layout(cfg)
+        n = micro_count(schedule)
+        self.pipe = Pipeline(
+            functools.partial(_layer, source, cfg.seed, self.dtype), source.loss_fn, schedule,
+            micro_batches=n, micro_batch_size=cfg.global_batch // (cfg.data_parallel * n),
+            example_input=torch.zeros((1, source.seq_len), dtype=torch.long),
+            data_parallel=cfg.data_parallel, partition=stage_ranges(cfg, source, schedule.stages),
+            seed=cfg.seed, recompute=cfg.recompute, comm_timeout=cfg.comm_timeout,
+            num_layers=source.num_layers, ties=source.ties,
+            loss_reduction="token_mean" if source.sums else "mean", token_count=source.token_count,
+            autocast=self.autocast, compile=cfg.compile, device=self.device, sync_buffers=False,
+            wire_dtype=getattr(torch, WIRE_DTYPES[cfg.wire_dtype]) if cfg.wire_dtype else None,
+            check_batch=False, shard_optimizer=cfg.shard_optimizer, transport=transport_of(cfg))
+        # unchanged unless a drill
+        self.runtime.program = faults.program_for(self.runtime.program, schedule, self.rank)
+        tensors = self.runtime.optimizer_parameters()
+        self._make_optimizer([t for t, _ in tensors], [m for _, m in tensors])
 
-    def _make_optimizer(self, params: list[torch.Tensor], matrix: list[bool] | None = None) -> None:
+    def _make_optimizer(self, params: list[torch.Tensor], matrix: list[bool]) -> None:
         """``self.params``, what the optimizer updates and clipping scales: the parameters, or
         with bf16-master their float32 masters."""
         if self.cfg.dtype == "bf16-master":
@@ -148,33 +169,24 @@ class Trainer:
         self.params = params
         self.optimizer = make_optimizer(params, self.cfg, matrix)
 
-    def _build_pipeline(self) -> None:
-        cfg = self.cfg
-        schedule = cfg.build_schedule()
-        self.schedule = schedule
-        self.grid = ProcessGrid(schedule.placement, cfg.data_parallel, self.rank)
-        self.ranges = stage_ranges(cfg, self.source, schedule.stages)
-        self.ties = self.source.tie_stages(self.ranges)
-        self.rows = int(cfg.micro_batch_size * schedule.micro_scale)
-        self.runtime = PipelineRuntime(
-            schedule, self.grid, self._stage_factory, self.source.loss_fn,
-            input_shape=(self.source.seq_len,), input_dtype=torch.long, rows=self.rows,
-            recompute=cfg.recompute, autocast=self.autocast, device=self.device,
-            comm_timeout=cfg.comm_timeout, shard_optimizer=cfg.shard_optimizer,
-            wire_dtype=getattr(torch, WIRE_DTYPES[cfg.wire_dtype]) if cfg.wire_dtype else None)
-        # unchanged unless a drill
-        self.runtime.program = faults.program_for(self.runtime.program, schedule, self.rank)
-        # a weight tied across stages: a copy per stage, equal at start, gradients summed
-        self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
-        self.tie_sync.equalize()
-        tensors = self.runtime.optimizer_parameters()
-        self._make_optimizer([t for t, _ in tensors], [m for _, m in tensors])
+    @property
+    def runtime(self) -> PipelineRuntime:
+        return self.pipe.runtime
 
-    def _stage_factory(self, stage: int) -> torch.nn.Module:
-        module = self.source.stage(self.ranges[stage], self.cfg.seed, self.ties).to(self.dtype)
-        if self.cfg.compile:
-            module.compile()  # in place: parameter names (checkpoint keys) are unchanged
-        return module
+    @property
+    def schedule(self) -> Schedule:
+        return self.pipe.schedule
+
+    @property
+    def grid(self) -> ProcessGrid:
+        return self.pipe.grid
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The whole model, where one stage holds it (the single-process reference)."""
+        if len(self.runtime.modules) != 1:
+            raise AttributeError("model: the stages of this run are on several ranks")
+        return next(iter(self.runtime.modules.values()))
 
     # -- one step -------------------------------------------------------------------------
     def batch(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +213,7 @@ class Trainer:
                 self.master.grads_to_masters()
             if on_grads is not None:
                 on_grads(self)
-            norm = self._clip()
+            norm = float(self.pipe.clip_grad_norm_(self.cfg.clip or None, parameters=self.params))
         except CommTimeout as exc:  # a hang or a dead peer: say where every rank was
             raise faults.explain(exc, self.schedule, self.grid) from exc
         lr = lr_at(self.cfg, step)
@@ -223,184 +235,81 @@ class Trainer:
         self.optimizer.step()
         if self.master is not None:
             self.master.masters_to_params()
-        if not self.cfg.reference:
-            self.runtime.gather_parameters()  # sharded: every replica gets every slice
+        self.pipe.prefetch_parameters()  # sharded: every replica gets every slice
+
+    def _minibatches(self, inputs, targets) -> tuple[list, dict]:
+        """A batch of whole mini-batches (``global_batch`` rows each) as a list of them, and
+        the loss weights that make the sum of their losses the batch's mean (over its rows,
+        or over all its target tokens for a summed loss)."""
+        rows = self.cfg.global_batch
+        parts = [(inputs[i:i + rows], targets[i:i + rows]) for i in range(0, inputs.shape[0], rows)]
+        if self.source.sums:
+            return parts, {"total_tokens": self.source.token_count(targets), "loss_scale": 1.0}
+        return parts, {"loss_scale": 1.0 / len(parts)}
 
     def _backward(self, inputs, targets, record) -> float:
         """The step's loss (unscaled); the summed gradients of its ``grad_accum`` mini-batches
         left in the parameters' .grad, divided by the loss scale where there is one."""
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self.cfg.reference:
-            loss = self._reference_backward(inputs, targets, scale)
-        else:  # the micro-batches' loss weights carried the scale
-            loss = self._pipeline_backward(inputs, targets, record, scale) / scale
-        if self.scaler is not None:
-            held = [p.grad for p in self.params] if self.cfg.reference else self.runtime.grad_tensors()
-            self.scaler.unscale_([g for g in held if g is not None])
-        return loss
-
-    def _accumulated(self, inputs, targets):
-        """The step's batch as ``grad_accum`` mini-batches of ``global_batch`` rows each."""
-        rows = self.cfg.global_batch
-        return [(inputs[i:i + rows], targets[i:i + rows]) for i in range(0, inputs.shape[0], rows)]
-
-    def _reference_backward(self, inputs, targets, scale: float = 1.0) -> float:
-        """The step's loss; the gradients of ``scale`` times it in .grad."""
-        self.optimizer.zero_grad(set_to_none=False)
-        if self.master is not None:
-            self.model.zero_grad(set_to_none=False)
+        parts, weights = self._minibatches(inputs, targets)
+        weights["loss_scale"] *= scale  # the micro-batches' loss weights carry the scale
         total = 0.0
-        for x, t in self._accumulated(inputs, targets):
-            loss = self._reference_loss(x, t)
-            # each mini-batch's share of the step's mean: its rows, or its summed tokens
-            loss = loss / self.source.token_count(targets) if self.source.sums else \
-                loss * (x.shape[0] / inputs.shape[0])
-            (loss * scale).backward()
-            total += float(loss.detach())
-        return total
-
-    def _reference_loss(self, inputs, targets) -> torch.Tensor:
-        """The single-process model's loss: a mean, or a sum over target tokens (``sums``)."""
-        with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
-                            enabled=self.autocast is not None):
-            out = self.model(inputs.to(self.device))
-            return self.source.loss_fn(out, targets.to(self.device))
-
-    def _pipeline_backward(self, inputs, targets, record, scale: float = 1.0) -> float:
-        """``scale`` times the step's loss, and the gradients of it. Every mini-batch runs the
-        whole schedule (its gradient sync included); the sums of the earlier ones are put
-        aside and added back, as ``Pipeline.step(accumulate=True)`` does."""
-        weight = loss_weights(self.source, targets, self.rows, 1)[0] * scale
-        parts = self._accumulated(inputs, targets)
-        kept, local = None, 0.0
         for i, (x, t) in enumerate(parts):
-            if i:
-                kept = [g.clone() for g in self.runtime.grad_tensors()]
-            self.runtime.zero_grad()
             last = i == len(parts) - 1
-            local = local + self.runtime.run(self._micro_data(x, t, weight), record if last else None)
-            self.tie_sync.reduce_grads()
-            for g, k in zip(self.runtime.grad_tensors(), kept or []):
-                g += k
-        total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
-        faults.collective("all-reduce of the loss", current().all_reduce, total)
-        return float(total.item())
+            total += self.pipe.step(x, t, accumulate=i > 0, record=record if last else None,
+                                    **weights)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.runtime.grad_tensors())
+        return total / scale
 
-    def _micro_data(self, inputs, targets, weight: float | None = None) -> MicroData:
-        """This rank's micro-batches of a mini-batch; ``weight``: every micro-batch's loss
-        factor (default: the one that makes the summed losses the mini-batch mean)."""
-        s, grid, rows = self.schedule, self.grid, self.rows
-        per_replica = s.micro_batches * rows
-        lo = grid.w * per_replica
-        if weight is None:
-            weights = loss_weights(self.source, targets, rows, s.micro_batches)
-        else:
-            weights = {m: weight for m in range(s.micro_batches)}
-        inputs = to_device(inputs[lo:lo + per_replica], self.device)  # one copy per step
-        mine = to_device(targets[lo:lo + per_replica], self.device)
-        data = MicroData(weights=weights)
-        held = set(grid.held())
-        for m, pipe in enumerate(s.micro_pipe):
-            if (pipe, 0) in held:
-                data.inputs[m] = inputs[m * rows:(m + 1) * rows]
-            if (pipe, s.stages - 1) in held:
-                data.targets[m] = mine[m * rows:(m + 1) * rows]
-        return data
+    def _micro_data(self, inputs, targets) -> MicroData:
+        """This rank's micro-batches of one mini-batch, for running the runtime directly."""
+        return self.pipe._micro_data(inputs, targets, 1.0)[0]
 
     # -- held-out loss ------------------------------------------------------------------
     def evaluate(self) -> float:
         """The loss on the first ``eval_batches`` mini-batches of the held-out split (the same
         ones at every evaluation, so evaluations compare): the mean over their target tokens.
 
-        Forwards only (the schedule's forward-only program and its own comm plan, the one
-        ``chimera.api.Pipeline.eval_step`` runs), in eval mode (dropout off), without autograd;
-        gradients, optimizer state, RNG and train mode are as they were. Every micro-batch's
-        loss is computed once in the whole world and summed in float64, so every layout gives
-        the single-process value. Collective: every rank calls it.
+        Forwards only (the schedule's forward-only program and its own comm plan:
+        ``chimera.api.Pipeline.eval_step``), in eval mode (dropout off), without autograd;
+        gradients, optimizer state, RNG and train mode are as they were. Collective: every
+        rank calls it.
         """
         batches = [self.batch(i, "val") for i in range(self.cfg.eval_batches)]
-        rows = self.cfg.global_batch if self.cfg.reference else self.rows
-        weight = eval_weight(self.cfg, self.source, [t for _, t in batches], rows)
-        with self._eval_mode():
-            try:
-                local = sum(self._forward_loss(x, t, weight) for x, t in batches)
-            except CommTimeout as exc:
-                raise faults.explain(exc, self.runtime.eval_schedule, self.grid) from exc
-        if self.cfg.reference:
-            return float(local)
-        total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
-        faults.collective("all-reduce of the held-out loss", current().all_reduce, total)
-        return float(total.item())
+        inputs, targets = (torch.cat(t) for t in zip(*batches))
+        return self._forward_loss(inputs, targets, self.runtime.eval_schedule)
 
     def probe_loss(self, step: int) -> float:
         """The loss of the current weights on training mini-batch ``step``, forwards only (as
         :meth:`evaluate`: eval mode, no autograd, training unchanged): how the final
         checkpoint of a run, which no step follows, is judged. Collective."""
-        inputs, targets = self.batch(step)
+        return self._forward_loss(*self.batch(step), self.runtime.eval_schedule)
+
+    def _forward_loss(self, inputs, targets, schedule: Schedule) -> float:
+        parts, weights = self._minibatches(inputs, targets)
         with self._eval_mode():
-            if self.cfg.reference:
-                loss = self._reference_loss(inputs, targets).double()
-                return float(loss / self.source.token_count(targets) if self.source.sums else loss)
             try:
-                local = self.runtime.run_forward(self._micro_data(inputs, targets))
+                return sum(self.pipe.eval_step(x, t, **weights) for x, t in parts)
             except CommTimeout as exc:
-                raise faults.explain(exc, self.runtime.eval_schedule, self.grid) from exc
-        total = torch.as_tensor(local, dtype=torch.float64, device=collective_device()).reshape(1)
-        faults.collective("all-reduce of the probe loss", current().all_reduce, total)
-        return float(total.item())
+                raise faults.explain(exc, schedule, self.grid) from exc
 
     @contextlib.contextmanager
     def _eval_mode(self):
-        modules = [self.model] if self.cfg.reference else list(self.runtime.modules.values())
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
                 torch.no_grad():
-            for m in modules:
-                m.eval()
+            self.pipe.eval()
             try:
                 yield
             finally:
-                for m in modules:
-                    m.train()
-
-    def _forward_loss(self, inputs, targets, weight: float) -> torch.Tensor:
-        """This rank's share of the held-out loss of one mini-batch (a float64 scalar)."""
-        if not self.cfg.reference:
-            return self.runtime.run_forward(self._micro_data(inputs, targets, weight))
-        return self._reference_loss(inputs, targets).double() * weight
-
-    def _clip(self) -> float:
-        """Clip by the global norm, each stage counted once (not once per replica)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if self.cfg.reference:
-            sq, reduce = sum_of_squares(grads), None
-        else:
-            sq = (self.runtime.owned_sq_norm() - self._tie_excess()).to(collective_device())
-            reduce = functools.partial(faults.collective, "all-reduce of the gradient norm",
-                                       current().all_reduce)
-        return float(clip_by_global_norm_(grads, sq, self.cfg.clip or None, all_reduce=reduce))
-
-    def _tie_excess(self) -> torch.Tensor:
-        """``owned_sq_norm`` counts each stage once, so a tie in k stages k times: the squares
-        of its copies outside its first stage, each stage's once (by its first replica rank),
-        to take away. (Ties with a sharded optimizer are refused.)"""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        elsewhere, seen = self.tie_sync.counted_elsewhere(), set()
-        for (_, stage), module in sorted(self.runtime.modules.items()):
-            if stage in seen or self.grid.rank != self.grid.stage_ranks[stage][0]:
-                continue
-            seen.add(stage)
-            for p in module.parameters():
-                if id(p) in elsewhere and p.grad is not None:
-                    total += p.grad.detach().double().pow(2).sum()
-        return total
+                self.pipe.train()
 
     def equalize_ties(self) -> None:
         """Every copy of a tied weight takes its first stage's value (after a load); with
         bf16-master, every parameter first takes its master's (what was loaded)."""
         if self.master is not None:
             self.master.masters_to_params()
-        if not self.cfg.reference:
-            self.tie_sync.equalize()
+        self.pipe.tie_sync.equalize()
 
     def run_state(self) -> dict:
         """What a checkpoint's ``meta.json`` keeps of the run beyond tensors: fp16's loss scale."""
@@ -418,7 +327,7 @@ class Trainer:
         """Where the optimizer is sharded: each parameter's whole AdamW state, gathered over
         its replica group (collective, stages in order), or zeros to load into (``empty``).
         {} where it is not: the optimizer's own state is whole."""
-        shards = {} if self.cfg.reference else self.runtime.shards
+        shards = self.runtime.shards
         out: dict = {}
         for key in sorted(shards, key=lambda k: (k[1], k[0])):
             if not empty:
@@ -432,7 +341,7 @@ class Trainer:
 
     def load_whole_optimizer_state(self, whole: dict) -> None:
         """Each slice of a sharded optimizer takes its part of ``whole``."""
-        for shard in ({} if self.cfg.reference else self.runtime.shards).values():
+        for shard in self.runtime.shards.values():
             shard.scatter_state(self.optimizer, whole)
 
     def optimizer_state_bytes(self) -> int:
@@ -448,8 +357,6 @@ class Trainer:
     def replica_parameters(self) -> list[tuple[str, int, torch.Tensor]]:
         """(model-wide name, pipe, parameter) for every replica this rank holds (masters,
         with bf16-master)."""
-        if self.cfg.reference:
-            return [(self.source.key(n), 0, self._saved(p)) for n, p in self.model.named_parameters()]
         self.runtime.finish_gather()  # sharded: the last step's all-gathers are complete
         return [(self.source.key(n), pipe, self._saved(p))
                 for (pipe, stage), module in sorted(self.runtime.modules.items())
@@ -459,12 +366,10 @@ class Trainer:
         """Model-wide name -> parameter of the replicas this rank writes to a checkpoint:
         pipe 0's in data replica 0, so each stage once, spread over the D ranks; a tie once,
         from its first stage."""
-        if self.cfg.reference:
-            return {n: p for n, _, p in self.replica_parameters()}
         self.runtime.finish_gather()
         if self.grid.w != 0:
             return {}
-        elsewhere = self.tie_sync.counted_elsewhere()
+        elsewhere = self.pipe.tie_sync.counted_elsewhere()
         return {self.source.key(n): self._saved(p)
                 for (pipe, stage), module in sorted(self.runtime.modules.items())
                 if pipe == 0 for n, p in module.named_parameters() if id(p) not in elsewhere}

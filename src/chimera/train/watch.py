@@ -27,7 +27,6 @@ import torch
 
 from chimera.plan.hardware import get_hardware
 from chimera.runtime.grid import collective_device
-from chimera.runtime.transport import current
 from chimera.train import faults
 from chimera.train.loop import peak_rss_mb
 from chimera.train.report import perplexity
@@ -76,8 +75,7 @@ class Watch:
 
     def __init__(self, trainer, logdir: str, rank: int):
         self.trainer, self.rank = trainer, rank
-        self.stages = 1 if trainer.cfg.reference else trainer.schedule.stages
-        self.ranks = 1 if trainer.cfg.reference else current().get_world_size()
+        self.stages, self.ranks = trainer.schedule.stages, trainer.grid.world
         self.flops = model_flops_per_token(trainer.source)
         self.peak = peak_flops_per_rank(trainer.cfg.peak_flops, trainer.device)
         self.writer = None
@@ -93,19 +91,17 @@ class Watch:
             self._write(log, rows)
 
     def _mine(self, log, records) -> torch.Tensor:
-        if self.trainer.cfg.reference:  # one process: the whole step is stage 0's compute
-            times = [log.seconds, 0.0, 0.0]
-        else:
-            times = stage_seconds(records, self.stages)
+        times = stage_seconds(records, self.stages)
         return torch.tensor([*times, *peak_memory_mb(self.trainer.device)], dtype=torch.float64)
 
     def _gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
         if self.ranks == 1:
             return [mine]
-        device = collective_device()
+        transport = self.trainer.pipe.transport
+        device = collective_device(transport)
         rows = [torch.empty_like(mine, device=device) for _ in range(self.ranks)]
-        faults.collective("gathering the step's times for --tensorboard", current().all_gather, rows,
-                          mine.to(device))
+        faults.collective("gathering the step's times for --tensorboard", transport.all_gather,
+                          rows, mine.to(device))
         return [r.cpu() for r in rows]
 
     def _write(self, log, rows: list[torch.Tensor]) -> None:
