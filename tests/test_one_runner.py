@@ -125,3 +125,20 @@ def test_one_refusal_of_sharded_ties():
 
     assert run_virtual(2, body) == [str(expected.value)] * 2
     refuse_sharded_ties([])  # nothing tied: nothing refused
+
+
+def test_a_sharded_accumulation_gathers_the_parameters_once_per_update():
+    """The trainer prefetches the parameters after each optimizer step; the mini-batches it
+    accumulates into the next update do not gather them again."""
+    cfg = TrainConfig(schedule="chimera", stages=2, micro_batches=2, micro_batch_size=2,
+                      dtype="float64", steps=2, grad_accum=3, shard_optimizer=True, progress=False)
+
+    def body(rank):
+        trainer = Trainer(cfg, rank)
+        trainer.step(0)
+        calls, gather = [], trainer.runtime.gather_parameters
+        trainer.runtime.gather_parameters = lambda: calls.append(1) or gather()
+        trainer.step(1)
+        return len(calls), len(trainer.runtime.shards)
+
+    assert run_virtual(cfg.world, body) == [(1, 2), (1, 2)]  # (sharded: both replicas)

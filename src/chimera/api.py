@@ -263,7 +263,7 @@ class Pipeline:
         self.loss_reduction, self.ignore_index = loss_reduction, ignore_index
         self.token_count, self.check_batch = token_count, check_batch
         self.sync_buffers = sync_buffers
-        self._prefetched = False  # prefetch_parameters() ran since the last step
+        self._prefetching = False  # the caller gathers after each optimizer step
         self.grid = ProcessGrid(self.schedule.placement, data_parallel, self.transport.get_rank())
         self.batch_rows = micro_batch_size * n * data_parallel
         self.rows = int(micro_batch_size * self.schedule.micro_scale)
@@ -458,18 +458,19 @@ class Pipeline:
         """With ``shard_optimizer=True``: start gathering the slices the optimizer just
         updated (call right after ``optimizer.step()``; a collective). Each replica waits for
         its own at its first forward, so a rank's later stages gather while its first ones
-        compute; the next :meth:`step` or :meth:`eval_step` does not gather again. Nothing
-        to do otherwise."""
+        compute. Once called, gathering is left to the caller: :meth:`step` and
+        :meth:`eval_step` no longer gather themselves (so the mini-batches accumulated into
+        one update gather once), so call it after every optimizer step. Nothing to do
+        without ``shard_optimizer``."""
         if self.runtime.shards:
             self.runtime.gather_parameters()
-            self._prefetched = True
+            self._prefetching = True
 
     def _gather_updated(self) -> None:
-        """Sharded: every replica gets the slices the optimizer updated, unless
-        :meth:`prefetch_parameters` started that since the last step."""
-        if self.runtime.shards and not self._prefetched:
+        """Sharded: every replica gets the slices the optimizer updated (unless the caller
+        gathers: :meth:`prefetch_parameters`)."""
+        if self.runtime.shards and not self._prefetching:
             self.runtime.gather_parameters()  # each replica waits at its first forward
-        self._prefetched = False
 
     @staticmethod
     def _checked(run, data, check: _BatchCheck | None, *args):
