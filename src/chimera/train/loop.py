@@ -25,6 +25,7 @@ from chimera.runtime.executor import ActionRecord, MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.pipeline import PipelineRuntime
+from chimera.runtime.shared import TieSync
 from chimera.runtime.transport import OneRank, Transport
 from chimera.schedules import build
 from chimera.train import faults
@@ -182,6 +183,10 @@ class Trainer:
         return self.pipe.grid
 
     @property
+    def tie_sync(self) -> TieSync:
+        return self.pipe.tie_sync
+
+    @property
     def model(self) -> torch.nn.Module:
         """The whole model, where one stage holds it (the single-process reference)."""
         if len(self.runtime.modules) != 1:
@@ -309,7 +314,7 @@ class Trainer:
         bf16-master, every parameter first takes its master's (what was loaded)."""
         if self.master is not None:
             self.master.masters_to_params()
-        self.pipe.tie_sync.equalize()
+        self.tie_sync.equalize()
 
     def run_state(self) -> dict:
         """What a checkpoint's ``meta.json`` keeps of the run beyond tensors: fp16's loss scale."""
@@ -369,7 +374,7 @@ class Trainer:
         self.runtime.finish_gather()
         if self.grid.w != 0:
             return {}
-        elsewhere = self.pipe.tie_sync.counted_elsewhere()
+        elsewhere = self.tie_sync.counted_elsewhere()
         return {self.source.key(n): self._saved(p)
                 for (pipe, stage), module in sorted(self.runtime.modules.items())
                 if pipe == 0 for n, p in module.named_parameters() if id(p) not in elsewhere}
