@@ -53,14 +53,13 @@ def test_compile_reaches_every_module(data):
     t = Trainer(cfg)
     assert t.model._compiled_call_impl is not None
     assert not any("_orig_mod" in n for n, _ in t.model.named_parameters())  # checkpoint keys
-    pipe = dataclasses.replace(cfg, schedule="chimera", stages=2)
-    stage = Trainer.__new__(Trainer)  # only what _stage_factory reads: no process group
-    stage.cfg, stage.source, stage.dtype, stage.ties = pipe, pipe.model_source, torch.float32, ()
-    stage.ranges = [range(0, 2), range(2, pipe.model_source.num_layers)]
-    assert stage._stage_factory(1)._compiled_call_impl is not None
-    off = dataclasses.replace(pipe, compile=False)
-    stage.cfg = off
-    assert stage._stage_factory(1)._compiled_call_impl is None
+    from chimera.runtime.virtual import run_virtual  # the pipelined layout's stages as well
+
+    for on in (True, False):  # (built and probed layer by layer: nothing compiled runs)
+        pipe = dataclasses.replace(cfg, schedule="chimera", stages=2, compile=on)
+        held = run_virtual(2, lambda rank: [m._compiled_call_impl is not None
+                                            for m in Trainer(pipe, rank).runtime.modules.values()])
+        assert held == [[on, on], [on, on]]
 
 
 # -- gradient accumulation -------------------------------------------------------------------

@@ -145,6 +145,8 @@ class Trainer:
         cfg, source = self.cfg, self.source
         schedule = layout(cfg)
         n = micro_count(schedule)
+        # every rank makes the same batches (get_batch) and the sources hold no running
+        # statistics: no batch check and no buffer sync (collectives a step need not make)
         self.pipe = Pipeline(
             functools.partial(_layer, source, cfg.seed, self.dtype), source.loss_fn, schedule,
             micro_batches=n, micro_batch_size=cfg.global_batch // (cfg.data_parallel * n),
