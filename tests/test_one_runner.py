@@ -30,20 +30,20 @@ def _by_hand(cfg: TrainConfig, trainer: Trainer) -> dict:
     """The trainer's run written with the public API: Pipeline.step per mini-batch, clipping,
     AdamW with the trainer's learning rate; its parameters by model-wide name."""
     source = trainer.source
-    pipe = Pipeline(functools.partial(loop._layer, source, cfg.seed, torch.float64),
-                    source.loss_fn, cfg.schedule, stages=cfg.stages,
-                    micro_batches=cfg.n_micro, micro_batch_size=cfg.micro_batch_size,
-                    data_parallel=cfg.data_parallel, partition=trainer.pipe.ranges,
-                    seed=cfg.seed, num_layers=source.num_layers,
-                    shard_optimizer=cfg.shard_optimizer, schedule_options=cfg.schedule_options)
+    pipe = Pipeline(functools.partial(loop._layer, source, cfg.optim.seed, torch.float64),
+                    source.loss_fn, cfg.pipeline.schedule, stages=cfg.pipeline.stages,
+                    micro_batches=cfg.n_micro, micro_batch_size=cfg.pipeline.micro_batch_size,
+                    data_parallel=cfg.pipeline.data_parallel, partition=trainer.pipe.ranges,
+                    seed=cfg.optim.seed, num_layers=source.num_layers,
+                    shard_optimizer=cfg.pipeline.shard_optimizer, schedule_options=cfg.pipeline.scheme_options)
     opt = make_optimizer(pipe.parameters(), cfg, [m for _, m in pipe.runtime.optimizer_parameters()])
     for step in range(STEPS):
         inputs, targets = trainer.batch(step)
         rows = cfg.global_batch
-        for k in range(cfg.grad_accum):
+        for k in range(cfg.optim.grad_accum):
             pipe.step(inputs[k * rows:(k + 1) * rows], targets[k * rows:(k + 1) * rows],
-                      accumulate=k > 0, loss_scale=1.0 / cfg.grad_accum)
-        pipe.clip_grad_norm_(cfg.clip)
+                      accumulate=k > 0, loss_scale=1.0 / cfg.optim.grad_accum)
+        pipe.clip_grad_norm_(cfg.optim.clip)
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         opt.step()
@@ -64,7 +64,7 @@ def test_the_trainers_step_is_the_pipelines(schedule, accum, shard):
         return mine, _by_hand(cfg, trainer), norms
 
     for mine, theirs, norms in run_virtual(cfg.world, body):
-        assert all(n > cfg.clip for n in norms)
+        assert all(n > cfg.optim.clip for n in norms)
         assert mine.keys() == theirs.keys()
         for name in mine:
             assert torch.equal(mine[name], theirs[name]), name

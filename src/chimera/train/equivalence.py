@@ -40,7 +40,7 @@ def _one(rank: int, cfg: TrainConfig, device: torch.device | None = None) -> dic
     trainer = Trainer(cfg, rank, device)
     box: dict = {}
     losses = [trainer.step(0, on_grads=lambda t: box.setdefault("g", _grads(t))).loss]
-    losses += [trainer.step(s).loss for s in range(1, cfg.steps)]
+    losses += [trainer.step(s).loss for s in range(1, cfg.optim.steps)]
     mine = {"grads": box["g"], "params": [(n, pipe, p.detach().clone())
                                           for n, pipe, p in trainer.replica_parameters()]}
     transport = current()
@@ -56,7 +56,7 @@ def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float],
     ref = Trainer(_reference(cfg), 0, device)
     box: dict = {}
     ref_losses = [ref.step(0, on_grads=lambda t: box.setdefault("g", _grads(t))).loss]
-    ref_losses += [ref.step(s).loss for s in range(1, cfg.steps)]
+    ref_losses += [ref.step(s).loss for s in range(1, cfg.optim.steps)]
     ref_grad = {n: g for n, _, g in box["g"]}
     worst, seen = 0.0, set()
     ref_grad = {n: g.cpu() for n, g in ref_grad.items()}

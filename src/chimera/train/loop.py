@@ -29,6 +29,7 @@ from chimera.runtime.shared import TieSync
 from chimera.runtime.transport import OneRank, Transport
 from chimera.schedules import build
 from chimera.train import faults
+from chimera.train.build import data_spec, model_source
 from chimera.train.config import WIRE_DTYPES, TrainConfig
 from chimera.train.optim import lr_at, make_optimizer  # noqa: F401 (lr_at: the loop's schedule)
 from chimera.train.precision import LossScaler, MasterWeights
@@ -72,8 +73,8 @@ class RunResult:
 
 
 def stage_ranges(cfg: TrainConfig, source, n_stages: int) -> list[range]:
-    if cfg.partition:
-        ranges = parse_partition(cfg.partition, source.num_layers)
+    if cfg.net.partition:
+        ranges = parse_partition(cfg.net.partition, source.num_layers)
         if len(ranges) != n_stages:
             raise UserError(f"--partition gives {len(ranges)} stages, the schedule needs {n_stages}")
         return ranges
@@ -100,7 +101,7 @@ def layout(cfg: TrainConfig) -> Schedule:
     micro-batch, the computation of one device."""
     if not cfg.reference:
         return cfg.build_schedule()
-    return validate(lower(build("1f1b", 1, 1), cfg.sync))
+    return validate(lower(build("1f1b", 1, 1), cfg.pipeline.sync))
 
 
 def transport_of(cfg: TrainConfig) -> Transport | None:
@@ -126,16 +127,16 @@ class Trainer:
         """``corpus``: cfg's data as the launcher opened it (``launch``), else read here."""
         self.cfg, self.rank = cfg, rank
         self.device = device or torch.device("cpu")
-        self.source = cfg.model_source  # the model, its vocabulary the data's (train/sources.py)
+        self.source = model_source(cfg)  # the model, its vocabulary the data's (train/sources.py)
         # rank 0 reads every id of a token file through (the others trust its check: one
         # scan of a 2 GiB file took 2.2 s, once per rank before)
         self.corpus = corpus if corpus is not None else open_data(
-            cfg.data_spec, seq_len=self.source.seq_len, scan=rank == 0)
-        if cfg.eval_every:
+            data_spec(cfg), seq_len=self.source.seq_len, scan=rank == 0)
+        if cfg.run.eval_every:
             check_heldout(self.corpus, self.source.kind, self.source.seq_len)
-        self.dtype = DTYPE[cfg.dtype]
-        self.autocast = AUTOCAST.get(cfg.dtype)
-        self.scaler = LossScaler() if cfg.dtype == "fp16" else None
+        self.dtype = DTYPE[cfg.net.dtype]
+        self.autocast = AUTOCAST.get(cfg.net.dtype)
+        self.scaler = LossScaler() if cfg.net.dtype == "fp16" else None
         self.master: MasterWeights | None = None  # bf16-master: the optimizer's float32 copies
         self.last_records: list[ActionRecord] = []  # the last step's action times, when recorded
         self._build()
@@ -148,16 +149,16 @@ class Trainer:
         # every rank makes the same batches (get_batch) and the sources hold no running
         # statistics: no batch check and no buffer sync (collectives a step need not make)
         self.pipe = Pipeline(
-            functools.partial(_layer, source, cfg.seed, self.dtype), source.loss_fn, schedule,
-            micro_batches=n, micro_batch_size=cfg.global_batch // (cfg.data_parallel * n),
+            functools.partial(_layer, source, cfg.optim.seed, self.dtype), source.loss_fn, schedule,
+            micro_batches=n, micro_batch_size=cfg.global_batch // (cfg.pipeline.data_parallel * n),
             example_input=torch.zeros((1, source.seq_len), dtype=torch.long),
-            data_parallel=cfg.data_parallel, partition=stage_ranges(cfg, source, schedule.stages),
-            seed=cfg.seed, recompute=cfg.recompute, comm_timeout=cfg.comm_timeout,
+            data_parallel=cfg.pipeline.data_parallel, partition=stage_ranges(cfg, source, schedule.stages),
+            seed=cfg.optim.seed, recompute=cfg.pipeline.recompute, comm_timeout=cfg.run.comm_timeout,
             num_layers=source.num_layers, ties=source.ties,
             loss_reduction="token_mean" if source.sums else "mean", token_count=source.token_count,
-            autocast=self.autocast, compile=cfg.compile, device=self.device, sync_buffers=False,
-            wire_dtype=getattr(torch, WIRE_DTYPES[cfg.wire_dtype]) if cfg.wire_dtype else None,
-            check_batch=False, shard_optimizer=cfg.shard_optimizer, transport=transport_of(cfg))
+            autocast=self.autocast, compile=cfg.run.compile, device=self.device, sync_buffers=False,
+            wire_dtype=getattr(torch, WIRE_DTYPES[cfg.net.wire_dtype]) if cfg.net.wire_dtype else None,
+            check_batch=False, shard_optimizer=cfg.pipeline.shard_optimizer, transport=transport_of(cfg))
         # unchanged unless a drill
         self.runtime.program = faults.program_for(self.runtime.program, schedule, self.rank)
         tensors = self.runtime.optimizer_parameters()
@@ -166,7 +167,7 @@ class Trainer:
     def _make_optimizer(self, params: list[torch.Tensor], matrix: list[bool]) -> None:
         """``self.params``, what the optimizer updates and clipping scales: the parameters, or
         with bf16-master their float32 masters."""
-        if self.cfg.dtype == "bf16-master":
+        if self.cfg.net.dtype == "bf16-master":
             self.master = MasterWeights(params)
             params = self.master.masters
         self.params = params
@@ -200,7 +201,7 @@ class Trainer:
         """Training: the ``step_batch`` rows of optimizer step ``step``; held-out: a mini-batch."""
         rows = self.cfg.step_batch if split == "train" else self.cfg.global_batch
         return get_batch(self.corpus, step, rows, self.source.seq_len,
-                         self.cfg.seed, self.source.kind, split=split,
+                         self.cfg.optim.seed, self.source.kind, split=split,
                          vocab_size=self.source.vocab_size)
 
     def step(self, step: int, record: list[ActionRecord] | None = None, on_grads=None) -> StepLog:
@@ -211,7 +212,7 @@ class Trainer:
         """
         start = time.perf_counter()
         inputs, targets = self.batch(step)
-        if record is None and self.cfg.tensorboard:  # --tensorboard times every step
+        if record is None and self.cfg.run.tensorboard:  # --tensorboard times every step
             record = []
         self.last_records = record if record is not None else []
         try:
@@ -220,7 +221,7 @@ class Trainer:
                 self.master.grads_to_masters()
             if on_grads is not None:
                 on_grads(self)
-            norm = float(self.pipe.clip_grad_norm_(self.cfg.clip or None, parameters=self.params))
+            norm = float(self.pipe.clip_grad_norm_(self.cfg.optim.clip or None, parameters=self.params))
         except CommTimeout as exc:  # a hang or a dead peer: say where every rank was
             raise faults.explain(exc, self.schedule, self.grid) from exc
         lr = lr_at(self.cfg, step)
@@ -228,7 +229,7 @@ class Trainer:
         overflow = skipped and self.scaler is not None and math.isfinite(loss)
         if self.scaler is not None:  # float16 overflowed: a smaller scale, not an error
             self.scaler.update(overflow)
-        if skipped and not (self.cfg.skip_nonfinite or overflow):
+        if skipped and not (self.cfg.run.skip_nonfinite or overflow):
             raise NonFiniteLoss(f"step {step}: the loss ({loss}) or the gradient norm ({norm}) is not "
                                 "finite; stopped before the optimizer step (lower --lr, check the "
                                 "data, or pass --skip-nonfinite to skip such steps)", loss, norm)
@@ -283,7 +284,7 @@ class Trainer:
         gradients, optimizer state, RNG and train mode are as they were. Collective: every
         rank calls it.
         """
-        batches = [self.batch(i, "val") for i in range(self.cfg.eval_batches)]
+        batches = [self.batch(i, "val") for i in range(self.cfg.run.eval_batches)]
         inputs, targets = (torch.cat(t) for t in zip(*batches))
         return self._forward_loss(inputs, targets, self.runtime.eval_schedule)
 

@@ -77,7 +77,7 @@ class Watch:
         self.trainer, self.rank = trainer, rank
         self.stages, self.ranks = trainer.schedule.stages, trainer.grid.world
         self.flops = model_flops_per_token(trainer.source)
-        self.peak = peak_flops_per_rank(trainer.cfg.peak_flops, trainer.device)
+        self.peak = peak_flops_per_rank(trainer.cfg.run.peak_flops, trainer.device)
         self.writer = None
         if rank == 0:
             from torch.utils.tensorboard import SummaryWriter  # lazy: only runs that ask load it
