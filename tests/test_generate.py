@@ -1,6 +1,9 @@
-"""`chimera generate`: a checkpoint trained on two processes samples in one, deterministically;
-greedy is the argmax of the model's own logits; bad input is refused in one line."""
+"""`chimera generate`: a checkpoint samples deterministically; greedy is the argmax of the
+model's own logits; bad input is refused in one line. (The checkpoint is trained in this
+process: a checkpoint is one format whichever layout wrote it, test_checkpoint.py.)"""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -13,8 +16,6 @@ from chimera.models import build_model, get_config
 from chimera.train import TrainConfig
 from chimera.train import checkpoint as ckpt
 from chimera.train.generate import generate
-
-pytestmark = pytest.mark.slow  # most tests here share a multi-process run (module fixture)
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 400
 
@@ -29,16 +30,20 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, run_cli):
-    """`chimera train` on D=2 processes, a checkpoint every 10 steps, held-out loss too."""
+def run(tmp_path_factory):
+    """`chimera train` in this process (one stage), a checkpoint every 10 steps, held-out
+    loss too."""
     root = tmp_path_factory.mktemp("run")
     (root / "rep.txt").write_text(TEXT)
-    r = run_cli("train", "-D", "2", "--data", str(root / "rep.txt"), "--steps", "30",
-                "--eval-every", "10", "--eval-batches", "2", "--checkpoint-dir", str(root / "ck"),
-                "--checkpoint-every", "10", "--log-json", str(root / "log.jsonl"),
-                "--no-progress", "--png", str(root / "t.png"), "--trace", str(root / "t.json"))
-    assert r.returncode == 0, r.stderr
-    return root, r.stdout
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["train", "--schedule", "none", "--stages", "1", "--data", str(root / "rep.txt"),
+                     "--steps", "30", "--eval-every", "10", "--eval-batches", "2",
+                     "--checkpoint-dir", str(root / "ck"), "--checkpoint-every", "10",
+                     "--log-json", str(root / "log.jsonl"), "--no-progress",
+                     "--png", str(root / "t.png"), "--trace", str(root / "t.json")])
+    assert code == 0
+    return root, out.getvalue()
 
 
 def direct_greedy(path, prompt: list[int], n: int) -> list[int]:
@@ -84,6 +89,7 @@ def test_greedy_is_the_argmax_of_the_models_logits(run):
     assert top1.new_ids == out.new_ids  # the one most likely token, whatever the draw
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_same_continuation(run, run_cli):
     root, _ = run
     r = run_cli("generate", "--checkpoint", str(root / "ck" / "step-00000010"), "--prompt",
@@ -213,6 +219,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused(run, tmp_path, capsys):
     assert "more than the model's vocabulary of 256" in line
 
 
+@pytest.mark.slow
 def test_a_batch_of_prompts_a_stop_token_and_the_start_up_time(run, run_cli):
     """Several --prompt run as one batch, each as it would alone; --stop-token ends a row
     (not printed); stderr reports the start-up time."""
