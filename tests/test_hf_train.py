@@ -22,7 +22,6 @@ import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 from transformers import BertConfig, GPT2Config  # noqa: E402
 
-import chimera.api as chimera  # noqa: E402
 from chimera.cli import main  # noqa: E402
 from chimera.data.formats import DataInfo  # noqa: E402
 from chimera.models import get_config, layer_costs  # noqa: E402
@@ -32,6 +31,7 @@ from chimera.train.equivalence import check_virtual  # noqa: E402
 from chimera.train.launch import _train  # noqa: E402
 from chimera.train.loop import Trainer  # noqa: E402
 from chimera.train.sources import open_source  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 T = 8  # tokens per sequence in the float64 runs
 
@@ -175,13 +175,13 @@ def _resume_worker(rank, world, root):
     torch.distributed.barrier()
     b = dataclasses.replace(a, schedule="1f1b", checkpoint_dir=str(root / "ck-b"), resume=True)
     out["b"] = _run(b, rank)
-    torch.save(out, root / f"resume.{rank}")
+    return out
 
 
 @pytest.fixture(scope="module")
 def resumed(root):
-    chimera.spawn(functools.partial(_resume_worker, root=root), world=2)
-    out = torch.load(root / "resume.0")
+    """Processes: a checkpoint is written and read by torch.distributed.checkpoint."""
+    out = run_ranks(functools.partial(_resume_worker, root=root), 2, processes=True)[0]
     shutil.copytree(root / "ck-a" / "step-00000002", root / "ck-ref" / "step-00000002")
     ref = cfg_of(root, "gpt2", schedule="none", stages=1, micro_batches=1, micro_batch_size=8,
                  steps=4, checkpoint_dir=str(root / "ck-ref"), resume=True)
@@ -209,12 +209,14 @@ def test_checkpoints_are_keyed_by_hf_names_and_resume_on_any_layout(root, resume
 # -- the demo: tokenize, train, export, reload, generate -----------------------------------
 @pytest.fixture(scope="module")
 def demo(root, tmp_path_factory):
-    """`chimera tokenize` on local text; `chimera train --model hf-llama-tiny` on 2 ranks with
-    --eval-every; `chimera export`."""
+    """`chimera tokenize` on local text; `chimera train --model hf-llama-tiny` with
+    --eval-every (in this process, one stage: the pipelines are checked above); `chimera
+    export`."""
     out = tmp_path_factory.mktemp("demo")
     assert main(["tokenize", "--data", str(root / "text.txt"), "--vocab-size", "300",
                  "--out", str(out / "tok"), "--no-progress"]) == 0
-    assert main(["train", "--model", "hf-llama-tiny", "--data", str(out / "tok"), "--seq-len", "16",
+    assert main(["train", "--model", "hf-llama-tiny", "--schedule", "none", "--stages", "1",
+                 "--data", str(out / "tok"), "--seq-len", "16",
                  "--steps", "4", "-B", "2", "--eval-every", "2", "--eval-batches", "1",
                  "--checkpoint-dir", str(out / "ck"), "--log-json", str(out / "log.jsonl"),
                  "--no-progress", "--png", str(out / "t.png"), "--trace", str(out / "t.json")]) == 0
