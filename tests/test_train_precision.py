@@ -1,18 +1,16 @@
 """Mixed precision (issue 25): bf16 weights with float32 master weights and optimizer state,
 and float16 autocast with a loss scaler that skips a step whose gradients overflow."""
 
-import os
+import functools
 
 import pytest
 import torch
 
-from chimera.runtime import workers
-from chimera.runtime.workers import gloo_group
 from chimera.train import TrainConfig
 from chimera.train import checkpoint as ckpt
-from chimera.train.launch import free_port
 from chimera.train.loop import NonFiniteLoss, Trainer
 from chimera.train.precision import LossScaler
+from ranks import run_ranks
 
 STEPS = 4
 
@@ -122,26 +120,21 @@ def test_loss_scale_grows_after_enough_good_steps():
     assert s.scale == 8.0 and s.good_steps == 0
 
 
-# -- pipelined, on gloo --------------------------------------------------------------------------
-def _worker(rank, world, port, root, data):
-    with gloo_group(rank, world, port):
-        out = {}
-        for dtype, sharded in (("bf16-master", False), ("fp16", False), ("fp16", True)):
-            cfg = _cfg(data, dtype, schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2,
-                       shard_optimizer=sharded)
-            t = Trainer(cfg, rank)
-            losses, params = _train(t)
-            out[dtype + "-sharded" * sharded] = (losses, params, t.norms, [m.dtype for m in t.params],
-                          sorted({str(p.dtype) for m in t.runtime.modules.values() for p in m.parameters()}))
-        torch.save(out, os.path.join(root, f"out.{rank}"))
+# -- pipelined, on virtual ranks (precision, not the transport, is the subject) -------------------
+def _worker(rank, world, data):
+    out = {}
+    for dtype, sharded in (("bf16-master", False), ("fp16", False), ("fp16", True)):
+        cfg = _cfg(data, dtype, schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2,
+                   shard_optimizer=sharded)
+        t = Trainer(cfg, rank)
+        losses, params = _train(t)
+        out[dtype + "-sharded" * sharded] = (losses, params, t.norms, [m.dtype for m in t.params],
+                      sorted({str(p.dtype) for m in t.runtime.modules.values() for p in m.parameters()}))
+    return out
 
 
-@pytest.mark.slow
-def test_pipelined_mixed_precision_is_close_to_one_process_float32(tmp_path, data, float32_run):
-    codes = workers.run(_worker, (2, free_port(), str(tmp_path), data), 2, grace=10.0)
-    assert codes == [0, 0]
-    for rank in (0, 1):
-        out = torch.load(tmp_path / f"out.{rank}", weights_only=True)
+def test_pipelined_mixed_precision_is_close_to_one_process_float32(data, float32_run):
+    for out in run_ranks(functools.partial(_worker, data=data), 2):
         losses, params, _, master_dtypes, module_dtypes = out["bf16-master"]
         assert set(master_dtypes) == {torch.float32} and module_dtypes == ["torch.bfloat16"]
         _assert_near_float32((losses, params), float32_run, loss_tol=0.1, param_tol=0.1)
@@ -165,21 +158,18 @@ def test_a_run_goes_on_past_an_overflow_and_says_so(data, monkeypatch, capsys):
 
 
 # -- a weight tied across stages (HF GPT-2's embedding and head) ---------------------------------
-def _tied_worker(rank, world, port, root):
+def _tied_worker(rank, world, root):
     cfg = TrainConfig(model=f"hf:{root / 'gpt2'}", data=str(root / "text.txt"), dtype="bf16-master",
                       schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=8,
                       steps=3, progress=False)
-    with gloo_group(rank, world, port):
-        t = Trainer(cfg, rank)
-        losses, _ = _train(t, 3)
-        tie = t.tie_sync.ties[0] if t.tie_sync.ties else None
-        copies = [p.detach().clone() for n, _, p in t.replica_parameters()  # masters, by the
-                  if n == "transformer.wte.weight"]  # tie's first name: embedding and head
-        torch.save({"losses": losses, "copies": copies, "tied": tie is not None},
-                   os.path.join(root, f"tied.{rank}"))
+    t = Trainer(cfg, rank)
+    losses, _ = _train(t, 3)
+    tie = t.tie_sync.ties[0] if t.tie_sync.ties else None
+    copies = [p.detach().clone() for n, _, p in t.replica_parameters()  # masters, by the
+              if n == "transformer.wte.weight"]  # tie's first name: embedding and head
+    return {"losses": losses, "copies": copies, "tied": tie is not None}
 
 
-@pytest.mark.slow
 def test_bf16_master_keeps_a_tied_weight_tied(tmp_path):
     """The tie's copies (embedding on the first stage, head on the last) get the summed
     gradient, so their float32 masters, and the bf16 weights rounded from them, stay equal."""
@@ -191,9 +181,7 @@ def test_bf16_master_keeps_a_tied_weight_tied(tmp_path):
     GPT2Config(vocab_size=256, n_embd=16, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
                eos_token_id=None).save_pretrained(tmp_path / "gpt2")
-    codes = workers.run(_tied_worker, (2, free_port(), tmp_path), 2, grace=10.0)
-    assert codes == [0, 0]
-    outs = [torch.load(tmp_path / f"tied.{r}", weights_only=True) for r in range(2)]
+    outs = run_ranks(functools.partial(_tied_worker, root=tmp_path), 2)
     assert outs[0]["tied"] and outs[0]["losses"] == outs[1]["losses"]
     copies = [c for out in outs for c in out["copies"]]  # 2 replicas x (embedding, head)
     assert len(copies) == 4 and all(torch.equal(copies[0], c) for c in copies[1:])
