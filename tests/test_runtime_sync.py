@@ -1,16 +1,12 @@
 """Bucketed gradient sync: buckets launched during the last backward give exactly the sums
 of one allreduce at SYNC, in the same order on every replica (two gloo processes)."""
 
-import json
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from chimera.runtime.sync import GradSync, ReplicaGrads
-from chimera.train.launch import free_port
+from ranks import run_ranks
 
 
 def _model() -> torch.nn.Module:
@@ -33,27 +29,17 @@ def _grads(rank: int, bucket_bytes: int, group) -> tuple[torch.Tensor, int]:
     return grads.flat.clone(), early
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        group = dist.new_group([0, 1])
-        whole, none_early = _grads(rank, 0, group)
-        bucketed, early = _grads(rank, 16 * 17 * 8, group)  # one layer (weight + bias) per bucket
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump({"equal": torch.equal(whole, bucketed), "none_early": none_early,
-                           "early": early, "buckets": len(ReplicaGrads(_model()).buckets(16 * 17 * 8))}, f)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int) -> dict:
+    group = dist.new_group([0, 1])
+    whole, none_early = _grads(rank, 0, group)
+    bucketed, early = _grads(rank, 16 * 17 * 8, group)  # one layer (weight + bias) per bucket
+    return {"equal": torch.equal(whole, bucketed), "none_early": none_early,
+            "early": early, "buckets": len(ReplicaGrads(_model()).buckets(16 * 17 * 8))}
 
 
 @pytest.mark.slow
-def test_buckets_reduce_during_backward_and_match_one_allreduce(tmp_path):
-    out = str(tmp_path / "sync.json")
-    mp.start_processes(_worker, args=(free_port(), out), nprocs=2, start_method="spawn")
-    with open(out) as f:
-        got = json.load(f)
+def test_buckets_reduce_during_backward_and_match_one_allreduce():
+    got = run_ranks(_worker, 2, processes=True)[0]
     assert got["equal"]
     assert got["none_early"] == 0
     assert got["buckets"] == 6 and got["early"] == 6
