@@ -113,9 +113,8 @@ class Bad(nn.Module):
         raise ValueError("boom")
 
 
-def _error_cases(rank: int) -> dict:
-    """#6, #11, #12: refused partitions, explicit options, no reseeding (on rank 0: the
-    virtual ranks share one global RNG), named probe errors."""
+def _error_cases() -> dict:
+    """#6, #11, #12: refused partitions, explicit options, named probe errors."""
     out = {}
     for name, part in [("gap", [range(0, 2), range(3, 5)]), ("overlap", [range(0, 3), range(2, 5)]),
                        ("range", [range(0, 2), range(2, 7)])]:
@@ -128,11 +127,6 @@ def _error_cases(rank: int) -> dict:
         chimera.Pipeline(mlp, nn.functional.mse_loss, autocast=torch.bfloat16, schedule_options={"x": 1})
     except ScheduleError as exc:
         out["options"] = str(exc)
-    if rank == 0:
-        torch.manual_seed(123)
-    chimera.Pipeline(mlp, nn.functional.mse_loss, micro_batches=4, micro_batch_size=2)
-    if rank == 0:
-        out["rng"] = torch.rand(3)
     bad = lambda: mlp()[:3] + [Bad()] + mlp()[3:]  # noqa: E731
     try:
         chimera.Pipeline(bad, nn.functional.mse_loss, partition=[range(0, 2), range(2, 6)],
@@ -201,7 +195,7 @@ def _worker2(rank: int, world: int) -> dict:
     res["factory"] = _factory_case(rank)
     res["meta"] = _meta_case()
     res["bn"] = _bn_case()
-    res["errors"] = _error_cases(rank)
+    res["errors"] = _error_cases()
     res["review"] = _review_cases(rank)
     return res
 
@@ -335,18 +329,29 @@ def test_probe_and_buffers(world2):
     assert not torch.equal(a["2.running_mean"], torch.zeros(6, dtype=torch.float64))
 
 
+def _rng_case(rank: int, world: int) -> torch.Tensor:
+    torch.manual_seed(123)
+    chimera.Pipeline(mlp, nn.functional.mse_loss, schedule="1f1b", stages=1, micro_batches=4,
+                     micro_batch_size=2)
+    return torch.rand(3)
+
+
+def test_the_callers_rng_is_not_reseeded():
+    """#11: building the layers (seeded) leaves the caller's global RNG where it was (one
+    rank: virtual ranks share the process's generator)."""
+    got, = run_ranks(_rng_case, 1)
+    assert torch.equal(got, torch.rand(3, generator=torch.Generator().manual_seed(123)))
+
+
 def test_errors_name_their_cause(world2):
     """#6 partitions with a gap, an overlap, a layer past the end are refused; #11 options
-    are explicit and the caller's RNG is not reseeded; #12 a failing layer is named on
-    every rank."""
+    are explicit (the RNG: above); #12 a failing layer is named on every rank."""
     for rank in range(2):
         e = world2[rank]["errors"]
         assert "layers 2..2 are in no stage" in e["gap"]
         assert "layers 2..2 are in two stages" in e["overlap"]
         assert "past the model's last layer" in e["range"]
         assert "does not take option(s) x" in e["options"]
-        if rank == 0:
-            assert torch.equal(e["rng"], torch.rand(3, generator=torch.Generator().manual_seed(123)))
         assert "stage 1, layer 3 (Bad) failed on input (2, 6) float64: ValueError: boom" in e["probe"]
 
 

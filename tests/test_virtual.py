@@ -17,9 +17,9 @@ VARIANTS = {"chimera": [{}, {"strategy": "doubling"}, {"strategy": "halving"}, {
 CASES = [(s.name, kw) for s in schemes(runnable=True) for kw in VARIANTS.get(s.name, [{}])]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("schedule,options", CASES, ids=[f"{s}-{o}" for s, o in CASES])
-@pytest.mark.parametrize("stages,data_parallel", [(2, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize("stages,data_parallel", [  # every schedule at D=2 in the default run
+    (2, 1), pytest.param(4, 1, marks=pytest.mark.slow), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_every_schedule_on_virtual_ranks_equals_one_process(schedule, options, stages, data_parallel):
     if options.get("pipes") == 4 and stages < 4:
         pytest.skip("four pipes need D >= 4")
@@ -62,7 +62,6 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert (tmp_path / "gpu_profile.json").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["dualpipe", "gems", "chimera-zb"])
 def test_a_pipe_without_micro_batches_still_syncs(schedule):
     """N=1 on two pipes: the idle pipe's replicas join the allreduce (they hung before) and
