@@ -125,7 +125,7 @@ class Mailbox:
         # posting costs no time a rank could have computed in (posted all at the start, it
         # delayed the first stage's first forward by ~7 ms at D=8). On NCCL and under its
         # emulation the plan's Posts are kept: their place is what makes the order safe there.
-        if self.transport.matches_by_tag and not self.ahead and not work.is_completed():
+        if not self.ahead and self.transport.matches_by_tag and not work.is_completed():
             self._post_ahead()
         wait_work(work, self.timeout, self.grid.rank, f"{action} with peer rank {src}", src, action)
         return self.buffers[msg]
