@@ -2,13 +2,11 @@
 another layout (one spawned gloo group runs the multi-rank cases), never holding NaN."""
 
 import dataclasses
-import datetime
 import functools
 import json
 import os
 import pickle
 import shutil
-import time
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from chimera.train.checkpoint import disk
 from chimera.train.launch import launch
 from chimera.train.checkpoint.lease import Lease, claim
 from chimera.train.loop import NonFiniteLoss, Trainer
+from ranks import run_ranks
 
 
 def ref_cfg(data, **kw):
@@ -238,39 +237,14 @@ def _worker(rank, world, root, data):
         out["stop"] = "no error"
     except NonFiniteLoss as exc:
         out["stop"] = str(exc)
-    torch.save(out, f"{root}/out.{rank}")
-
-
-def _entry(rank, world, fn, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
-                                         timeout=datetime.timedelta(seconds=60))
-    fn(rank, world)
-    torch.distributed.destroy_process_group()
-
-
-def spawn_bounded(fn, world, timeout_s):
-    """``fn(rank, world)`` on ``world`` gloo processes; kill them all after ``timeout_s``."""
-    import torch.multiprocessing as mp
-
-    from chimera.train.launch import free_port
-
-    ctx = mp.start_processes(_entry, args=(world, fn, free_port()), nprocs=world,
-                             start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"spawned ranks still running after {timeout_s}s")
+    return out
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory, data):
     root = tmp_path_factory.mktemp("layouts")
-    spawn_bounded(functools.partial(_worker, root=str(root), data=data), world=2, timeout_s=240)
-    return root, [torch.load(f"{root}/out.{r}", weights_only=True) for r in range(2)]
+    return root, run_ranks(functools.partial(_worker, root=str(root), data=data), 2, processes=True,
+                           timeout_s=240)
 
 
 def _params(path):
