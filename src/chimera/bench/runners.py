@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from chimera.bench.rows import BenchConfig, Row
+from chimera.train import build
 from chimera.train.config import TrainConfig
 from chimera.models import loss_fn
 from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares
@@ -45,13 +46,13 @@ class SingleRunner:
         tr = self.trainer
         inputs, targets = tr.batch(i)
         tr.optimizer.zero_grad(set_to_none=False)
-        lossf, total = loss_fn(tr.cfg.model_config, "mean"), 0.0
+        lossf, total = loss_fn(build.model_config(tr.cfg), "mean"), 0.0
         for x, y in zip(inputs.split(self.micro), targets.split(self.micro)):
             loss = lossf(tr.model(x), y) * (len(x) / len(inputs))
             loss.backward()
             total += float(loss.detach())
         grads = [p.grad for p in tr.params]
-        clip_by_global_norm_(grads, sum_of_squares(grads), tr.cfg.clip or None)
+        clip_by_global_norm_(grads, sum_of_squares(grads), tr.cfg.optim.clip or None)
         for group in tr.optimizer.param_groups:
             group["lr"] = lr_at(tr.cfg, i)
         tr.optimizer.step()

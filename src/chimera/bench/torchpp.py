@@ -17,6 +17,7 @@ from chimera.data import get_batch, load_corpus
 from chimera.models import build_layers, get_config, loss_fn
 from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares
 from chimera.runtime.transport import current
+from chimera.train import build
 from chimera.train.config import TrainConfig
 from chimera.train.loop import make_optimizer, stage_ranges
 
@@ -77,7 +78,7 @@ class TorchRunner(TorchPipeline):
         cut: dict[int, list[range]] = {}
 
         def module_of(stage: int, n: int) -> torch.nn.Module:
-            ranges = cut.setdefault(n, stage_ranges(self.tc, self.tc.model_source, n))
+            ranges = cut.setdefault(n, stage_ranges(self.tc, build.model_source(self.tc), n))
             return torch.nn.Sequential(*build_layers(self.model, cfg.seed, ranges[stage]))
         super().__init__(cfg, row, rank, module_of, loss_fn(self.model, "mean"))
         self.optimizer = make_optimizer(self.params, self.tc)
@@ -94,5 +95,5 @@ class TorchRunner(TorchPipeline):
 
     def _clip(self) -> float:
         grads = [p.grad for p in self.params if p.grad is not None]
-        return float(clip_by_global_norm_(grads, sum_of_squares(grads), self.tc.clip or None,
+        return float(clip_by_global_norm_(grads, sum_of_squares(grads), self.tc.optim.clip or None,
                                           all_reduce=current().all_reduce))

@@ -27,7 +27,7 @@ from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.transport import current
 from chimera.runtime.workers import end_group, free_port
-from chimera.train import checkpoint, faults
+from chimera.train import build, checkpoint, faults
 from chimera.train.checkpoint import CheckpointManager
 from chimera.train.checkpoint.keeper import Keeper
 from chimera.train.config import TrainConfig
@@ -49,7 +49,7 @@ FAILURE_GRACE_S = 10.0
 
 
 def pick_device(cfg: TrainConfig) -> tuple[torch.device, str]:
-    want = cfg.device
+    want = cfg.run.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda":
@@ -58,7 +58,8 @@ def pick_device(cfg: TrainConfig) -> tuple[torch.device, str]:
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    backend = cfg.run.backend
+    backend = backend if backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     return device, backend
 
 
@@ -66,13 +67,13 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
              hooks=None, corpus: Corpus | None = None) -> dict | None:
     """Body of one rank: init the group, train, gather results on rank 0. ``corpus``: the
     data the launcher opened (None: the rank reads --data)."""
-    torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.run.threads)
     keep_freed_memory()
     device, backend = pick_device(cfg)
     if cfg.reference:
         trainer = Trainer(cfg, 0, device, corpus)
         return _train(trainer, cfg, result_path, hooks)
-    _init_group(backend, rank, world, datetime.timedelta(seconds=cfg.comm_timeout), device)
+    _init_group(backend, rank, world, datetime.timedelta(seconds=cfg.run.comm_timeout), device)
     try:
         trainer = Trainer(cfg, rank, device, corpus)
         result = _train(trainer, cfg, result_path, hooks)
@@ -104,9 +105,9 @@ def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta
 def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -> dict | None:
     # the directory's lease, before anything is read from it or written to it
     manager = None
-    if cfg.checkpoint_dir:
-        manager = CheckpointManager(cfg.checkpoint_dir, cfg.keep_checkpoints)
-        manager.claim(cfg.resume)
+    if cfg.ckpt.checkpoint_dir:
+        manager = CheckpointManager(cfg.ckpt.checkpoint_dir, cfg.ckpt.keep_checkpoints)
+        manager.claim(cfg.ckpt.resume)
     try:
         return _train_owning(trainer, cfg, result_path, hooks, manager)
     finally:
@@ -117,16 +118,17 @@ def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -
 def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks,
                   manager: CheckpointManager | None) -> dict | None:
     rank = 0 if cfg.reference else current().get_rank()
-    start = manager.restore(trainer) if cfg.resume else 0
-    trace_step = cfg.trace_step if cfg.trace_step is not None else cfg.steps - 1
+    start = manager.restore(trainer) if cfg.ckpt.resume else 0
+    trace_step = cfg.run.trace_step if cfg.run.trace_step is not None else cfg.optim.steps - 1
     bar = _progress(cfg, start) if rank == 0 else None
-    watch = Watch(trainer, cfg.tensorboard, rank) if cfg.tensorboard else None  # times every step
+    board = cfg.run.tensorboard
+    watch = Watch(trainer, board, rank) if board else None  # times every step
     logs: list[StepLog] = []
     record: list = []
-    log_file = _open_log(cfg.log_json, start) if (cfg.log_json and rank == 0) else None
+    log_file = _open_log(cfg.run.log_json, start) if (cfg.run.log_json and rank == 0) else None
     keeper = Keeper(cfg, trainer, manager, rank, start)
     try:
-        for step in range(start, cfg.steps):
+        for step in range(start, cfg.optim.steps):
             faults.before_step(rank, step)
             try:
                 log = trainer.step(step, record if step == trace_step else None,
@@ -153,7 +155,7 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
             keeper.after_step(step, log)
             if _checkpoint_due(cfg, step + 1):
                 keeper.publish(step + 1, log)
-        keeper.finish(cfg.steps)
+        keeper.finish(cfg.optim.steps)
     finally:
         if bar is not None:
             bar.close()
@@ -174,9 +176,9 @@ def _skip_message(trainer: Trainer, log: StepLog) -> str:
 
 def _announce(cfg: TrainConfig) -> None:
     """A resume that changes accepted settings says so, once (not applied silently)."""
-    if cfg.resume_changes and os.environ.get("RANK", "0") == "0":
-        print(f"chimera train: resuming from {cfg.resume_from} with these changes:\n"
-              + "\n".join(cfg.resume_changes), file=sys.stderr, flush=True)
+    if build.resume_changes(cfg) and os.environ.get("RANK", "0") == "0":
+        print(f"chimera train: resuming from {build.resume_from(cfg)} with these changes:\n"
+              + "\n".join(build.resume_changes(cfg)), file=sys.stderr, flush=True)
 
 
 def _show(bar, logs: list[StepLog]) -> None:
@@ -190,14 +192,15 @@ def _show(bar, logs: list[StepLog]) -> None:
 
 def _eval_due(cfg: TrainConfig, done: int) -> bool:
     """After ``done`` steps: every ``eval_every`` steps, and at the end of the run."""
-    return cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps)
+    return cfg.run.eval_every > 0 and (done % cfg.run.eval_every == 0 or done == cfg.optim.steps)
 
 
 def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
     """After ``done`` steps: every ``checkpoint_every`` steps, and at the end of the run."""
-    if cfg.checkpoint_dir is None:
+    if cfg.ckpt.checkpoint_dir is None:
         return False
-    return done == cfg.steps or (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0)
+    every = cfg.ckpt.checkpoint_every
+    return done == cfg.optim.steps or (every > 0 and done % every == 0)
 
 
 def _open_log(path: str, start: int):
@@ -213,12 +216,13 @@ def _open_log(path: str, start: int):
 
 
 def _progress(cfg: TrainConfig, start: int = 0):
-    if not cfg.progress:
+    if not cfg.run.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
-                desc=f"{cfg.schedule} D={cfg.stages} W={cfg.data_parallel}")
+    p = cfg.pipeline
+    return tqdm(total=cfg.optim.steps, initial=start, unit="step", file=sys.stderr,
+                dynamic_ncols=True, desc=f"{p.schedule} D={p.stages} W={p.data_parallel}")
 
 
 def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> dict | None:
@@ -243,7 +247,7 @@ def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> d
         "ranks": gathered,
         # model FLOPs utilization: the summary's, against the peak it names
         "model_flops_per_token": model_flops_per_token(trainer.source),
-        "peak_flops": peak_flops_per_rank(cfg.peak_flops, trainer.device),
+        "peak_flops": peak_flops_per_rank(cfg.run.peak_flops, trainer.device),
     }
     if result_path:
         with open(result_path, "w") as f:
@@ -267,10 +271,11 @@ def _shared_ids(cfg: TrainConfig, corpus: Corpus | None, path: str) -> Corpus | 
     """The corpus the spawned ranks read when its ids are made in memory (text through a
     tokenizer): made once, here (or taken from ``corpus``), written to ``path`` for every
     rank to map. None for bytes and token files, which each rank reads for itself."""
-    if not ids_in_memory(cfg.data_info):
+    if not ids_in_memory(build.data_info(cfg)):
         return None
     if corpus is None:
-        corpus = open_data(cfg.data_spec, seq_len=cfg.model_source.seq_len, progress=cfg.progress)
+        corpus = open_data(build.data_spec(cfg), seq_len=build.model_source(cfg).seq_len,
+                           progress=cfg.run.progress)
     try:
         return to_token_file(corpus, path)
     except OSError as exc:
@@ -280,9 +285,9 @@ def _shared_ids(cfg: TrainConfig, corpus: Corpus | None, path: str) -> Corpus | 
 
 def _say_what_resume_skips(cfg: TrainConfig) -> None:
     """--resume passes over checkpoints in doubt (``checkpoint.resumable``): say which, once."""
-    if not (cfg.resume and cfg.checkpoint_dir) or os.environ.get("RANK", "0") != "0":
+    if not (cfg.ckpt.resume and cfg.ckpt.checkpoint_dir) or os.environ.get("RANK", "0") != "0":
         return
-    path, skipped = CheckpointManager(cfg.checkpoint_dir).resumable()
+    path, skipped = CheckpointManager(cfg.ckpt.checkpoint_dir).resumable()
     for folder, why in skipped:
         print(f"chimera train: --resume: passing over {folder.name}, in doubt ({why}); "
               f"resuming from {path.name}", file=sys.stderr)
@@ -304,7 +309,8 @@ def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world:
             raise UserError(f"torchrun started {world} processes but the layout needs "
-                             f"W·D = {cfg.data_parallel}·{cfg.stages} = {cfg.world}")
+                             f"W·D = {cfg.pipeline.data_parallel}·{cfg.pipeline.stages} = "
+                             f"{cfg.world}")
         if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: die with it
             workers.bind_to_parent(os.getppid(), ignore_sigint=False)
         return run_rank(int(os.environ["RANK"]), world, cfg, None, corpus=corpus) or {}

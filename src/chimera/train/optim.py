@@ -16,22 +16,23 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     steps: Hu et al. 2024, MiniCPM) or constant (the peak to the end)."""
     warm = cfg.warmup_steps
     if step < warm:
-        return cfg.lr * (step + 1) / warm
-    return cfg.lr * _decay_factor(cfg, step, warm)
+        return cfg.optim.lr * (step + 1) / warm
+    return cfg.optim.lr * _decay_factor(cfg, step, warm)
 
 
 def _decay_factor(cfg: TrainConfig, step: int, warm: int) -> float:
     """The fraction of the peak after warm-up (1 at the peak, min_lr_ratio at the floor)."""
-    floor = cfg.min_lr_ratio
-    if cfg.lr_schedule == "constant":
+    o = cfg.optim
+    floor = o.min_lr_ratio
+    if o.lr_schedule == "constant":
         return 1.0
-    if cfg.lr_schedule == "wsd":
-        start = max(warm, cfg.steps - round(cfg.wsd_decay * cfg.steps))  # where the decay begins
+    if o.lr_schedule == "wsd":
+        start = max(warm, o.steps - round(o.wsd_decay * o.steps))  # where the decay begins
         if step < start:
             return 1.0
         warm = start
-    progress = (step - warm) / max(1, cfg.steps - warm)
-    if cfg.lr_schedule == "cosine":
+    progress = (step - warm) / max(1, o.steps - warm)
+    if o.lr_schedule == "cosine":
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     return floor + (1 - floor) * (1 - progress)  # linear, and wsd's decay
 
@@ -43,8 +44,10 @@ def make_optimizer(params, cfg: TrainConfig, matrix: list[bool] | None = None) -
     matrix = [p.dim() >= 2 for p in params] if matrix is None else matrix
     decay = [p for p, m in zip(params, matrix) if m]
     rest = [p for p, m in zip(params, matrix) if not m]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    o = cfg.optim
+    groups = [{"params": decay, "weight_decay": o.weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
     # fused: one kernel per tensor, ~5x faster than the per-parameter loop on a CPU core, and
     # elementwise like it, so every replica and the reference still update bit-identically
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=True)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr,
+                             betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, fused=True)

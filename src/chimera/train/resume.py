@@ -38,9 +38,9 @@ SUMMARY = ("a resume accepts, and announces, changes to --steps, the learning ra
 
 def record(cfg) -> dict:
     """What ``meta.json`` records of the run (``run``), for the next resume to compare."""
-    out = {k: getattr(cfg, k) for k in ACCEPTED if k != "warmup_steps" and k != "micro_batches"}
-    out.update(warmup_steps=cfg.warmup_steps, micro_batches=cfg.n_micro, seed=cfg.seed,
-               step_batch=cfg.step_batch, data=_where(cfg.data))
+    out = {k: cfg.get(k) for k in ACCEPTED if k != "warmup_steps" and k != "micro_batches"}
+    out.update(warmup_steps=cfg.warmup_steps, micro_batches=cfg.n_micro, seed=cfg.optim.seed,
+               step_batch=cfg.step_batch, data=_where(cfg.corpus.data))
     return out
 
 
@@ -52,19 +52,20 @@ def compare(meta: dict, cfg, fingerprint: dict) -> tuple[list[str], list[str]]:
     """(refused, accepted): one line per field that differs between the checkpoint's
     ``meta`` and this run (``cfg``; ``fingerprint``: its model's config)."""
     run, data = meta.get("run") or {}, meta.get("data") or {}
-    refused = _model_changes(meta, cfg.model, fingerprint)
-    if meta.get("model") != cfg.model:  # another model altogether: the rest is moot
+    refused = _model_changes(meta, cfg.net.model, fingerprint)
+    if meta.get("model") != cfg.net.model:  # another model altogether: the rest is moot
         return refused, []
     batch = run.get("step_batch", data.get("global_batch"))  # before grad_accum: W*N*B
     if batch is not None and batch != cfg.step_batch:
         refused.append(_line("the batch of a step (W*N*B*K sequences)", batch, cfg.step_batch,
                              "-W -N -B --grad-accum"))
-    if "seed" in data and data["seed"] != cfg.seed:
-        refused.append(_line("seed", data["seed"], cfg.seed, "--seed"))
+    if "seed" in data and data["seed"] != cfg.optim.seed:
+        refused.append(_line("seed", data["seed"], cfg.optim.seed, "--seed"))
     was = run["data"] if "data" in run else _where(data.get("source"))
     if "data" in run or "source" in data:
-        if was != _where(cfg.data) and "data" not in cfg.resume_allow:
-            refused.append(_line("data", was or "the default corpus", cfg.data or "the default corpus",
+        if was != _where(cfg.corpus.data) and "data" not in cfg.ckpt.resume_allow:
+            refused.append(_line("data", was or "the default corpus",
+                                 cfg.corpus.data or "the default corpus",
                                  "--data; --resume-allow data accepts it"))
     return refused, _accepted(meta, cfg)
 
