@@ -18,7 +18,7 @@ import pytest
 
 from chimera.cli import main
 from chimera.ir import ScheduleError
-from chimera.train import ConfigError, TrainConfig
+from chimera.train import ConfigError, TrainConfig, build
 
 PROFILE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "profile-gpt2-bench.json")
 
@@ -349,7 +349,7 @@ def test_api_refuses_data_formats(files):
     with pytest.raises(ValueError, match="token id 4000"):
         open_data(DataSpec(str(files / "ids.bin"), token_dtype="uint16", vocab_size=4000))
     cfg = TrainConfig(data=str(files / "tok"), model="bert-tiny", schedule="none", stages=1).preflight()
-    assert cfg.model_config.vocab_size == 301  # the tokenizer's 300 ids and BERT's mask
+    assert build.model_config(cfg).vocab_size == 301  # the tokenizer's 300 ids and BERT's mask
 
 
 def test_api_refuses_another_models_checkpoint(files):

@@ -188,6 +188,7 @@ from chimera.cli import main  # noqa: E402
 from chimera.data import Corpus  # noqa: E402
 from chimera.data.formats import DataSpec, open_data  # noqa: E402
 from chimera.data.meta import meta_mask  # noqa: E402
+from chimera.train import build  # noqa: E402
 from chimera.train.loop import Trainer  # noqa: E402
 
 T = 32  # gpt2-tiny's sequence length
@@ -461,11 +462,12 @@ def test_bert_masks_with_the_tokenizers_mask_token(fmt, bert_tok, monkeypatch, t
         assert masked.any() and not (inputs[~selected] == MASK).any()
         assert 0.6 < masked.sum() / selected.sum() < 0.95       # 80% of them, give or take
         assert int(inputs.max()) < vocab and int(targets[selected].max()) < vocab
-    from chimera.train import TrainConfig
+    from chimera.train import TrainConfig, build
 
     cfg = TrainConfig(model="bert-tiny", schedule="none", stages=1, data=str(fmt[0] / "text.txt"),
                       tokenizer=str(path)).preflight()
-    assert (cfg.data_info.mask_id, cfg.mask_id, cfg.model_config.vocab_size) == (MASK, MASK, vocab)
+    assert (build.data_info(cfg).mask_id, build.mask_id(cfg),
+            build.model_config(cfg).vocab_size) == (MASK, MASK, vocab)
 
 
 def test_tokenize_records_the_mask_id(fmt, bert_tok, tmp_path, capsys):
@@ -524,7 +526,7 @@ def test_spawned_ranks_map_the_launchers_ids(fmt, tmp_path):
                   progress=False, trace=None, png=None)
     cfg = TrainConfig(data=str(tmp_path / "text.txt"), tokenizer=str(root / "tok" / "tokenizer.json"),
                       **common).preflight()
-    corpus = open_data(cfg.data_spec, seq_len=cfg.model_source.seq_len)
+    corpus = open_data(build.data_spec(cfg), seq_len=build.model_source(cfg).seq_len)
     (tmp_path / "text.txt").unlink()
     once = launch(cfg, corpus)
     files = launch(TrainConfig(data=str(root / "tok"), **common))

@@ -25,7 +25,7 @@ from transformers import BertConfig, GPT2Config  # noqa: E402
 from chimera.cli import main  # noqa: E402
 from chimera.data.formats import DataInfo  # noqa: E402
 from chimera.models import get_config, layer_costs  # noqa: E402
-from chimera.train import TrainConfig  # noqa: E402
+from chimera.train import TrainConfig, build  # noqa: E402
 from chimera.train import checkpoint as ckpt  # noqa: E402
 from chimera.train.equivalence import check_virtual  # noqa: E402
 from chimera.train.launch import _train  # noqa: E402
@@ -288,7 +288,7 @@ def test_bert_pipeline_masks_with_the_tokenizers_mask(root, bert_tok):
     folder, vocab = bert_tok
     cfg = cfg_of(root, f"hf:{folder}", tokenizer=str(folder / "tokenizer.json"),
                  schedule="chimera", stages=2, micro_batches=2)
-    assert (cfg.preflight().mask_id, cfg.model_source.vocab_size) == (4, vocab)
+    assert (build.mask_id(cfg.preflight()), build.model_source(cfg).vocab_size) == (4, vocab)
     inputs, targets = Trainer(dataclasses.replace(cfg, schedule="none", stages=1)).batch(0)
     assert (inputs[targets != -100] == 4).any() and int(inputs.max()) < vocab
     r = check_virtual(cfg)

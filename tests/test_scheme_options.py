@@ -103,9 +103,8 @@ def test_a_closed_form_does_not_claim_an_option_it_does_not_take(lagged, capsys)
 
 def test_train_config_passes_a_new_option_and_the_reference_drops_it(lagged):
     cfg = TrainConfig(schedule="1f1b", stages=2, options={"lag": 2})
-    assert cfg.schedule_options["lag"] == 2 and "lag" not in TrainConfig.option_fields()
+    assert cfg.pipeline.scheme_options["lag"] == 2 and "lag" not in TrainConfig.option_fields()
     cfg.preflight()
     halving = TrainConfig(stages=2, strategy="halving", pipes=2, options={"lag": 2})
     ref = _reference(halving)
-    assert ref.reference and ref.options is None
-    assert all(getattr(ref, k) is None for k in TrainConfig.option_fields())
+    assert ref.reference and ref.pipeline.options == ()

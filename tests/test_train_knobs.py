@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from chimera.cli import main
-from chimera.train import ConfigError, TrainConfig
+from chimera.train import ConfigError, TrainConfig, build
 from chimera.train.launch import launch
 from chimera.train.loop import Trainer
 from chimera.train.optim import lr_at
@@ -21,7 +21,7 @@ from ranks import run_ranks
 # -- learning rate --------------------------------------------------------------------------
 def _lrs(**kw):
     cfg = TrainConfig(steps=10, warmup=2, lr=1.0, min_lr_ratio=0.1, **kw)
-    return [lr_at(cfg, s) for s in range(cfg.steps)]
+    return [lr_at(cfg, s) for s in range(cfg.optim.steps)]
 
 
 def test_every_schedule_warms_up_then_takes_its_shape():
@@ -99,7 +99,7 @@ def _one_process(data, rows, model="gpt2-tiny", grad_accum=1):
     cfg = TrainConfig(data=data, model=model, schedule="none", stages=1, micro_batches=1,
                       micro_batch_size=rows, grad_accum=grad_accum, **F64)
     trainer = Trainer(cfg)
-    logs = [trainer.step(s) for s in range(cfg.steps)]
+    logs = [trainer.step(s) for s in range(cfg.optim.steps)]
     return [(l.step, l.loss, l.grad_norm, l.tokens) for l in logs], \
         {n: p.detach() for n, _, p in trainer.replica_parameters()}
 
@@ -174,7 +174,7 @@ def test_launch_runs_with_accumulation(data):
     cfg = TrainConfig(data=data, schedule="none", stages=1, micro_batch_size=2, grad_accum=3,
                       steps=2, progress=False)
     steps = launch(cfg)["steps"]
-    assert [s["tokens"] for s in steps] == [2 * 3 * cfg.model_source.seq_len] * 2
+    assert [s["tokens"] for s in steps] == [2 * 3 * build.model_source(cfg).seq_len] * 2
 
 
 NEW_FLAGS = ("--lr-schedule", "--min-lr-ratio", "--wsd-decay", "--adam-beta1", "--adam-beta2",

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from chimera.cli import main
-from chimera.train import ConfigError, TrainConfig
+from chimera.train import ConfigError, TrainConfig, build
 from chimera.train import checkpoint as ckpt
 from chimera.train.launch import launch
 from chimera.train.loop import Trainer
@@ -64,13 +64,13 @@ def test_new_data_is_refused_unless_allowed(saved, data, tmp_path):
     with pytest.raises(ConfigError, match="--resume-allow data"):
         _resume(saved, data=str(other))
     cfg = _resume(saved, data=str(other), resume_allow=("data",))
-    assert cfg.resume_changes == []
-    assert _resume(saved, data=str(other), resume_allow="data").resume_allow == ("data",)
+    assert build.resume_changes(cfg) == []
+    assert _resume(saved, data=str(other), resume_allow="data").ckpt.resume_allow == ("data",)
 
 
 def test_the_same_batch_on_another_layout_is_accepted_and_announced(saved, data):
     cfg = _resume(saved, data, micro_batches=2, micro_batch_size=2)  # 4 sequences either way
-    assert cfg.resume_changes == [
+    assert build.resume_changes(cfg) == [
         "  micro_batches: 1 in the checkpoint, 2 now (-N)",
         "  micro_batch_size: 4 in the checkpoint, 2 now (-B)"]
 
@@ -93,7 +93,7 @@ def test_accepted_changes_are_announced_and_applied(saved, data, tmp_path, capsy
 
 
 def test_an_unchanged_resume_says_nothing(saved, data):
-    assert _resume(saved, data).resume_changes == []
+    assert build.resume_changes(_resume(saved, data)) == []
 
 
 def test_the_cli_prints_every_named_line_and_exits_2(saved, data, monkeypatch, capsys):
@@ -119,5 +119,5 @@ def test_a_checkpoint_from_before_the_record_is_still_compared(data, tmp_path):
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match=r"seed: 0 in the checkpoint, 5 now"):
         _resume(tmp_path, data, seed=5)
-    assert _resume(tmp_path, data, stages=1, dtype="fp16").resume_changes == [
+    assert build.resume_changes(_resume(tmp_path, data, stages=1, dtype="fp16")) == [
         "  dtype: 'float32' in the checkpoint, 'fp16' now (--dtype)"]

@@ -7,7 +7,7 @@ import pytest
 
 from chimera.ir import Action, Op
 from chimera.runtime.executor import ActionRecord
-from chimera.train import ConfigError, TrainConfig
+from chimera.train import ConfigError, TrainConfig, build
 from chimera.train.launch import launch
 from chimera.train.report import summary
 from chimera.train.watch import mfu, model_flops_per_token, stage_seconds
@@ -55,7 +55,7 @@ def test_the_scalars_are_the_runs_values(watched):
     assert value("eval/seconds") == pytest.approx([s["eval_seconds"] for s in steps[1:]], rel=1e-5)
     assert value("eval/perplexity") == pytest.approx([math.exp(s["val_loss"]) for s in steps[1:]],
                                                      rel=1e-5)
-    flops = model_flops_per_token(cfg.model_source)
+    flops = model_flops_per_token(build.model_source(cfg))
     want = [s["tokens"] * flops / (s["seconds"] * 2 * PEAK) for s in steps]
     assert value("train/mfu") == pytest.approx(want, rel=1e-5)
     assert value("train/tokens_per_s") == pytest.approx([s["tokens"] / s["seconds"] for s in steps],
@@ -82,7 +82,7 @@ def test_stage_seconds_sort_compute_and_communication():
 def test_mfu_counts_three_forwards_per_token(data):
     from chimera.modelcfg import flops_per_token
 
-    source = TrainConfig(data=data).model_source
+    source = build.model_source(TrainConfig(data=data))
     assert model_flops_per_token(source) == 3 * sum(flops_per_token(source.config))
     assert mfu(tokens=1000, seconds=2.0, flops_per_token=6e6, ranks=2, peak=1e9) == 1.5
 
