@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from chimera.cli import build_parser
+from chimera.cli import build_parser, train_cmd
+from chimera.cli.common import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -55,15 +56,32 @@ def _commands():
                 yield pytest.param(argv, id=f"{doc.name}: {' '.join(argv)[:60]}")
 
 
+def _parse(argv: list[str]):
+    """``argv`` parsed as `chimera` would: argparse routes, and `train` parses its own flags
+    (generated from the config's sections); a --config file the docs name is not read."""
+    args = build_parser().parse_args(argv)  # a bad flag exits 2 with one line
+    if args.command == "train":
+        rest = list(args.argv)
+        if "--config" in rest:
+            del rest[rest.index("--config"):rest.index("--config") + 2]
+        train_cmd.parse(rest)  # a bad flag raises UsageError
+    return args
+
+
 @pytest.mark.parametrize("argv", list(_commands()))
 def test_documented_command_parses(argv, capsys):
     if "--help" in argv:
         with pytest.raises(SystemExit) as exit_:
-            build_parser().parse_args(argv)
+            _parse(argv)
         assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
         return
-    args = build_parser().parse_args(argv)  # a bad flag exits 2 with one line
+    args = _parse(argv)
     assert getattr(args, "func", None) is not None
+
+
+def test_a_wrong_train_flag_in_the_docs_would_be_caught():
+    with pytest.raises(UsageError):
+        _parse(["train", "--no-such-flag", "3"])
 
 
 def test_documented_scripts_exist():
