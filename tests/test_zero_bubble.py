@@ -110,7 +110,7 @@ def test_cli_passes_cost_and_cap_and_reports_the_bound(capsys):
     assert max(r["peak_activations"] for r in out["ranks"]) <= 6
     assert out["bound"]["bubble"] == pytest.approx(3 / 51)
     assert out["bound"]["bubble"] <= out["bubble_ratio"]
-    assert main(["simulate", "-s", "1f1b", "-D", "4", "--bound"]) == 0
+    assert main(["simulate", "-s", "1f1b", "-D", "4", "-N", "4", "--bound"]) == 0
     assert "lower bound: makespan 14, bubble 42.9%" in capsys.readouterr().out  # = 1F1B
     with pytest.raises(SystemExit):
         main(["simulate", "-s", "1f1b", "-D", "4", "--cap", "3"])  # 1f1b takes no cap
