@@ -176,7 +176,7 @@ def test_limits_of_the_health_flags():
                      (dict(spike_factor=math.nan), "--spike-factor"), (dict(warmup=-5), "--warmup")):
         with pytest.raises(ConfigError, match=word):
             TrainConfig(**kw)
-    assert TrainConfig(spike_factor=0, warmup=0).spike_factor == 0
+    assert TrainConfig(spike_factor=0, warmup=0).run.spike_factor == 0
 
 
 def test_a_resume_on_other_data_starts_the_history_afresh(data, tmp_path):
