@@ -51,6 +51,7 @@ def _worker(rank: int, world: int, args, out: str) -> None:
 
     from chimera.bench.emulated import EmulatedOurs
     from chimera.bench.rows import BenchConfig, Row
+    from chimera.bench.start import start_together
     from chimera.models.emulated import tighten_timer_slack
     from chimera.runtime.workers import gloo_group
 
@@ -68,8 +69,7 @@ def _worker(rank: int, world: int, args, out: str) -> None:
             for j in range(len(cells)):
                 s, v = cells[(rnd + j) % len(cells)]
                 _variant(v, runners[s].pipe)
-                dist.barrier()
-                t0 = time.perf_counter()
+                t0 = start_together()
                 runners[s].step(rnd)
                 t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -2,7 +2,9 @@
 
 - each wait lands where the issue puts it: forward F, input-gradient path I, weight path W,
   a full backward I + W, the first layer's (no input gradient) backward all on its weight
-  path, scaled by rows and by the layer's share of a stage (sleep is recorded, not timed);
+  path, scaled by rows and by the layer's share of a stage (on a fake clock: sleep is
+  recorded, not timed); the layer's own host code runs inside its wait (a wait ends a set
+  time after the host entered the layer), the code before it does not;
 - the layers give the gradients of the same model without waits, through the pipeline
   (gloo, 2 ranks, split and unsplit schedules), and a plain y = x + bias in one process;
 - the bench's emulated rows run (tiny waits, D=2) and report what the issue asks, with peak
@@ -22,12 +24,34 @@ from chimera.models.emulated import EmulatedCost, EmulatedLayer, emulated_batch,
 from chimera.runtime.split_backward import backward_input, backward_weight
 
 
+class FakeClock:
+    """``time`` for the emulated layers: ``perf_counter`` advances only by ``sleep`` and by
+    ``tick`` per call (host code taking time); every sleep is recorded."""
+
+    def __init__(self, tick: float = 0.0):
+        self.now, self.tick, self.sleeps = 100.0, tick, []
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
 @pytest.fixture
-def waits(monkeypatch):
-    """The seconds each sleep of the emulated layers asked for, in order (no real sleeping)."""
-    log = []
-    monkeypatch.setattr(emulated.time, "sleep", log.append)
-    return log
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(emulated, "time", fake)
+    return fake
+
+
+@pytest.fixture
+def waits(clock):
+    """The seconds each sleep of the emulated layers asked for, in order (no real sleeping;
+    no time passes but the sleeps', so each sleep is a whole wait)."""
+    return clock.sleeps
 
 
 COST = EmulatedCost(0.003, 0.005, 0.007, rows=4, activation_bytes=1000)
@@ -42,13 +66,44 @@ def test_parse_and_refuse():
             EmulatedCost.parse(bad)
 
 
-def test_forward_and_full_backward_wait_f_then_i_plus_w(waits):
+def test_forward_and_full_backward_wait_f_then_i_plus_w(waits, clock):
     layer = EmulatedLayer(COST, share=1.0)
     x = torch.randn(4, COST.width, requires_grad=True)
     y = layer(x)
     assert waits == pytest.approx([0.003])
+    t0 = clock.now
     y.sum().backward()
-    assert sorted(waits[1:]) == pytest.approx([0.005, 0.007])  # I and W, in autograd's order
+    # I and W queued back to back: one backward of I + W, whichever node autograd runs first
+    assert sum(waits[1:]) == pytest.approx(0.012) and clock.now - t0 == pytest.approx(0.012)
+
+
+def test_the_layers_own_host_code_runs_inside_its_wait(monkeypatch):
+    fake = FakeClock(tick=1e-4)  # every clock read: 0.1 ms of host code
+    monkeypatch.setattr(emulated, "time", fake)
+    layer = EmulatedLayer(COST, share=1.0)
+    x = torch.randn(4, COST.width, requires_grad=True)
+    layer(x)  # warm: nothing below depends on a first call
+    t0 = fake.perf_counter()
+    y = layer(x)
+    # the forward ends F after the host entered it (the one read after the sleep aside), and
+    # the wait itself is shorter than F by the host time the layer spent before it
+    assert fake.now - t0 == pytest.approx(0.003, abs=3e-4)
+    assert fake.sleeps[-1] < 0.003
+    t0 = fake.perf_counter()
+    y.sum().backward()
+    assert fake.now - t0 == pytest.approx(0.012, abs=5e-4)
+
+
+def test_host_time_before_a_layer_is_not_hidden(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(emulated, "time", fake)
+    layer = EmulatedLayer(COST, share=1.0)
+    x = torch.randn(4, COST.width)
+    layer(x)
+    fake.now += 0.05  # the runtime's own code between two layers: 50 ms
+    t0 = fake.now
+    layer(x)
+    assert fake.now - t0 == pytest.approx(0.003)  # a full F after the host got there
 
 
 def test_split_backward_waits_i_in_i_and_w_in_w(waits):
@@ -76,7 +131,7 @@ def test_no_input_gradient_puts_the_whole_backward_on_the_weight_path(waits):
 def test_waits_scale_with_rows(waits):
     layer = EmulatedLayer(COST, share=1.0)
     layer(torch.randn(2, COST.width, requires_grad=True)).sum().backward()  # a halved micro-batch
-    assert sorted(waits) == pytest.approx([0.0015, 0.0025, 0.0035])
+    assert waits[0] == pytest.approx(0.0015) and sum(waits[1:]) == pytest.approx(0.006)
     waits.clear()
     layer(torch.randn(8, COST.width))  # two micro-batches at once
     assert waits == pytest.approx([0.006])

@@ -23,6 +23,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from chimera.api import Pipeline
 from chimera.bench.rows import BenchConfig, Row
 from chimera.bench.profiler import allreduce_time, ping
+from chimera.bench.start import start_together
 from chimera.bench.torchpp import TorchPipeline
 from chimera.ir import Action, Op, Placement, Schedule
 from chimera.models.emulated import EmulatedCost, WaitLog, emulated_batch, emulated_layers
@@ -232,8 +233,7 @@ def traced_step(runner, i: int) -> tuple[list[tuple], float]:
     """One more step of ``runner`` with its layers' waits logged; (waits, step start)."""
     runner.log.events.clear()
     runner.log.on = True
-    current().barrier()
-    start = time.perf_counter()
+    start = start_together()
     try:
         runner.step(i)
     finally:

@@ -2,8 +2,9 @@
 
 Every row's runtime is built once in one spawned group of D ranks; then each round runs one
 full optimizer step of every row (A B C A B C ...; each round starts one row later), so slow
-drift of a shared, noisy machine hits all rows alike. A step is timed from a barrier to its
-end on every rank; the row's time is the slowest rank's. Rows of one process run on rank 0
+drift of a shared, noisy machine hits all rows alike. Every rank starts a step at the same
+instant (:func:`start_together`: one clock on one machine) and times it from there to its end;
+the row's time is the slowest rank's. Rows of one process run on rank 0
 while the others wait at the next barrier (blocked, not spinning). Peak activations come
 from one more, instrumented step per row; peak RSS from a fresh process group per row (a
 process's high-water mark cannot be split between rows that share it).
@@ -23,6 +24,7 @@ import torch
 from chimera.bench import emulated
 from chimera.models.emulated import tighten_timer_slack
 from chimera.bench.rows import BenchConfig, Row
+from chimera.bench.start import start_together
 from chimera.bench.runners import OursRunner, SingleRunner, peak_activation_bytes
 from chimera.bench.torchpp import TorchRunner
 from chimera.runtime import workers
@@ -81,8 +83,7 @@ def _rounds(cfg: BenchConfig, rows: list[Row], runners: list, rank: int) -> tupl
         start = time.perf_counter()
         for j in range(len(live)):
             k = live[(rnd + j) % len(live)]
-            current().barrier()
-            t0 = time.perf_counter()
+            t0 = start_together()
             loss = runners[k].step(rnd)
             times[k].append(time.perf_counter() - t0)
             if rnd == 0:

@@ -23,8 +23,12 @@ input-gradient path to split off: every backward op is needed for the weights, s
 path waits ``I + W`` (the runtime's W, or B, pays the whole backward there).
 
 Waiting is ``time.sleep`` (the thread sleeps; the CPU is free), as a host blocked on a device
-synchronize; nothing here measures kernels or memory bandwidth, only the schedule and the
-runtime around it.
+synchronize. Each wait ends a set time after the host *entered* the layer (its forward, or
+its backward's first node), not after the layer's own host code: that code (autograd's
+bookkeeping, an allocation; ~0.3 ms a layer on this machine after a sleep) runs inside the
+wait, as kernel launches overlap a device's work, so a layer costs what the simulator prices
+it at; the runtime's code between layers is not hidden. Nothing here measures kernels or
+memory bandwidth, only the schedule and the runtime around it.
 """
 
 from __future__ import annotations
@@ -104,43 +108,91 @@ def tighten_timer_slack() -> bool:
         return False
 
 
-def wait(seconds: float, log: WaitLog | None = None, label: str = "") -> None:
-    """Sleep ``seconds`` (a device kernel the host waits for)."""
-    if seconds <= 0:
-        return
-    start = time.perf_counter()
-    time.sleep(seconds)
-    if log is None:
-        return
-    end = time.perf_counter()
-    total = log.totals.setdefault(label[0], [0.0, 0.0])
-    total[0] += end - start
-    total[1] += seconds
-    if log.on:
-        log.events.append((label, start, end, seconds))
+def _sleep_until(due: float) -> bool:
+    """Sleep until ``due``; whether there was anything left to sleep."""
+    now = time.perf_counter()
+    if due <= now:
+        return False
+    time.sleep(due - now)
+    return True
+
+
+class _Device:
+    """One layer's emulated device: when the work queued on it so far ends. Work is queued
+    (``launch``) when the host enters the layer's forward or backward and waited for where
+    the layer ends, so the host code the layer runs in between (autograd, allocation) is
+    inside the wait, as kernel launches overlap a device's work; the runtime's own code
+    between layers is not."""
+
+    def __init__(self, log: WaitLog | None):
+        self.log = log
+        self.due = 0.0  # when this layer's queued work ends (host perf_counter seconds)
+        self.input_due = 0.0  # when the current backward's input-gradient part ends
+
+    def launch(self, seconds: float, at: float | None = None) -> tuple[float, float]:
+        """Queue ``seconds`` of work at host time ``at`` (now): (its start, its end)."""
+        begin = max(self.due, time.perf_counter() if at is None else at)
+        self.due = begin + seconds
+        return begin, self.due
+
+    def wait(self, begin: float, due: float, asked: float, label: str) -> None:
+        """Sleep until ``due`` (a device synchronize); log the work as ``begin`` .. now."""
+        if asked <= 0:
+            return
+        slept = _sleep_until(due)
+        if self.log is None:
+            return
+        # done when the sleep ended, or at ``due`` where the host came later (a full backward's
+        # I, covered by its W's wait): the device's time, not the host's
+        end = time.perf_counter() if slept else due
+        total = self.log.totals.setdefault(label[0], [0.0, 0.0])
+        total[0] += end - begin
+        total[1] += asked
+        if self.log.on:
+            self.log.events.append((label, begin, end, asked))
+
+
+class _Span(torch.autograd.Function):
+    """The layer's last node: its forward waits until the layer's F, queued when the host
+    entered the layer, is done; its backward (the first node of the layer's backward) queues
+    the input-gradient work I, which the input path waits for. Identity in value."""
+
+    @staticmethod
+    def forward(ctx, y, device, begin, forward_s, input_s, label):
+        ctx.device, ctx.input_s = device, input_s
+        start, due = device.launch(forward_s, at=begin)
+        device.wait(start, due, forward_s, f"F {label}")
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        device = ctx.device
+        device.input_begin, device.input_due = device.launch(ctx.input_s)
+        return grad, None, None, None, None, None
 
 
 class _InputPath(torch.autograd.Function):
-    """Forward waits F; backward (towards the layer input) waits I. Identity in value."""
+    """Identity; its backward (towards the layer input) waits for the queued I."""
 
     @staticmethod
-    def forward(ctx, x, forward_s, input_s, log, label):
-        wait(forward_s, log, f"F {label}")
-        ctx.input_s, ctx.log, ctx.label = input_s, log, label
+    def forward(ctx, x, device, input_s, label):
+        ctx.device, ctx.input_s, ctx.label = device, input_s, label
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        wait(ctx.input_s, ctx.log, f"I {ctx.label}")
-        return grad, None, None, None, None
+        d = ctx.device
+        d.wait(d.input_begin, d.input_due, ctx.input_s, f"I {ctx.label}")
+        return grad, None, None, None
 
 
 class _WeightPath(torch.autograd.Function):
-    """The bias broadcast over the rows; keeps the activation buffer; backward waits W."""
+    """The bias broadcast over the rows; keeps the activation buffer; backward queues W (after
+    whatever this layer queued before, I included) and waits for it."""
 
     @staticmethod
-    def forward(ctx, bias, rows, weight_s, saved_bytes, log, label):
-        ctx.weight_s, ctx.log, ctx.label = weight_s, log, label
+    def forward(ctx, bias, rows, device, weight_s, saved_bytes, label):
+        ctx.device, ctx.weight_s, ctx.label = device, weight_s, label
         # the activation a real layer would keep for its backward: freed with this node
         ctx.save_for_backward(torch.empty(saved_bytes, dtype=torch.uint8, device=bias.device))
         return bias.unsqueeze(0).expand(rows, -1).clone()
@@ -148,7 +200,9 @@ class _WeightPath(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ctx.saved_tensors  # noqa: B018 -- held until now, as a real activation is
-        wait(ctx.weight_s, ctx.log, f"W {ctx.label}")
+        d = ctx.device
+        begin, due = d.launch(ctx.weight_s)
+        d.wait(begin, due, ctx.weight_s, f"W {ctx.label}")
         return grad.sum(0), None, None, None, None, None
 
 
@@ -159,19 +213,23 @@ class EmulatedLayer(nn.Module):
                  log: WaitLog | None = None):
         super().__init__()
         self.cost, self.share, self.index, self.log = cost, share, index, log
+        self.device = _Device(log)
         g = torch.Generator().manual_seed(1_000_003 * seed + index)
         self.bias = nn.Parameter(torch.randn(cost.width, generator=g) * 0.01)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (rows, width) -> (rows, width)
+        begin = time.perf_counter()  # the layer's work is queued as the host enters it
         c = self.cost
         scale = self.share * x.shape[0] / c.rows
         f, i, w = (t * scale for t in (c.forward_s, c.input_grad_s, c.weight_grad_s))
         label = f"L{self.index}"
-        h = _InputPath.apply(x, f, i, self.log, label)
         # no gradient to the input: no input path to split off, the weight path pays it all
-        weight_s = w if x.requires_grad else i + w
+        has_input_grad = x.requires_grad
+        h = _InputPath.apply(x, self.device, i, label)
         saved = int(c.activation_bytes * scale)
-        return h + _WeightPath.apply(self.bias, x.shape[0], weight_s, saved, self.log, label)
+        y = h + _WeightPath.apply(self.bias, x.shape[0], self.device,
+                                  w if has_input_grad else i + w, saved, label)
+        return _Span.apply(y, self.device, begin, f, i if has_input_grad else 0.0, label)
 
     def extra_repr(self) -> str:
         return f"{self.cost.text} ms x {self.share:g}, width={self.cost.width}"
