@@ -13,6 +13,7 @@ positional arguments (``layer(*x)``), anything else is passed as is (``layer(x)`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,21 @@ class BoundarySpec:
             if isinstance(t, torch.Tensor) else LeafSpec(None, const=t) for t in leaves)
         return BoundarySpec(tree, specs)
 
+    @functools.cached_property
+    def bare(self) -> bool:
+        """Whether the boundary is one tensor, no pytree around it (the fast path)."""
+        return len(self.leaves) == 1 and self.leaves[0].shape is not None and self.tree.is_leaf()
+
+    @functools.cached_property
+    def _plans(self) -> dict[bool, tuple]:
+        """Per direction (backward?): (leaf indices, their specs, offsets, message bytes),
+        worked out once per spec."""
+        plans = {}
+        for backward, idx in ((False, self.tensors), (True, self.grads)):
+            specs = [self.leaves[i] for i in idx]
+            plans[backward] = (idx, specs, *_layout(specs, self.wire))
+        return plans
+
     @property
     def tensors(self) -> list[int]:
         return [i for i, s in enumerate(self.leaves) if s.shape is not None]
@@ -121,8 +137,7 @@ class BoundarySpec:
         return [i for i, s in enumerate(self.leaves) if s.grad]
 
     def nbytes(self, backward: bool) -> int:
-        idx = self.grads if backward else self.tensors
-        return _layout([self.leaves[i] for i in idx], self.wire)[1]
+        return self._plans[backward][3]
 
     def example(self, device) -> object:
         """Zeros of the right structure (for probing the next stage); grad leaves require grad."""
@@ -148,13 +163,14 @@ class BoundarySpec:
                     "boundary shapes must depend only on the input's shape")
 
     def pack(self, x, stage: int, device) -> torch.Tensor:
+        if self.bare and isinstance(x, torch.Tensor) and tuple(x.shape) == self.leaves[0].shape:
+            return self._pack([x], False, device)
         leaves, tree = pytree.tree_flatten(x)
         self.check(leaves, tree, stage)
-        return self._pack([leaves[i] for i in self.tensors], self.tensors, device)
+        return self._pack([leaves[i] for i in self.tensors], False, device)
 
-    def _pack(self, tensors: list, idx: list[int], device) -> torch.Tensor:
-        specs = [self.leaves[i] for i in idx]
-        offsets, total = _layout(specs, self.wire)
+    def _pack(self, tensors: list, backward: bool, device) -> torch.Tensor:
+        _, specs, offsets, total = self._plans[backward]
         if len(specs) == 1 and _sendable_as_is(tensors[0], specs[0], self.wire, total, device):
             # the message is the leaf's own bytes: send them, as torch's pipelining does, not a
             # copy (the sender keeps the leaf alive and unchanged until the send completes)
@@ -168,9 +184,8 @@ class BoundarySpec:
                 dst.copy_(t.detach())  # casts a bf16 (autocast) leaf to the probed dtype
         return buf
 
-    def _views(self, buf: torch.Tensor, idx: list[int]) -> list[torch.Tensor]:
-        specs = [self.leaves[i] for i in idx]
-        offsets, total = _layout(specs, self.wire)
+    def _views(self, buf: torch.Tensor, backward: bool) -> list[torch.Tensor]:
+        _, specs, offsets, total = self._plans[backward]
         if buf.numel() != total:
             raise BoundaryMismatch(f"message of {buf.numel()} bytes, the spec needs {total}")
         # a leaf sent narrower than computed is cast back (a copy); otherwise a view, no copy
@@ -179,20 +194,24 @@ class BoundarySpec:
 
     def unpack(self, buf: torch.Tensor):
         """The pytree, its tensor leaves viewing ``buf`` (no copy)."""
-        views = iter(self._views(buf, self.tensors))
+        if self.bare:
+            return self._views(buf, False)[0]
+        views = iter(self._views(buf, False))
         leaves = [s.const if s.shape is None else next(views) for s in self.leaves]
         return pytree.tree_unflatten(leaves, self.tree)
 
     # -- backward messages -------------------------------------------------------------
     def pack_grads(self, grads: list, device) -> torch.Tensor:
         """Gradients of the grad leaves, in order; a None (leaf unused) travels as zeros."""
-        return self._pack(grads, self.grads, device)
+        return self._pack(grads, True, device)
 
     def unpack_grads(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        return self._views(buf, self.grads)
+        return self._views(buf, True)
 
     def grad_leaves(self, x) -> list:
         """The leaves of ``x`` (this boundary's structure) that carry gradients."""
+        if self.bare and isinstance(x, torch.Tensor):
+            return [x] if self.leaves[0].grad else []
         leaves = pytree.tree_leaves(x)
         return [leaves[i] for i in self.grads]
 
@@ -216,6 +235,9 @@ def signature(x) -> tuple:
 def detach_input(x, spec: BoundarySpec | None):
     """A stage input cut from the graph; leaves the spec marks get ``requires_grad`` (so
     backward leaves their gradient in ``.grad``). Returns (tree, those leaves)."""
+    if isinstance(x, torch.Tensor):  # the common case, without the pytree round trip
+        x = x.detach()
+        return x, ([x.requires_grad_()] if spec is not None and spec.grads else [])
     leaves, tree = pytree.tree_flatten(x)
     leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
     grad = [] if spec is None else [leaves[i].requires_grad_() for i in spec.grads]

@@ -88,6 +88,7 @@ class Executor:
         self.before_forward = None  # called with (pipe, stage) before each forward, if set
         self.record_epoch: float | None = None  # wall-clock time of the recorded run's t0
         self._calls_of: tuple = (None, [])  # (program, its handler per step)
+        self._links: dict[Action, tuple] = {}  # per F/B/I: (input_stage, its RECV), worked out once
         self.params = {k: [p for p in m.parameters() if p.requires_grad] for k, m in modules.items()}
         self.handlers = {
             Op.F: self._forward, Op.B: self._backward, Op.I: self._backward_input,
@@ -143,14 +144,21 @@ class Executor:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
+    def _link(self, a: Action) -> tuple:
+        """(the stage whose output ``a`` consumes or None, the RECV that would bring it)."""
+        link = self._links.get(a)
+        if link is None:
+            link = self._links[a] = (input_stage(a, self.schedule.stages), recv_of(a))
+        return link
+
     def _stage_input(self, a: Action) -> tuple[object, list[torch.Tensor]]:
         """(input pytree, its leaves that get a gradient) of the forward ``a``."""
-        src = input_stage(a, self.schedule.stages)
+        src, recv = self._link(a)
         if src is None:
             return self.data.inputs[a.micro], []
         spec = self.boundaries[src]
-        if recv_of(a) in self.recv:
-            x = spec.unpack(self.recv.pop(recv_of(a)))
+        if recv in self.recv:
+            x = spec.unpack(self.recv.pop(recv))
         else:  # previous stage on this rank (V placement): hand the output over directly
             x = self.out[(a.pipe, src, a.micro)]
         if self.forward_only:
@@ -169,7 +177,7 @@ class Executor:
                 y = module(x)
             if a.stage == self.last:
                 y = self._loss(y, a.micro)
-        if input_stage(a, self.schedule.stages) is not None and not self.forward_only:
+        if self._link(a)[0] is not None and not self.forward_only:
             self.inp[a.key] = grad_leaves  # SEND_B or the previous stage (same rank) reads their .grad
         self.out[a.key] = y
 
@@ -187,12 +195,12 @@ class Executor:
     def _output_grad(self, a: Action) -> tuple[list[torch.Tensor], list]:
         """(outputs, their gradients) that backward starts from; only outputs that require grad."""
         y = self.out.pop(a.key)
-        src = input_stage(a, self.schedule.stages)
+        src, recv = self._link(a)
         if src is None:  # the last stage: backward starts from the loss
             return ([y], [None]) if y is not None and y.requires_grad else ([], [])
         spec = self.boundaries[a.stage]
-        if recv_of(a) in self.recv:
-            grads = spec.unpack_grads(self.recv.pop(recv_of(a)))
+        if recv in self.recv:
+            grads = spec.unpack_grads(self.recv.pop(recv))
         else:  # next stage on this rank
             grads = [x.grad for x in self.inp.pop((a.pipe, src, a.micro))]
         pairs = [(t, g) for t, g in zip(spec.grad_leaves(y), grads)

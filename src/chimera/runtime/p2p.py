@@ -24,7 +24,7 @@ from collections import deque
 import torch
 
 from chimera.check.comm_plan import CommPlan, Message
-from chimera.ir import Action
+from chimera.ir import Action, Op
 from chimera.runtime.transport import Transport, current
 
 __all__ = ["CommTimeout", "Mailbox", "Message", "peers_text"]
@@ -81,12 +81,23 @@ class Mailbox:
         self.schedule, self.grid = plan.schedule, grid
         self.order = plan.incoming[grid.d]  # the receives, in the order the plan posts them
         self.buffers = {m: torch.empty(shape_of(m), dtype=dtype, device=device) for m in self.order}
+        self.sources = {m: (grid.peer(m.pipe, m.source_stage), m.tag(plan.schedule)) for m in self.order}
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.transport = transport if transport is not None else current()
         self.dtype = dtype
         self.pending: dict[Message, object] = {}
+        self.routes: dict[Action, tuple[Message, int, int]] = {}  # (message, peer, tag) per action
         self.begin_iteration()
         self.sends: deque[tuple[object, torch.Tensor | None, Action, int]] = deque()
+
+    def _route(self, action: Action) -> tuple[Message, int, int]:
+        """(message, peer rank, tag) of a SEND or RECV, worked out once per action."""
+        route = self.routes.get(action)
+        if route is None:
+            msg = Message.of(action, self.schedule.stages)
+            other = msg.source_stage if action.op in (Op.RECV_F, Op.RECV_B) else msg.stage
+            route = self.routes[action] = (msg, self.grid.peer(msg.pipe, other), msg.tag(self.schedule))
+        return route
 
     def begin_iteration(self) -> None:
         if self.pending:  # a run that stopped midway: a posted receive would take a new message
@@ -103,8 +114,8 @@ class Mailbox:
             self._post(msg)
 
     def _post(self, msg: Message) -> None:
-        src = self.grid.peer(msg.pipe, msg.source_stage)
-        self.pending[msg] = self.transport.irecv(self.buffers[msg], src, msg.tag(self.schedule))
+        src, tag = self.sources[msg]
+        self.pending[msg] = self.transport.irecv(self.buffers[msg], src, tag)
         self.posted.add(msg)
 
     def _post_ahead(self) -> None:
@@ -115,8 +126,7 @@ class Mailbox:
         self.ahead = True
 
     def receive(self, action: Action) -> torch.Tensor:
-        msg = Message.of(action, self.schedule.stages)
-        src = self.grid.peer(msg.pipe, msg.source_stage)
+        msg, src, _ = self._route(action)
         work = self.pending.pop(msg)
         # Where messages match by tag and nothing waits in a stream (gloo), a rank about to
         # wait posts the rest of its receives now, while it is idle anyway: a later send then
@@ -131,11 +141,13 @@ class Mailbox:
         return self.buffers[msg]
 
     def send(self, action: Action, tensor: torch.Tensor) -> None:
-        msg = Message.of(action, self.schedule.stages)
-        peer = self.grid.peer(msg.pipe, msg.stage)
-        tensor = tensor.detach().to(self.dtype).contiguous()  # bf16 autocast may change it
+        _, peer, tag = self._route(action)
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        if tensor.dtype != self.dtype or not tensor.is_contiguous():  # bf16 autocast may change it
+            tensor = tensor.to(self.dtype).contiguous()
         try:
-            work = self.transport.isend(tensor, peer, msg.tag(self.schedule))
+            work = self.transport.isend(tensor, peer, tag)
         except RuntimeError as exc:  # gloo may refuse at once when the peer's socket closed
             if not _PEER_GONE.search(str(exc)):
                 raise
