@@ -5,8 +5,9 @@
     python benchmarks/depth_table.py          # -> benchmarks/results/depth.{md,png}
 
 One row per schedule: its simulated step (the row's own order at 20 ms per F, I and W and
-the measured p2p latency), ours and torch's measured medians, and realized / simulated for
-each, at D=4 N=8 and D=8 N=16.
+the measured p2p latency), the floor (our program with only its waits and messages) over
+simulated, ours and torch's measured medians, and realized / simulated for each, at D=4 N=8
+and D=8 N=16.
 """
 
 from __future__ import annotations
@@ -45,19 +46,22 @@ def _cell(r: dict | None, key: str, fmt: str) -> str:
 
 def table(runs: dict[str, dict]) -> tuple[str, list]:
     head = "| schedule |" + "".join(
-        f" {k}: simulated (s) | ours (s) | ours / simulated | torch (s) | torch / simulated |"
-        for k in runs)
-    lines = [head, "|---|" + "---|" * 5 * len(runs)]
+        f" {k}: simulated (s) | floor / simulated | ours (s) | ours / simulated | torch (s) "
+        "| torch / simulated |" for k in runs)
+    lines = [head, "|---|" + "---|" * 6 * len(runs)]
     points = []
     for label, (ours, theirs) in ROWS.items():
         cells = []
         for key, data in runs.items():
             o, t = _find(data["results"], "chimera", ours), _find(data["results"], "torch", theirs)
+            floor = _find(data["results"], "floor", ours)
             sim = (o or t or {}).get("simulated_step_s")
-            cells += [_cell(o or t, "simulated_step_s", ".3f"), _cell(o, "median_step_s", ".3f"),
+            cells += [_cell(o or t, "simulated_step_s", ".3f"),
+                      _cell(floor, "realized_vs_simulated", ".2f"), _cell(o, "median_step_s", ".3f"),
                       _cell(o, "realized_vs_simulated", ".2f"), _cell(t, "median_step_s", ".3f"),
                       _cell(t, "realized_vs_simulated", ".2f")]
-            points.append((key, label, sim, o and o["median_step_s"], t and t["median_step_s"]))
+            points.append((key, label, sim, o and o["median_step_s"], t and t["median_step_s"],
+                           floor and floor["median_step_s"]))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines), points
 
@@ -79,11 +83,14 @@ def picture(points: list, path: str) -> None:
                 label="torch.distributed.pipelining (measured)")
         ax.scatter([p[2] for p in rows], list(y), marker="|", s=500, color="black", zorder=3,
                    label="simulated")
+        floors = [(k, p[5]) for k, p in enumerate(rows) if p[5]]
+        ax.scatter([f for _, f in floors], [k + 0.2 for k, _ in floors], marker="x", s=40,
+                   color="#555555", zorder=4, label="floor: our program, waits and messages only")
         ax.set_yticks(list(y), [p[1] for p in rows], fontsize=9)
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("seconds per step (20 ms per F, I, W per D-th of the model)")
     handles, labels = (axes[0] if len(keys) > 1 else axes).get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle("Emulated accelerators: realized vs simulated step, ours and torch's", fontsize=11)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=100)

@@ -7,7 +7,8 @@
   time after the host entered the layer), the code before it does not;
 - the layers give the gradients of the same model without waits, through the pipeline
   (gloo, 2 ranks, split and unsplit schedules), and a plain y = x + bias in one process;
-- the bench's emulated rows run (tiny waits, D=2) and report what the issue asks, with peak
+- the bench's emulated rows run (tiny waits, D=2), floor rows too (the program with only
+  waits and messages), and report what the issue asks, with peak
   activations measured where the simulator counts them (no time is asserted).
 """
 
@@ -194,7 +195,8 @@ def test_pipelined_gradients_equal_one_process_without_waits():
 
 @pytest.mark.slow
 def test_bench_emulate_rows(run_cli, tmp_path):
-    rows = "chimera:chimera,chimera:zb-v,chimera:1f1b,torch:1f1b,torch:zbv,torch:dualpipev"
+    rows = "chimera:chimera,chimera:zb-v,chimera:1f1b,torch:1f1b,torch:zbv,torch:dualpipev," \
+           "floor:zb-v,floor:1f1b"
     r = run_cli("bench", "--emulate", "2:2:2", "-D", "2", "-N", "4", "--steps", "1",
                 "--warmup", "0", "--rows", rows, "--activation-mb", "0.25", "--out", tmp_path)
     assert r.returncode == 0, r.stderr
@@ -202,12 +204,27 @@ def test_bench_emulate_rows(run_cli, tmp_path):
     assert data["config"]["emulate_ms"] == "2:2:2" and data["latency"]["p2p_s"] > 0
     got = {(x["impl"], x["schedule"]): x for x in data["results"]}
     assert set(got) == {("chimera", "chimera"), ("chimera", "zb-v"), ("chimera", "1f1b"),
-                        ("torch", "1f1b"), ("torch", "zbv"), ("torch", "dualpipev")}
+                        ("torch", "1f1b"), ("torch", "zbv"), ("torch", "dualpipev"),
+                        ("floor", "zb-v"), ("floor", "1f1b")}
+    for key in (("floor", "zb-v"), ("floor", "1f1b")):  # the program with only waits and messages
+        floor = got[key]
+        assert floor["peak_activations"] is None and floor["realized_vs_simulated"] > 0
+        # it runs our row's lowered program: the same order is simulated for both
+        assert floor["simulated_step_s"] == pytest.approx(got[("chimera", key[1])]["simulated_step_s"], rel=1e-9)
+        mine = got[("chimera", key[1])]
+        assert mine["realized_vs_floor"] == pytest.approx(mine["median_step_s"] / floor["median_step_s"])
+    assert set(got[("floor", "zb-v")]["wait_stretch"]) == {"F", "I", "W"}
+    assert set(got[("floor", "1f1b")]["wait_stretch"]) == {"F", "B"}  # one wait per full backward
+    assert got[("chimera", "chimera")]["realized_vs_floor"] is None  # no floor row was asked for
+    assert data["summary"]["floor"]["floor_vs_simulated"][0] > 0
     for x in data["results"]:
+        if x["impl"] == "floor":
+            continue
         assert x["stages"] == 2 and x["micro_batches"] == 4
         assert x["simulated_free_s"] > 0 and x["simulated_step_s"] >= x["simulated_free_s"]
         assert x["realized_vs_simulated"] == pytest.approx(x["median_step_s"] / x["simulated_step_s"])
-        assert set(x["wait_stretch"]) == {"F", "I", "W"} and min(x["wait_stretch"].values()) >= 1.0
+        # a wait the host reached after its due time took exactly what it asked (up to rounding)
+        assert set(x["wait_stretch"]) == {"F", "I", "W"} and min(x["wait_stretch"].values()) >= 1 - 1e-6
         assert x["simulated_measured_waits_s"] >= x["simulated_step_s"]
         assert len(x["peak_activations"]) == 2
     for key in (("chimera", "chimera"), ("chimera", "zb-v"), ("chimera", "1f1b"), ("torch", "1f1b"),
@@ -218,6 +235,8 @@ def test_bench_emulate_rows(run_cli, tmp_path):
     trace = json.loads((tmp_path / "bench-emulated-D2-N4-traces" / "chimera_zb-v.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"F L0", "W L0"} <= names and any(n.startswith("p0s") for n in names)
+    trace = json.loads((tmp_path / "bench-emulated-D2-N4-traces" / "floor_zb-v.json").read_text())
+    assert any(e["name"].startswith("W") for e in trace["traceEvents"] if e["ph"] == "X")
     assert (tmp_path / "bench-emulated-D2-N4.png").stat().st_size > 0
     assert "realized / simulated" in r.stdout
 

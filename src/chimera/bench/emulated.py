@@ -25,8 +25,10 @@ from chimera.bench.rows import BenchConfig, Row
 from chimera.bench.profiler import allreduce_time, ping
 from chimera.bench.start import start_together
 from chimera.bench.torchpp import TorchPipeline
+from chimera.check.comm_plan import Launch, Message, Post
 from chimera.ir import Action, Op, Placement, Schedule
-from chimera.models.emulated import EmulatedCost, WaitLog, emulated_batch, emulated_layers
+from chimera.models.emulated import (EmulatedCost, WaitLog, emulated_batch, emulated_layers,
+                                     sleep_device)
 from chimera.passes import lower
 from chimera.runtime.transport import ReduceOp, current
 from chimera.schedules import build
@@ -71,6 +73,63 @@ class EmulatedOurs:
     def step(self, i: int) -> float:
         x, y = emulated_batch(self.cost, self.cfg.global_batch, i, self.cfg.seed)
         return self.pipe.step(x, y)
+
+    def order(self) -> Schedule:
+        return self.schedule
+
+
+class EmulatedFloor:
+    """The floor under our rows: the same rank program (the lowered schedule and its comm
+    plan, as our row runs it) with nothing else. Each compute action is one wait of exactly
+    its simulated cost, from when the host reached it; each message is the runtime's own
+    bytes through the same Mailbox, each gradient collective the replica's flat buffer
+    through the same GradSync. No modules, autograd, boundary packing or API step: what is
+    left over simulated is what this machine charges for sleeping, waking and passing
+    messages (8 ranks on 2 cores included), and ours over floor is what the runtime around
+    the schedule costs."""
+
+    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+        self.ours = EmulatedOurs(cfg, row, rank)  # the same program, grid, groups and buffers
+        self.cfg, self.schedule, self.log, self.params = cfg, self.ours.schedule, WaitLog(), []
+        self.runtime = None
+
+    def _prepare(self, i: int) -> None:
+        """One step of our row fits the boundaries and allocates the mailbox; then the
+        program's sends get buffers of their messages' sizes and every action its cost."""
+        self.ours.step(i)
+        rt = self.ours.pipe.runtime
+        s, cost = self.schedule, cost_of(self.cfg)
+        model = stage_costs(s, cost.forward_s, cost.input_grad_s, cost.weight_grad_s)
+        self.cost = {a: model.compute(a.op, a.stage, s.stages, s.ranks, s.micro_scale)
+                     for a in rt.program if isinstance(a, Action) and a.op.is_compute}
+        shape = lambda a: rt._message_shape(rt.shapes, Message.of(a, s.stages))
+        self.sent = {a: torch.zeros(shape(a), dtype=torch.uint8) for a in rt.program
+                     if isinstance(a, Action) and a.op in (Op.SEND_F, Op.SEND_B)}
+        self.runtime = rt
+
+    def step(self, i: int) -> float:
+        if self.runtime is None:
+            self._prepare(i)
+            return 0.0
+        rt = self.runtime
+        box, sync, device = rt.executor.mailbox, rt.sync, sleep_device(self.log)
+        box.begin_iteration()
+        for step in rt.program:
+            if isinstance(step, Post):
+                box.post(step.message)
+            elif isinstance(step, Launch):
+                sync.start(step.pipe, step.stage)
+            elif step.op.is_compute:
+                begin, due = device.launch(self.cost[step])
+                device.wait(begin, due, self.cost[step], f"{step.op.name}{step.stage}.{step.micro}")
+            elif step.op in (Op.SEND_F, Op.SEND_B):
+                box.send(step, self.sent[step])
+            elif step.op in (Op.RECV_F, Op.RECV_B):
+                box.receive(step)
+            elif step.op is Op.STEP:
+                box.finish_iteration()
+                sync.wait_all()
+        return 0.0
 
     def order(self) -> Schedule:
         return self.schedule
@@ -226,7 +285,7 @@ def _meta(pid: int, name: str) -> dict:
 
 
 def is_emulated(runner) -> bool:
-    return isinstance(runner, (EmulatedOurs, EmulatedTorch))
+    return isinstance(runner, (EmulatedOurs, EmulatedTorch, EmulatedFloor))
 
 
 def traced_step(runner, i: int) -> tuple[list[tuple], float]:
@@ -245,5 +304,5 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b or math.isnan(a) or math.isnan(b) else a / b
 
 
-__all__ = ["EmulatedOurs", "EmulatedTorch", "cost_of", "link_latency", "simulated",
+__all__ = ["EmulatedFloor", "EmulatedOurs", "EmulatedTorch", "cost_of", "link_latency", "simulated",
            "trace_events", "traced_step"]

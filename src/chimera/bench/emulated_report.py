@@ -51,6 +51,11 @@ def result_rows(cfg: BenchConfig, rows: list[Row], raw: dict) -> list[dict]:
             "first_loss": raw["first_loss"][k],
             "_timeline": sim.get("timeline"),
         })
+    floors = {r["schedule"]: r for r in out if r["impl"] == "floor"}
+    for r in out:
+        floor = floors.get(r["schedule"]) if r["impl"] == "chimera" and _default(r) else None
+        r["floor_step_s"] = floor and floor["median_step_s"]
+        r["realized_vs_floor"] = ratio(r["median_step_s"], r["floor_step_s"])
     return out
 
 
@@ -63,6 +68,17 @@ def assemble(cfg: BenchConfig, rows: list[Row], raw: dict, started: float, load:
 
 def _name(row: Row) -> str:
     return report.row_name({"impl": row.impl, "schedule": row.schedule, "options": row.opts})
+
+
+def floor_summary(results: list[dict]) -> dict | None:
+    """The floor rows' realized / simulated and our rows' step over their floor (ranges)."""
+    floors = [r["realized_vs_simulated"] for r in results
+              if r["impl"] == "floor" and r["realized_vs_simulated"] is not None]
+    over = [r["realized_vs_floor"] for r in results if r.get("realized_vs_floor") is not None]
+    if not floors:
+        return None
+    return {"floor_vs_simulated": [min(floors), max(floors)],
+            "ours_vs_floor": [min(over), max(over)] if over else None}
 
 
 def _default(row: dict) -> bool:
@@ -93,6 +109,7 @@ def targets(results: list[dict]) -> dict:
         "ours_vs_torch_same_schedule": pairs,
         "ours_best": best and best["name"], "torch_best": torch_best and torch_best["schedule"],
         "ours_best_vs_torch_best": vs,
+        "floor": floor_summary(results),
         "met": {"every schedule of ours <= 1.05x simulated": not over,
                 "ours >= torch on each shared schedule": all(v is not None and v >= 1.0
                                                              for v in pairs.values()) if pairs else None,
@@ -120,20 +137,25 @@ def markdown(data: dict) -> str:
              f"allreduce {1e3 * lat.get('allreduce_s', 0):.2f} ms ({lat.get('how', '')}).", "",
              "| impl | schedule | median step (s) | min .. max (s) | simulated (s) | free p2p (s) "
              "| realized / simulated | waits took (F/I/W) | realized / simulated at those "
-             "| peak activations / rank, measured (Ma) | simulated (Ma) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ours / floor | peak activations / rank, measured (Ma) | simulated (Ma) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res:
         lines.append(f"| {r['impl']} | {r['name']} | {r['median_step_s']:.3f} | "
                      f"{r['min_step_s']:.3f} .. {r['max_step_s']:.3f} | {_fmt(r['simulated_step_s'])} | "
                      f"{_fmt(r['simulated_free_s'])} | {_fmt(r['realized_vs_simulated'], 2, 'x')} | "
                      f"{_stretch(r['wait_stretch'])} | {_fmt(r['realized_vs_measured_waits'], 2, 'x')} | "
-                     f"{_acts(r['peak_activations'])} | {_acts(r['simulated_peak_activations'])} |")
+                     f"{_fmt(r.get('realized_vs_floor'), 2, 'x')} | {_acts(r['peak_activations'])} | {_acts(r['simulated_peak_activations'])} |")
     lines += ["", "Simulated: the row's own order (ours: the lowered schedule the runtime ran; "
               "torch's: the order its schedule object runs) at the nominal waits and the measured "
               "p2p and allreduce times; free p2p: the same with free communication. Waits took: "
               "how much longer each kind of wait ran than asked (sleep overshoot, an artifact of "
               "the emulation, larger on a loaded machine; over all of the row's steps); realized / simulated at those: the "
-              "simulation redone with those wait times, so what is left is the runtime's own cost."]
+              "simulation redone with those wait times, so what is left is the runtime's own cost. "
+              "Floor rows: our row's program again with only its waits (one per action, exactly "
+              "its simulated cost) and its messages and gradient collectives through the same "
+              "mailbox; no modules, autograd or API step. Floor over simulated is what this "
+              "machine charges for sleeping, waking and messaging (D ranks on its cores); ours "
+              "/ floor is what the runtime around the schedule costs."]
     s = data["summary"]
     met = {k: "met" if v else "missed" if v is not None else "n/a" for k, v in s["met"].items()}
     over = ", ".join(f"{k} {_fmt(v, 2, 'x')}" for k, v in s["ours_over_1.05x_simulated"].items())
@@ -145,6 +167,13 @@ def markdown(data: dict) -> str:
               f"({met[keys[1]]})",
               f"- our best ({s['ours_best']}) vs torch's best ({s['torch_best']}): "
               f"{_fmt(s['ours_best_vs_torch_best'], 2, 'x')} (target >= 1.15x: {met[keys[2]]})"]
+    floor = s.get("floor")
+    if floor:
+        lo, hi = floor["floor_vs_simulated"]
+        lines.append(f"- the floor (the same programs with waits and messages only) realizes "
+                     f"{lo:.2f}x .. {hi:.2f}x of simulated"
+                     + (f"; ours is {floor['ours_vs_floor'][0]:.2f}x .. "
+                        f"{floor['ours_vs_floor'][1]:.2f}x its floor" if floor["ours_vs_floor"] else ""))
     return "\n".join(lines)
 
 
@@ -175,7 +204,7 @@ def chart(data: dict, path: str) -> None:
     import matplotlib.pyplot as plt  # (after matplotlib.use)
 
     res = data["results"][::-1]
-    colors = {"chimera": "#1f77b4", "torch": "#ff7f0e"}
+    colors = {"chimera": "#1f77b4", "torch": "#ff7f0e", "floor": "#9a9a9a"}
     fig, ax = plt.subplots(figsize=(8, 0.38 * len(res) + 1.6))
     y = list(range(len(res)))
     med = [r["median_step_s"] for r in res]

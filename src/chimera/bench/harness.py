@@ -38,7 +38,8 @@ FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to say w
 
 def make_runner(cfg: BenchConfig, row: Row, rank: int):
     if cfg.emulate:
-        return (emulated.EmulatedOurs if row.impl == "chimera" else emulated.EmulatedTorch)(cfg, row, rank)
+        kind = {"chimera": emulated.EmulatedOurs, "floor": emulated.EmulatedFloor}
+        return kind.get(row.impl, emulated.EmulatedTorch)(cfg, row, rank)
     if row.impl == "single":
         return SingleRunner(cfg, row, rank)
     if row.impl == "chimera":
@@ -142,8 +143,9 @@ def _emulated_extras(cfg: BenchConfig, runners: list, rank: int) -> dict:
     peaks, orders, traces, totals = [], [], [], []
     for k, r in enumerate(runners):
         current().barrier()
-        peak = 0 if r is None else peak_activation_bytes(r, cfg.rounds + 1)
-        peaks.append(None if r is None else _from_every_rank(peak))
+        keeps = r is not None and not isinstance(r, emulated.EmulatedFloor)  # a floor keeps none
+        peak = peak_activation_bytes(r, cfg.rounds + 1) if keeps else 0
+        peaks.append(_from_every_rank(peak) if keeps else None)
         order = None if r is None else r.order()
         orders.append(None if order is None else order.to_json())
         waits = None if r is None else emulated.traced_step(r, cfg.rounds + 2)

@@ -102,7 +102,7 @@ def row_name(r: dict) -> str:
         return f"single, {r['threads']} thread{'s' if r['threads'] > 1 else ''}" + \
             (f", {acc} micro-batches accumulated" if acc else "")
     opts = r["options"]
-    extra = get_scheme(r["schedule"]).labels(opts) if r["impl"] == "chimera" else []
+    extra = get_scheme(r["schedule"]).labels(opts) if r["impl"] in ("chimera", "floor") else []
     extra += ["sharded optimizer"] if opts.get("shard") else []
     return r["schedule"] + (f" ({', '.join(extra)})" if extra else "")
 

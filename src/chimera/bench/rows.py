@@ -33,14 +33,14 @@ IMPLS = ("single", "chimera", "torch")
 
 @dataclass(frozen=True)
 class Row:
-    impl: str  # single | chimera | torch
+    impl: str  # single | chimera | torch | floor (our program with only waits and messages)
     schedule: str  # "none" for single
     options: tuple[tuple[str, object], ...] = ()  # e.g. (("chunks", 2),) or (("threads", 2),)
 
     @property
     def id(self) -> str:
         """``impl:schedule`` plus options, e.g. ``single:none:threads=2``, ``chimera:interleaved``."""
-        ours = get_scheme(self.schedule) if self.impl == "chimera" else None
+        ours = get_scheme(self.schedule) if self.impl in ("chimera", "floor") else None
         opts = "".join(f":{k}={v}" for k, v in self.options if not (ours and ours.is_default(k, v)))
         return f"{self.impl}:{self.schedule}{opts}"
 
@@ -124,8 +124,10 @@ def our_schemes() -> list[str]:
 def all_rows(cfg: BenchConfig) -> list[Row]:
     """Every row the benchmark knows, before filtering."""
     if cfg.emulate:  # no host compute to compare with, no optimizer to shard
-        return [r for name in our_schemes() for r in scheme_rows(name)] + \
-            [Row("torch", name) for name in TORCH_SCHEDULES]
+        ours = [r for name in our_schemes() for r in scheme_rows(name)]
+        # each scheme's program again with only waits and messages (bench.emulated.EmulatedFloor)
+        floors = [Row("floor", name, scheme_rows(name)[0].options) for name in our_schemes()]
+        return ours + [Row("torch", name) for name in TORCH_SCHEDULES] + floors
     rows = [Row("single", "none", (("threads", 1),)), Row("single", "none", (("threads", 2),)),
             # the same micro-batches as the pipelines, accumulated: the linear limit without
             # the (cache) cost or benefit of computing the whole mini-batch at once

@@ -46,7 +46,7 @@ from chimera.errors import UserError
 from chimera.sim.cost import parse_times
 
 __all__ = ["EmulatedCost", "EmulatedLayer", "WaitLog", "emulated_batch", "emulated_layers",
-           "tighten_timer_slack"]
+           "sleep_device", "tighten_timer_slack"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,12 @@ class _Device:
         total[1] += asked
         if self.log.on:
             self.log.events.append((label, begin, end, asked))
+
+
+def sleep_device(log: WaitLog | None = None) -> _Device:
+    """An emulated device outside any layer, with the layers' launch/wait (the bench's floor
+    rows queue each whole action on one)."""
+    return _Device(log)
 
 
 class _Span(torch.autograd.Function):
