@@ -261,3 +261,29 @@ def test_timer_slack_is_tightened_on_linux():
         assert libc.prctl(30, 0, 0, 0, 0) == 1
     finally:
         libc.prctl(29, before, 0, 0, 0)  # this pytest process's own slack, as it was
+
+
+@pytest.mark.slow
+def test_wake_cost_script_writes_its_table(cli_env, tmp_path):
+    """benchmarks/wake_cost.py (the README's figure for code run right after a sleep) runs and
+    writes one row per sleep length, each with a first call, a second call and an isend time."""
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wake_cost.py"), "--reps", "3",
+                        "--out", str(tmp_path), "--port", str(port)],
+                       env=cli_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "wake_cost.json").read_text())
+    assert [row["sleep_ms"] for row in data["piece"]] == [row["sleep_ms"] for row in data["isend"]]
+    assert data["piece"][0]["sleep_ms"] == 0 and len(data["piece"]) >= 4
+    assert all(row["first_us"] > 0 and row["second_us"] > 0 for row in data["piece"])
+    assert all(row["isend_us"] > 0 for row in data["isend"])
+    table = (tmp_path / "wake_cost.md").read_text().splitlines()
+    assert len(table) == 2 + len(data["piece"]) and not (tmp_path / ".wake_cost_isend.json").exists()
