@@ -8,6 +8,8 @@ mini-batch's forwards, backwards and gradient sync (no optimizer step: the simul
 is compared with prices none). Each row is also simulated (:func:`simulated`) at the same
 costs: ours from the lowered schedule the runtime runs, torch's from the order its schedule
 object executes (``pipeline_order``), so realized / simulated is the runtime's own cost.
+Floor rows (:class:`EmulatedFloor`) run our programs with nothing but their waits and
+messages: floor / simulated is the machine's share of that cost, ours / floor the runtime's.
 """
 
 from __future__ import annotations
