@@ -8,9 +8,12 @@ current runtime, rounds interleaved (A B C, then B C A, ...) so machine noise hi
   (as before), not read at the end of the step;
 - ``plan-posts``: receives posted where the comm plan puts them (as on NCCL), not the rest of
   the iteration's at a rank's first wait (gloo);
-- ``before``: both.
+- ``before``: both;
+- ``no-fingerprint``: no batch check at all (``Pipeline(check_batch=False)``): what the
+  check itself costs.
 
     python benchmarks/runtime_ab.py --emulate 20:20:20 -D 4 -N 8 --schedules zb-v,1f1b,chimera-zb
+    python benchmarks/runtime_ab.py -D 8 -N 16 --schedules 1f1b,zb-v --variants now,no-fingerprint
 
 Prints medians and ratios to ``now`` and writes ``benchmarks/results/runtime_ab-D{D}-N{N}.{json,md}``.
 """
@@ -25,7 +28,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("now", "sync-fingerprint", "plan-posts", "before")
+VARIANTS = ("now", "sync-fingerprint", "plan-posts", "before", "no-fingerprint")
 
 
 def _variant(name: str, pipe) -> None:
@@ -33,7 +36,8 @@ def _variant(name: str, pipe) -> None:
     import chimera.api as api
 
     sync = name in ("sync-fingerprint", "before")
-    pipe.runtime.executor.mailbox.transport.matches_by_tag = name not in ("plan-posts", "before")
+    pipe.check_batch = name != "no-fingerprint"
+    pipe.runtime.executor.mailbox.post_ahead = name not in ("plan-posts", "before")
     if not hasattr(api._BatchCheck, "_ab_init"):
         api._BatchCheck._ab_init = api._BatchCheck.__init__
 
@@ -63,7 +67,7 @@ def _worker(rank: int, world: int, args, out: str) -> None:
         runners = {s: EmulatedOurs(cfg, Row("chimera", s), rank) for s in args.schedules}
         for r in runners.values():  # the first step probes the boundaries (makes the mailbox)
             r.step(0)
-        times = {(s, v): [] for s in args.schedules for v in VARIANTS}
+        times = {(s, v): [] for s in args.schedules for v in args.variants}
         cells = list(times)
         for rnd in range(args.warmup + args.rounds):
             for j in range(len(cells)):
@@ -88,11 +92,17 @@ def main() -> int:
     p.add_argument("-D", "--stages", type=int, default=4)
     p.add_argument("-N", "--micro-batches", type=int, default=8)
     p.add_argument("--schedules", default="zb-v,1f1b,chimera-zb,chimera")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, 'now' first (default: all of {', '.join(VARIANTS)})")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = p.parse_args()
     args.schedules = [s for s in args.schedules.split(",") if s]
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or "now" not in args.variants:
+        p.error(f"--variants: {', '.join(unknown) or 'now is missing'} (known: {', '.join(VARIANTS)})")
     from chimera.runtime import workers
 
     args.port = workers.free_port()
@@ -107,7 +117,7 @@ def main() -> int:
     rows = []
     for s in args.schedules:
         now = statistics.median(raw[f"{s}|now"])
-        for v in VARIANTS:
+        for v in args.variants:
             med = statistics.median(raw[f"{s}|{v}"])
             rows.append({"schedule": s, "variant": v, "median_step_s": med, "vs_now": med / now,
                          "steps_s": raw[f"{s}|{v}"]})

@@ -84,6 +84,8 @@ class Mailbox:
         self.sources = {m: (grid.peer(m.pipe, m.source_stage), m.tag(plan.schedule)) for m in self.order}
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.transport = transport if transport is not None else current()
+        # gloo: a rank about to wait posts the rest of its receives (see receive); asked once
+        self.post_ahead = bool(self.transport.matches_by_tag)
         self.dtype = dtype
         self.pending: dict[Message, object] = {}
         self.routes: dict[Action, tuple[Message, int, int]] = {}  # (message, peer, tag) per action
@@ -135,7 +137,7 @@ class Mailbox:
         # posting costs no time a rank could have computed in (posted all at the start, it
         # delayed the first stage's first forward by ~7 ms at D=8). On NCCL and under its
         # emulation the plan's Posts are kept: their place is what makes the order safe there.
-        if not self.ahead and self.transport.matches_by_tag and not work.is_completed():
+        if not self.ahead and self.post_ahead and not work.is_completed():
             self._post_ahead()
         wait_work(work, self.timeout, self.grid.rank, f"{action} with peer rank {src}", src, action)
         return self.buffers[msg]
