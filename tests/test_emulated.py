@@ -287,3 +287,25 @@ def test_wake_cost_script_writes_its_table(cli_env, tmp_path):
     assert all(row["isend_us"] > 0 for row in data["isend"])
     table = (tmp_path / "wake_cost.md").read_text().splitlines()
     assert len(table) == 2 + len(data["piece"]) and not (tmp_path / ".wake_cost_isend.json").exists()
+
+
+@pytest.mark.slow
+def test_runtime_ab_script_runs_every_variant(cli_env, tmp_path):
+    """benchmarks/runtime_ab.py (RESULTS.md's A/B of runtime changes) switches every variant on
+    a live pipeline and writes one row per schedule and variant (no time is asserted)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "runtime_ab.py"), "--emulate",
+                        "1:1:1", "-D", "2", "-N", "2", "--schedules", "1f1b,zb-v", "--rounds", "1",
+                        "--warmup", "0", "--out", str(tmp_path)],
+                       env=cli_env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "runtime_ab-D2-N2.json").read_text())["rows"]
+    variants = ("now", "sync-fingerprint", "plan-posts", "before", "no-fingerprint")
+    assert [(x["schedule"], x["variant"]) for x in rows] == \
+        [(s, v) for s in ("1f1b", "zb-v") for v in variants]
+    assert all(x["median_step_s"] > 0 for x in rows)
+    assert all(x["vs_now"] == 1.0 for x in rows if x["variant"] == "now")
