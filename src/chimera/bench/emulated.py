@@ -104,8 +104,8 @@ class EmulatedFloor:
         model = stage_costs(s, cost.forward_s, cost.input_grad_s, cost.weight_grad_s)
         self.cost = {a: model.compute(a.op, a.stage, s.stages, s.ranks, s.micro_scale)
                      for a in rt.program if isinstance(a, Action) and a.op.is_compute}
-        shape = lambda a: rt._message_shape(rt.shapes, Message.of(a, s.stages))
-        self.sent = {a: torch.zeros(shape(a), dtype=torch.uint8) for a in rt.program
+        self.sent = {a: torch.zeros(rt.message_shape(Message.of(a, s.stages)), dtype=torch.uint8)
+                     for a in rt.program
                      if isinstance(a, Action) and a.op in (Op.SEND_F, Op.SEND_B)}
         self.runtime = rt
 

@@ -281,6 +281,10 @@ class PipelineRuntime:
         return Mailbox(plan, self.grid, functools.partial(self._message_shape, bounds),
                        torch.uint8, self.device, self.timeout, transport)
 
+    def message_shape(self, msg: Message) -> tuple:
+        """The shape (bytes) ``msg`` has on the wire at the boundaries :meth:`prepare` fitted."""
+        return self._message_shape(self.shapes, msg)
+
     @staticmethod
     def _message_shape(bounds: list, msg: Message) -> tuple:
         # an activation is its sender's output; a gradient into stage s is s's output's
