@@ -267,7 +267,7 @@ def _api_rank(rank: int, world: int, device: str, out: str) -> None:
         loss = torch.nn.functional.mse_loss(ref(x.to(device)), y.to(device))
         loss.backward()
         ref_opt.step()
-        ref_losses.append(float(loss))
+        ref_losses.append(float(loss.detach()))
     diff = max(float((state[k] - v.cpu()).abs().max()) for k, v in ref.state_dict().items())
     with open(out, "w") as f:
         json.dump({"losses": losses, "ref_losses": ref_losses, "param_diff": diff,

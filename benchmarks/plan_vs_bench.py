@@ -78,6 +78,9 @@ def measure_w1(steps: int, bench_json: str | None) -> tuple[list[tuple[str, dict
         cfg = BenchConfig(rows=("chimera",), memory=False, steps=steps)
         rows = select_rows(cfg)
         results = result_rows(cfg, rows, measure(cfg, rows))
+    # the sharded-optimizer rows (a bench option, not a schedule's) have no planner variant and
+    # would take the plain rows' labels
+    results = [r for r in results if "shard" not in r["options"]]
     pairs = [(r["schedule"], r["options"]) for r in results]
     return pairs, {_label(s, o): r["median_step_s"] for (s, o), r in zip(pairs, results)}
 

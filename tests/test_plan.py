@@ -405,3 +405,19 @@ def test_the_explanation_parts_add_up_with_the_optimizer_priced():
             compute, waits, sync = parts(e)
             assert min(compute, waits, sync) >= 0
             assert compute + waits + sync == pytest.approx(e.iteration_s)
+
+
+def test_plan_vs_bench_leaves_out_the_sharded_optimizer_rows(tmp_path):
+    """A bench run holds sharded-optimizer rows (the bench's option, no schedule's): the
+    planner comparison takes the plain rows only, each under its own label."""
+    pvb = _plan_vs_bench()
+    rows = [{"impl": "chimera", "schedule": "chimera", "options": {}, "median_step_s": 1.0},
+            {"impl": "chimera", "schedule": "chimera", "options": {"shard": 1}, "median_step_s": 0.9},
+            {"impl": "chimera", "schedule": "chimera", "options": {"strategy": "doubling"},
+             "median_step_s": 1.1},
+            {"impl": "torch", "schedule": "1f1b", "options": {}, "median_step_s": 1.2}]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"results": rows}))
+    pairs, times = pvb.measure_w1(1, str(path))
+    assert pairs == [("chimera", {}), ("chimera", {"strategy": "doubling"})]
+    assert times == {"chimera": 1.0, "chimera (doubling)": 1.1}
