@@ -12,8 +12,10 @@
   activations measured where the simulator counts them (no time is asserted).
 """
 
+import dataclasses
 import functools
 import json
+import os
 
 import pytest
 import torch
@@ -250,6 +252,33 @@ def test_bench_emulate_refuses_bad_times(tmp_path, capsys):
     assert exc.value.code == 2 and "--emulate" in err and "Traceback" not in err
 
 
+def test_spinning_waits_never_sleep_and_end_at_their_deadline(monkeypatch):
+    """``spin=True``: the host busy-waits (each perf_counter call takes a tick here) until the
+    same deadline a sleep would end at; ``spin=False`` sleeps it."""
+    for spin in (True, False):
+        fake = FakeClock(tick=1e-5)
+        monkeypatch.setattr(emulated, "time", fake)
+        layer = EmulatedLayer(dataclasses.replace(COST, spin=spin), share=1.0)
+        start = fake.now
+        layer(torch.zeros(4, COST.width))
+        assert fake.now - start >= COST.forward_s
+        assert (fake.sleeps == []) == spin
+    with pytest.raises(UserError, match="spin"):
+        EmulatedCost(0.001, 0.001, 0.001, spin="yes")
+
+
+def test_bench_spin_is_refused_beyond_the_cores_and_without_emulate(tmp_path, capsys, monkeypatch):
+    from chimera.cli import main
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for argv in (["--emulate", "1:1:1", "-D", "4", "--spin"], ["--spin"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", *argv, "--out", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "spin" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="prctl is Linux's")
 def test_timer_slack_is_tightened_on_linux():
     import ctypes
@@ -309,3 +338,15 @@ def test_runtime_ab_script_runs_every_variant(cli_env, tmp_path):
         [(s, v) for s in ("1f1b", "zb-v") for v in variants]
     assert all(x["median_step_s"] > 0 for x in rows)
     assert all(x["vs_now"] == 1.0 for x in rows if x["variant"] == "now")
+
+
+@pytest.mark.slow
+def test_bench_emulate_spin_rows(run_cli, tmp_path):
+    """--spin: the same rows with busy-waiting stages, written under their own name."""
+    r = run_cli("bench", "--emulate", "1:1:1", "-D", "2", "-N", "2", "--steps", "1", "--warmup", "0",
+                "--rows", "chimera:1f1b,floor:1f1b", "--spin", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "bench-emulated-D2-N2-spin.json").read_text())
+    assert data["config"]["waits"] == "spin" and "--spin" in data["config"]["command"]
+    assert {(x["impl"], x["schedule"]) for x in data["results"]} == {("chimera", "1f1b"), ("floor", "1f1b")}
+    assert "spinning" in r.stdout and not (tmp_path / "bench-emulated-D2-N2.json").exists()

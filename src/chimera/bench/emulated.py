@@ -43,7 +43,7 @@ _TORCH_OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
 
 def cost_of(cfg: BenchConfig) -> EmulatedCost:
     return EmulatedCost.parse(cfg.emulate, rows=cfg.micro_batch_size,
-                              activation_bytes=int(cfg.activation_mb * 2**20))
+                              activation_bytes=int(cfg.activation_mb * 2**20), spin=cfg.spin)
 
 
 def layer_count(cfg: BenchConfig) -> int:
@@ -114,7 +114,7 @@ class EmulatedFloor:
             self._prepare(i)
             return 0.0
         rt = self.runtime
-        box, sync, device = rt.executor.mailbox, rt.sync, sleep_device(self.log)
+        box, sync, device = rt.executor.mailbox, rt.sync, sleep_device(self.log, self.cfg.spin)
         box.begin_iteration()
         for step in rt.program:
             if isinstance(step, Post):

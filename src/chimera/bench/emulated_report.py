@@ -132,7 +132,8 @@ def _stretch(values) -> str:
 def markdown(data: dict) -> str:
     c, res = data["config"], data["results"]
     lat = data.get("latency") or {}
-    lines = [f"Emulated stages {c['emulate_ms']} ms (F:I:W per micro-batch per D-th of the model), "
+    lines = [f"Emulated stages {c['emulate_ms']} ms (F:I:W per micro-batch per D-th of the model; "
+             f"waits {'spinning' if c.get('waits') == 'spin' else 'sleeping'}), "
              f"D={c['stages']}, N={c['micro_batches']}; measured p2p {1e3 * lat.get('p2p_s', 0):.2f} ms, "
              f"allreduce {1e3 * lat.get('allreduce_s', 0):.2f} ms ({lat.get('how', '')}).", "",
              "| impl | schedule | median step (s) | min .. max (s) | simulated (s) | free p2p (s) "
@@ -219,7 +220,9 @@ def chart(data: dict, path: str) -> None:
                       for r in res], fontsize=8)
     ax.set_xlabel("seconds per step (forward, backward, gradient sync)")
     c = data["config"]
-    ax.set_title(f"emulated stages {c['emulate_ms']} ms, D={c['stages']}, N={c['micro_batches']}: "
+    ax.set_title(f"emulated stages {c['emulate_ms']} ms"
+                 + (" (spinning waits)" if c.get("waits") == "spin" else "")
+                 + f", D={c['stages']}, N={c['micro_batches']}: "
                  "realized vs simulated", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()

@@ -78,6 +78,7 @@ class BenchConfig:
     # micro-batch per D-th of the model; None: the real model on the CPU
     emulate: str | None = None
     activation_mb: float = 1.0  # emulated: activation kept per micro-batch per D-th (MiB)
+    spin: bool = False  # emulated: busy-wait instead of sleeping (a core per rank)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +90,8 @@ class BenchConfig:
             raise UserError(f"bench warmup must be a non-negative integer, got {self.warmup!r}")
         if self.emulate is not None:
             parse_times(self.emulate, "--emulate (milliseconds)")  # one line for a bad F:I:W
+        if self.spin and self.emulate is None:
+            raise UserError("bench spin applies to emulated stages only (--emulate F:I:W)")
         if not (isinstance(self.activation_mb, (int, float)) and 0 <= self.activation_mb < 2**20):
             raise UserError(f"bench activation-mb must be a number in [0, 2^20), got {self.activation_mb!r}")
 
@@ -110,7 +113,8 @@ class BenchConfig:
                 "micro_batch_size": self.micro_batch_size, "global_batch": self.global_batch,
                 "threads_per_rank": self.threads, "warmup": self.warmup, "steps": self.steps,
                 "seed": self.seed, "backend": "gloo", "quick": self.quick,
-                **({"emulate_ms": self.emulate, "activation_mb": self.activation_mb}
+                **({"emulate_ms": self.emulate, "activation_mb": self.activation_mb,
+                    "waits": "spin" if self.spin else "sleep"}
                    if self.emulate else {}), **self.extra}
 
 

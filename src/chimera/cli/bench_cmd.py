@@ -49,13 +49,19 @@ def add_parsers(sub) -> None:
     p.add_argument("--activation-mb", type=float, default=1.0, metavar="MB",
                    help="--emulate: activation each stage keeps per micro-batch until its "
                         "backward (MiB; peak activations are reported per rank) (default: 1)")
+    p.add_argument("--spin", action="store_true",
+                   help="--emulate: busy-wait instead of sleeping, so each rank's host stays "
+                        "warm as a spinning device synchronize keeps it (a host woken from a "
+                        "sleep runs its next code cold, see benchmarks/wake_cost.py); needs a "
+                        "core per rank (-D at most the machine's cores). Writes "
+                        "bench-emulated-D*-N*-spin.*")
     p.set_defaults(func=cmd_bench)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     kw = dict(model=args.model, stages=args.stages, micro_batches=args.micro_batches,
               micro_batch_size=args.micro_batch_size, memory=not (args.no_memory or args.emulate),
-              emulate=args.emulate, activation_mb=args.activation_mb,
+              emulate=args.emulate, activation_mb=args.activation_mb, spin=args.spin,
               rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()) if args.rows else None,
               extra={"command": _command(args)})
     if args.steps is not None:
@@ -75,11 +81,14 @@ def _command(args: argparse.Namespace) -> str:
                                  ("--activation-mb", args.activation_mb, 1.0)):
         if value != default:
             words += [flag, str(value)]
-    return " ".join(words + (["--no-memory"] if args.no_memory else []))
+    return " ".join(words + (["--no-memory"] if args.no_memory else [])
+                    + (["--spin"] if args.spin else []))
 
 
 def _stem(cfg: BenchConfig) -> str:
-    return f"bench-emulated-D{cfg.stages}-N{cfg.micro_batches}" if cfg.emulate else "bench"
+    if not cfg.emulate:
+        return "bench"
+    return f"bench-emulated-D{cfg.stages}-N{cfg.micro_batches}" + ("-spin" if cfg.spin else "")
 
 
 def _check_out(out: str, stem: str) -> None:
@@ -95,6 +104,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from chimera.models import get_config
 
     cfg = config_from_args(args)
+    cores = os.cpu_count() or 1
+    if cfg.spin and cfg.stages > cores:
+        raise UsageError(f"--spin busy-waits on a core per rank: -D {cfg.stages} on {cores} "
+                         "cores would starve the ranks (sleeping waits: leave out --spin)")
     if not cfg.emulate:
         get_config(cfg.model)  # unknown model: one line, exit 2, before any process starts
     rows = select_rows(cfg)

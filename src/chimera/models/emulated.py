@@ -59,6 +59,9 @@ class EmulatedCost:
     rows: int = 1
     width: int = 16
     activation_bytes: int = 1 << 20
+    # busy-wait instead of sleeping: the host stays warm, as a spinning device synchronize
+    # keeps it (a core per rank; a host woken from a sleep runs its next code cold)
+    spin: bool = False
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "input_grad_s", "weight_grad_s"):
@@ -69,6 +72,8 @@ class EmulatedCost:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UserError(f"emulated {name} must be a positive integer, got {v!r}")
+        if not isinstance(self.spin, bool):
+            raise UserError(f"emulated spin must be True or False, got {self.spin!r}")
         if not isinstance(self.activation_bytes, int) or self.activation_bytes < 0:
             raise UserError(f"emulated activation_bytes must be an integer >= 0, "
                             f"got {self.activation_bytes!r}")
@@ -108,12 +113,16 @@ def tighten_timer_slack() -> bool:
         return False
 
 
-def _sleep_until(due: float) -> bool:
-    """Sleep until ``due``; whether there was anything left to sleep."""
+def _sleep_until(due: float, spin: bool = False) -> bool:
+    """Sleep (or spin) until ``due``; whether there was anything left to wait."""
     now = time.perf_counter()
     if due <= now:
         return False
-    time.sleep(due - now)
+    if not spin:
+        time.sleep(due - now)
+        return True
+    while time.perf_counter() < due:
+        pass
     return True
 
 
@@ -124,8 +133,8 @@ class _Device:
     inside the wait, as kernel launches overlap a device's work; the runtime's own code
     between layers is not."""
 
-    def __init__(self, log: WaitLog | None):
-        self.log = log
+    def __init__(self, log: WaitLog | None, spin: bool = False):
+        self.log, self.spin = log, spin
         self.due = 0.0  # when this layer's queued work ends (host perf_counter seconds)
         self.input_due = 0.0  # when the current backward's input-gradient part ends
 
@@ -139,7 +148,7 @@ class _Device:
         """Sleep until ``due`` (a device synchronize); log the work as ``begin`` .. now."""
         if asked <= 0:
             return
-        slept = _sleep_until(due)
+        slept = _sleep_until(due, self.spin)
         if self.log is None:
             return
         # done when the sleep ended, or at ``due`` where the host came later (a full backward's
@@ -152,10 +161,10 @@ class _Device:
             self.log.events.append((label, begin, end, asked))
 
 
-def sleep_device(log: WaitLog | None = None) -> _Device:
+def sleep_device(log: WaitLog | None = None, spin: bool = False) -> _Device:
     """An emulated device outside any layer, with the layers' launch/wait (the bench's floor
     rows queue each whole action on one)."""
-    return _Device(log)
+    return _Device(log, spin)
 
 
 class _Span(torch.autograd.Function):
@@ -219,7 +228,7 @@ class EmulatedLayer(nn.Module):
                  log: WaitLog | None = None):
         super().__init__()
         self.cost, self.share, self.index, self.log = cost, share, index, log
-        self.device = _Device(log)
+        self.device = _Device(log, cost.spin)
         g = torch.Generator().manual_seed(1_000_003 * seed + index)
         self.bias = nn.Parameter(torch.randn(cost.width, generator=g) * 0.01)
 
