@@ -215,6 +215,8 @@ def test_bench_emulate_rows(run_cli, tmp_path):
         assert floor["simulated_step_s"] == pytest.approx(got[("chimera", key[1])]["simulated_step_s"], rel=1e-9)
         mine = got[("chimera", key[1])]
         assert mine["realized_vs_floor"] == pytest.approx(mine["median_step_s"] / floor["median_step_s"])
+        # its first step is our row's own (it fits the boundaries): the same first loss
+        assert floor["first_loss"] == pytest.approx(mine["first_loss"])
     assert set(got[("floor", "zb-v")]["wait_stretch"]) == {"F", "I", "W"}
     assert set(got[("floor", "1f1b")]["wait_stretch"]) == {"F", "B"}  # one wait per full backward
     assert got[("chimera", "chimera")]["realized_vs_floor"] is None  # no floor row was asked for

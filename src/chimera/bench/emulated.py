@@ -95,10 +95,11 @@ class EmulatedFloor:
         self.cfg, self.schedule, self.log, self.params = cfg, self.ours.schedule, WaitLog(), []
         self.runtime = None
 
-    def _prepare(self, i: int) -> None:
-        """One step of our row fits the boundaries and allocates the mailbox; then the
-        program's sends get buffers of their messages' sizes and every action its cost."""
-        self.ours.step(i)
+    def _prepare(self, i: int) -> float:
+        """One step of our row (its loss returned) fits the boundaries and allocates the
+        mailbox; then the program's sends get buffers of their messages' sizes and every
+        action its cost."""
+        loss = self.ours.step(i)
         rt = self.ours.pipe.runtime
         s, cost = self.schedule, cost_of(self.cfg)
         model = stage_costs(s, cost.forward_s, cost.input_grad_s, cost.weight_grad_s)
@@ -108,11 +109,11 @@ class EmulatedFloor:
                      for a in rt.program
                      if isinstance(a, Action) and a.op in (Op.SEND_F, Op.SEND_B)}
         self.runtime = rt
+        return loss
 
     def step(self, i: int) -> float:
-        if self.runtime is None:
-            self._prepare(i)
-            return 0.0
+        if self.runtime is None:  # the first (warm-up) step: our row's, with its loss
+            return self._prepare(i)
         rt = self.runtime
         box, sync, device = rt.executor.mailbox, rt.sync, sleep_device(self.log, self.cfg.spin)
         box.begin_iteration()
@@ -131,7 +132,7 @@ class EmulatedFloor:
             elif step.op is Op.STEP:
                 box.finish_iteration()
                 sync.wait_all()
-        return 0.0
+        return float("nan")  # no model, no loss
 
     def order(self) -> Schedule:
         return self.schedule
