@@ -84,13 +84,22 @@ class Mailbox:
         self.sources = {m: (grid.peer(m.pipe, m.source_stage), m.tag(plan.schedule)) for m in self.order}
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.transport = transport if transport is not None else current()
-        # gloo: a rank about to wait posts the rest of its receives (see receive); asked once
-        self.post_ahead = bool(self.transport.matches_by_tag)
         self.dtype = dtype
         self.pending: dict[Message, object] = {}
         self.routes: dict[Action, tuple[Message, int, int]] = {}  # (message, peer, tag) per action
         self.begin_iteration()
         self.sends: deque[tuple[object, torch.Tensor | None, Action, int]] = deque()
+
+    @property
+    def transport(self) -> Transport:
+        return self._transport
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        """Whether a rank about to wait posts the rest of its receives (gloo, see receive) is
+        asked once per transport, not per receive."""
+        self._transport = transport
+        self.post_ahead = bool(transport.matches_by_tag)
 
     def _route(self, action: Action) -> tuple[Message, int, int]:
         """(message, peer rank, tag) of a SEND or RECV, worked out once per action."""
