@@ -84,7 +84,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    p.add_argument("--port", type=int, default=29641)
+    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     args = p.parse_args()
     torch.set_num_threads(1)
     buf = torch.zeros(128, dtype=torch.uint8)
@@ -96,7 +96,10 @@ def main() -> int:
               f"{1e6 * second:6.1f} us right after", flush=True)
     tmp = os.path.join(args.out, ".wake_cost_isend.json")
     os.makedirs(args.out, exist_ok=True)
-    mp.spawn(_isend_worker, args=(args.port, args.reps, tmp), nprocs=2)
+    from chimera.runtime import workers
+
+    port = args.port if args.port is not None else workers.free_port()
+    mp.spawn(_isend_worker, args=(port, args.reps, tmp), nprocs=2)
     with open(tmp) as f:
         sends = json.load(f)
     os.remove(tmp)

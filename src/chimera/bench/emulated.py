@@ -93,27 +93,19 @@ class EmulatedFloor:
     def __init__(self, cfg: BenchConfig, row: Row, rank: int):
         self.ours = EmulatedOurs(cfg, row, rank)  # the same program, grid, groups and buffers
         self.cfg, self.schedule, self.log, self.params = cfg, self.ours.schedule, WaitLog(), []
-        self.runtime = None
-
-    def _prepare(self, i: int) -> float:
-        """One step of our row (its loss returned) fits the boundaries and allocates the
-        mailbox; then the program's sends get buffers of their messages' sizes and every
-        action its cost."""
-        loss = self.ours.step(i)
-        rt = self.ours.pipe.runtime
-        s, cost = self.schedule, cost_of(self.cfg)
+        # one step of our row fits the boundaries and allocates the mailbox (every rank builds
+        # its rows in one order, so its collectives meet); its loss is the row's first loss
+        self.loss = self.ours.step(0)
+        rt = self.runtime = self.ours.pipe.runtime
+        s, cost = self.schedule, cost_of(cfg)
         model = stage_costs(s, cost.forward_s, cost.input_grad_s, cost.weight_grad_s)
         self.cost = {a: model.compute(a.op, a.stage, s.stages, s.ranks, s.micro_scale)
                      for a in rt.program if isinstance(a, Action) and a.op.is_compute}
         self.sent = {a: torch.zeros(rt.message_shape(Message.of(a, s.stages)), dtype=torch.uint8)
                      for a in rt.program
                      if isinstance(a, Action) and a.op in (Op.SEND_F, Op.SEND_B)}
-        self.runtime = rt
-        return loss
 
     def step(self, i: int) -> float:
-        if self.runtime is None:  # the first (warm-up) step: our row's, with its loss
-            return self._prepare(i)
         rt = self.runtime
         box, sync, device = rt.executor.mailbox, rt.sync, sleep_device(self.log, self.cfg.spin)
         box.begin_iteration()
@@ -123,6 +115,8 @@ class EmulatedFloor:
             elif isinstance(step, Launch):
                 sync.start(step.pipe, step.stage)
             elif step.op.is_compute:
+                if step.op is Op.B and step in rt.executor.arm:  # the buckets, as the executor
+                    sync.arm(step.pipe, step.stage)
                 begin, due = device.launch(self.cost[step])
                 device.wait(begin, due, self.cost[step], f"{step.op.name}{step.stage}.{step.micro}")
             elif step.op in (Op.SEND_F, Op.SEND_B):
@@ -132,7 +126,8 @@ class EmulatedFloor:
             elif step.op is Op.STEP:
                 box.finish_iteration()
                 sync.wait_all()
-        return float("nan")  # no model, no loss
+        loss, self.loss = self.loss, float("nan")  # no model: only our row's step has a loss
+        return loss
 
     def order(self) -> Schedule:
         return self.schedule
@@ -230,7 +225,8 @@ def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None,
     priced = simulate(lowered, stage_costs(lowered, **times, **links))
     out["simulated_step_s"], out["timeline"] = priced.makespan, priced
     if stretch:
-        at = {k: v * stretch.get(k.upper(), 1.0) for k, v in times.items()}
+        # a floor row waits once per full backward (B): that stretch stands for its I and W
+        at = {k: v * stretch.get(k.upper(), stretch.get("B", 1.0)) for k, v in times.items()}
         out["simulated_measured_waits_s"] = simulate(lowered, stage_costs(lowered, **at, **links)).makespan
     return out
 

@@ -126,7 +126,7 @@ def _acts(values) -> str:
 
 
 def _stretch(values) -> str:
-    return "-" if not values else "/".join(f"{values[k]:.3f}" for k in "FIW" if k in values)
+    return "-" if not values else "/".join(f"{values[k]:.3f}" for k in "FIWB" if k in values)
 
 
 def markdown(data: dict) -> str:
@@ -137,7 +137,7 @@ def markdown(data: dict) -> str:
              f"D={c['stages']}, N={c['micro_batches']}; measured p2p {1e3 * lat.get('p2p_s', 0):.2f} ms, "
              f"allreduce {1e3 * lat.get('allreduce_s', 0):.2f} ms ({lat.get('how', '')}).", "",
              "| impl | schedule | median step (s) | min .. max (s) | simulated (s) | free p2p (s) "
-             "| realized / simulated | waits took (F/I/W) | realized / simulated at those "
+             "| realized / simulated | waits took (F/I/W, B) | realized / simulated at those "
              "| ours / floor | peak activations / rank, measured (Ma) | simulated (Ma) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res:

@@ -21,7 +21,7 @@ def start_together(margin_s: float = 0.02) -> float:
     now = torch.tensor([time.perf_counter()], dtype=torch.float64)
     current().all_reduce(now, op=ReduceOp.MAX)
     t0 = float(now) + margin_s
-    late = t0 - time.perf_counter()
-    if late > 0:
-        time.sleep(late)
+    left = t0 - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
     return t0

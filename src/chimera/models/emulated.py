@@ -136,7 +136,8 @@ class _Device:
     def __init__(self, log: WaitLog | None, spin: bool = False):
         self.log, self.spin = log, spin
         self.due = 0.0  # when this layer's queued work ends (host perf_counter seconds)
-        self.input_due = 0.0  # when the current backward's input-gradient part ends
+        self.input_begin = 0.0  # when the current backward's input-gradient part starts
+        self.input_due = 0.0  # and ends
 
     def launch(self, seconds: float, at: float | None = None) -> tuple[float, float]:
         """Queue ``seconds`` of work at host time ``at`` (now): (its start, its end)."""
