@@ -37,3 +37,29 @@ def test_training_with_a_bf16_wire_stays_close_to_the_float32_run():
 def test_unknown_wire_dtype_is_refused():
     with pytest.raises(ConfigError, match="--wire-dtype"):
         TrainConfig(wire_dtype="int8")
+
+
+def test_a_single_tensor_boundary_takes_the_same_bytes_as_its_pytree_form():
+    """A bare tensor boundary (the fast path: no pytree round trip) packs the same message and
+    unpacks the same values as the same tensor inside a one-element tuple (the general path),
+    with and without a narrower wire; a tensor of another shape is still refused."""
+    from chimera.runtime.boundary import BoundaryMismatch, detach_input
+
+    x = torch.randn(2, 5, 8, requires_grad=True) * 3
+    for wire in (None, torch.bfloat16):
+        bare = dataclasses.replace(BoundarySpec.of(x), wire=wire)
+        boxed = dataclasses.replace(BoundarySpec.of((x,)), wire=wire)
+        assert bare.bare and not boxed.bare
+        msg = bare.pack(x, 0, "cpu")
+        assert torch.equal(msg, boxed.pack((x,), 0, "cpu"))
+        (y,) = boxed.unpack(msg)
+        assert torch.equal(bare.unpack(msg), y) and bare.unpack(msg).dtype == torch.float32
+        g = torch.randn(2, 5, 8)
+        assert torch.equal(bare.pack_grads([g], "cpu"), boxed.pack_grads([g], "cpu"))
+        assert [t is x for t in bare.grad_leaves(x)] == [True]
+        with pytest.raises(BoundaryMismatch):
+            bare.pack(torch.randn(3, 5, 8), 0, "cpu")
+    leaf, grads = detach_input(x, BoundarySpec.of(x))
+    assert leaf.requires_grad and leaf.grad_fn is None and grads == [leaf]
+    leaf, grads = detach_input(x, None)
+    assert not leaf.requires_grad and grads == []
