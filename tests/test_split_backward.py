@@ -108,3 +108,42 @@ def test_split_backward_of_pass_through_and_input_independent_stages():
     dx, pending = backward_input(y, [x], g, [w])
     backward_weight(pending)
     assert dx == [None] and torch.equal(w.grad, 2.0 * g)
+
+
+def test_the_engine_calls_give_what_autograd_grad_and_backward_give():
+    """grad_of / backward_of (the engine without autograd's argument handling) against the
+    public calls: a scalar loss without a gradient, explicit gradients, GradientEdges, unused
+    inputs; a non-scalar output without a gradient is refused as autograd refuses it."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from chimera.runtime.split_backward import backward_of, grad_of
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3)
+    x, unused = torch.randn(2, 4, requires_grad=True), torch.randn(2, requires_grad=True)
+    y = torch.tanh(lin(x))
+    loss = (y ** 2).sum()
+    got = grad_of([loss], [None], [x, unused], keep_graph=True)
+    want = torch.autograd.grad(loss, [x, unused], retain_graph=True, allow_unused=True)
+    assert torch.equal(got[0], want[0]) and got[1] is None and want[1] is None
+    g = torch.randn(2, 3)
+    assert torch.equal(grad_of([y], [g], [x], keep_graph=True)[0],
+                       torch.autograd.grad(y, x, g, retain_graph=True)[0])
+    edge = get_gradient_edge(y)
+    got = grad_of([edge], [g], [lin.weight, lin.bias], keep_graph=True)
+    want = torch.autograd.grad([edge], [lin.weight, lin.bias], [g], retain_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(RuntimeError, match="scalar outputs"):
+        grad_of([y], [None], [x], keep_graph=True)
+
+    backward_of([loss], [None])  # into every leaf's .grad, as autograd.backward
+    ref = [t.grad.clone() for t in (x, lin.weight, lin.bias)]
+    for t in (x, lin.weight, lin.bias):
+        t.grad = None
+    loss2 = (torch.tanh(lin(x)) ** 2).sum()
+    torch.autograd.backward(loss2)
+    assert all(torch.equal(a, t.grad) for a, t in zip(ref, (x, lin.weight, lin.bias)))
+    x.grad = None
+    lin.weight.grad = None
+    backward_of([torch.tanh(lin(x))], [g], [lin.weight])  # only the inputs named
+    assert x.grad is None and lin.weight.grad is not None

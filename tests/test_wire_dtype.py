@@ -63,3 +63,29 @@ def test_a_single_tensor_boundary_takes_the_same_bytes_as_its_pytree_form():
     assert leaf.requires_grad and leaf.grad_fn is None and grads == [leaf]
     leaf, grads = detach_input(x, None)
     assert not leaf.requires_grad and grads == []
+
+
+def test_a_receive_buffer_is_viewed_once_and_its_views_follow_each_new_message():
+    """The mailbox refills one buffer per message every iteration: unpacking it again reuses
+    the views (no new view ops) and reads the new bytes; a narrowed leaf is cast back afresh."""
+    x = torch.randn(3, 4)
+    spec = BoundarySpec.of((x.requires_grad_(), torch.arange(3)))
+    x = x.detach()
+    buf = spec.pack((x, torch.arange(3)), 0, "cpu").clone()  # stands for a receive buffer
+    first = spec.unpack(buf)
+    again = spec.unpack(buf)
+    assert all(a is b for a, b in zip(first, again))  # the same view objects
+    buf.copy_(spec.pack((2 * x, torch.arange(3) + 1), 0, "cpu"))  # the next iteration's message
+    h, m = spec.unpack(buf)
+    assert torch.equal(h, 2 * x) and torch.equal(m, torch.arange(3) + 1)
+    other = buf.clone()  # another buffer: its own views
+    assert spec.unpack(other)[0].data_ptr() != h.data_ptr()
+    (g,) = spec.unpack_grads(spec.pack_grads([torch.ones(3, 4)], "cpu"))
+    assert torch.equal(g, torch.ones(3, 4))
+
+    narrow = dataclasses.replace(BoundarySpec.of(x), wire=torch.bfloat16)
+    wire = narrow.pack(x, 0, "cpu").clone()
+    once = narrow.unpack(wire)
+    wire.copy_(narrow.pack(3 * x, 0, "cpu"))
+    assert torch.equal(narrow.unpack(wire), (3 * x).bfloat16().float())  # not the old copy
+    assert torch.equal(once, x.bfloat16().float())  # and the earlier result was left alone

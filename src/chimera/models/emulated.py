@@ -177,8 +177,9 @@ class _Span(torch.autograd.Function):
     def forward(ctx, y, device, begin, forward_s, input_s, label):
         ctx.device, ctx.input_s = device, input_s
         start, due = device.launch(forward_s, at=begin)
+        out = y.clone()  # host code, inside the wait
         device.wait(start, due, forward_s, f"F {label}")
-        return y.clone()
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -218,8 +219,9 @@ class _WeightPath(torch.autograd.Function):
         ctx.saved_tensors  # noqa: B018 -- held until now, as a real activation is
         d = ctx.device
         begin, due = d.launch(ctx.weight_s)
+        bias_grad = grad.sum(0)  # host code, inside the wait
         d.wait(begin, due, ctx.weight_s, f"W {ctx.label}")
-        return grad.sum(0), None, None, None, None, None
+        return bias_grad, None, None, None, None, None
 
 
 class EmulatedLayer(nn.Module):

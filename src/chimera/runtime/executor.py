@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from chimera.check.comm_plan import Launch, Post
 from chimera.ir import Action, Op, Schedule, input_stage, peer_stage, recv_of
 from chimera.runtime.boundary import call_loss, detach_input
-from chimera.runtime.split_backward import PendingWeightGrad, backward_input, backward_weight
+from chimera.runtime.split_backward import (PendingWeightGrad, backward_input, backward_of,
+                                            backward_weight)
 
 
 @dataclass
@@ -212,7 +213,7 @@ class Executor:
         if a in self.arm:  # the replica's gradients become final in this backward
             self.sync.arm(a.pipe, a.stage)
         if ys:  # a frozen stage (nothing requires grad) has nothing to do
-            torch.autograd.backward(ys, gs if gs[0] is not None else None)
+            backward_of(ys, gs)
 
     def _backward_input(self, a: Action) -> None:
         """I: the input gradient only (what the previous stage waits for)."""
