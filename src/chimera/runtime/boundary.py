@@ -170,9 +170,20 @@ class BoundarySpec:
         self.check(leaves, tree, stage)
         return self._pack([leaves[i] for i in self.tensors], False, device)
 
+    @functools.cached_property
+    def _alone(self) -> dict[bool, tuple | None]:
+        """Per direction, (shape, wire dtype) of the one leaf whose own bytes can be the whole
+        message (one leaf, no alignment padding after it), or None."""
+        alone = {}
+        for backward, (_, specs, _, total) in self._plans.items():
+            s = specs[0] if len(specs) == 1 else None
+            alone[backward] = (s.shape, s.on_wire(self.wire)) if s and s.nbytes(self.wire) == total else None
+        return alone
+
     def _pack(self, tensors: list, backward: bool, device) -> torch.Tensor:
         _, specs, offsets, total = self._plans[backward]
-        if len(specs) == 1 and _sendable_as_is(tensors[0], specs[0], self.wire, total, device):
+        alone = self._alone[backward]
+        if alone is not None and _sendable_as_is(tensors[0], *alone, device):
             # the message is the leaf's own bytes: send them, as torch's pipelining does, not a
             # copy (the sender keeps the leaf alive and unchanged until the send completes)
             return tensors[0].detach().view(-1).view(torch.uint8)  # contiguous: views
@@ -239,13 +250,14 @@ class BoundarySpec:
         return [leaves[i] for i in self.grads]
 
 
-def _sendable_as_is(t, spec: LeafSpec, wire: torch.dtype | None, total: int, device) -> bool:
-    """Whether the one leaf ``t`` already is its message: the spec's shape in the wire's
-    dtype, contiguous, on the device, and no alignment padding after it."""
-    device = torch.device(device)
-    return (t is not None and tuple(t.shape) == spec.shape and t.dtype == spec.on_wire(wire)
-            and t.is_contiguous() and spec.nbytes(wire) == total and t.device.type == device.type
-            and (device.index is None or t.device.index == device.index))
+def _sendable_as_is(t, shape: tuple, dtype: torch.dtype, device) -> bool:
+    """Whether the tensor ``t`` already is its message: ``shape`` in the wire's ``dtype``,
+    contiguous, on ``device``."""
+    if t is None or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+        return False
+    if type(device) is not torch.device:
+        device = torch.device(device)
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
 def signature(x) -> tuple:
