@@ -10,7 +10,14 @@ current runtime, rounds interleaved (A B C, then B C A, ...) so machine noise hi
   the iteration's at a rank's first wait (gloo);
 - ``before``: both;
 - ``no-fingerprint``: no batch check at all (``Pipeline(check_batch=False)``): what the
-  check itself costs.
+  check itself costs;
+- ``views-each-time``: a receive buffer's views made again at every unpack (as before), not
+  once per buffer;
+- ``autograd-api``: I, W and B through ``torch.autograd.grad``/``backward`` (as before), not
+  the engine call under them;
+- ``dist-p2p``: messages through ``dist.isend``/``irecv`` (as before), not the default
+  group's own send and receive;
+- ``host-before``: those three together (the runtime's host path before 2026-12-06).
 
     python benchmarks/runtime_ab.py --emulate 20:20:20 -D 4 -N 8 --schedules zb-v,1f1b,chimera-zb
     python benchmarks/runtime_ab.py -D 8 -N 16 --schedules 1f1b,zb-v --variants now,no-fingerprint
@@ -28,13 +35,61 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("now", "sync-fingerprint", "plan-posts", "before", "no-fingerprint")
+VARIANTS = ("now", "sync-fingerprint", "plan-posts", "before", "no-fingerprint",
+            "views-each-time", "autograd-api", "dist-p2p", "host-before")
+_HOST = {"views-each-time": {"views"}, "autograd-api": {"engine"}, "dist-p2p": {"p2p"},
+         "host-before": {"views", "engine", "p2p"}}
+_OFF: set = set()  # the host-path changes the current variant turns off
+
+
+def _patch_host_path() -> None:
+    """Once: make each host-path change switchable by ``_OFF``."""
+    import torch.distributed as dist
+
+    import chimera.runtime.boundary as boundary
+    import chimera.runtime.split_backward as sb
+    import chimera.runtime.transport as transport
+
+    if getattr(boundary.BoundarySpec, "_ab_views", None) is not None:
+        return
+    views = boundary.BoundarySpec._ab_views = boundary.BoundarySpec._views
+
+    def _views(self, buf, backward):
+        if "views" in _OFF:
+            self._viewed.clear()  # nothing kept: every unpack makes its views again
+        return views(self, buf, backward)
+    boundary.BoundarySpec._views = _views
+
+    engine = sb._ENGINE
+
+    class Engine:  # the engine call, or None (the public calls) while "engine" is off
+        def __bool__(self):
+            return "engine" not in _OFF
+
+        def __call__(self, *args, **kwargs):
+            return engine(*args, **kwargs)
+    sb._ENGINE = Engine()
+    isend, irecv = transport.TorchDist.isend, transport.TorchDist.irecv
+
+    def _isend(self, tensor, dst, tag=0, group=None):
+        if "p2p" in _OFF:
+            return dist.isend(tensor, dst=dst, tag=tag, group=group)
+        return isend(self, tensor, dst, tag, group)
+
+    def _irecv(self, tensor, src, tag=0, group=None):
+        if "p2p" in _OFF:
+            return dist.irecv(tensor, src=src, tag=tag, group=group)
+        return irecv(self, tensor, src, tag, group)
+    transport.TorchDist.isend, transport.TorchDist.irecv = _isend, _irecv
 
 
 def _variant(name: str, pipe) -> None:
     """Switch ``pipe`` (an api.Pipeline) to variant ``name``."""
     import chimera.api as api
 
+    _patch_host_path()
+    _OFF.clear()
+    _OFF.update(_HOST.get(name, ()))
     sync = name in ("sync-fingerprint", "before")
     pipe.check_batch = name != "no-fingerprint"
     pipe.runtime.executor.mailbox.post_ahead = name not in ("plan-posts", "before")

@@ -335,7 +335,8 @@ def test_runtime_ab_script_runs_every_variant(cli_env, tmp_path):
                        env=cli_env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     rows = json.loads((tmp_path / "runtime_ab-D2-N2.json").read_text())["rows"]
-    variants = ("now", "sync-fingerprint", "plan-posts", "before", "no-fingerprint")
+    variants = ("now", "sync-fingerprint", "plan-posts", "before", "no-fingerprint",
+                "views-each-time", "autograd-api", "dist-p2p", "host-before")
     assert [(x["schedule"], x["variant"]) for x in rows] == \
         [(s, v) for s in ("1f1b", "zb-v") for v in variants]
     assert all(x["median_step_s"] > 0 for x in rows)

@@ -169,23 +169,19 @@ def sleep_device(log: WaitLog | None = None, spin: bool = False) -> _Device:
 
 
 class _Span(torch.autograd.Function):
-    """The layer's last node: its forward waits until the layer's F, queued when the host
-    entered the layer, is done; its backward (the first node of the layer's backward) queues
+    """The layer's last node: its backward (the first node of the layer's backward) queues
     the input-gradient work I, which the input path waits for. Identity in value."""
 
     @staticmethod
-    def forward(ctx, y, device, begin, forward_s, input_s, label):
+    def forward(ctx, y, device, input_s):
         ctx.device, ctx.input_s = device, input_s
-        start, due = device.launch(forward_s, at=begin)
-        out = y.clone()  # host code, inside the wait
-        device.wait(start, due, forward_s, f"F {label}")
-        return out
+        return y.clone()
 
     @staticmethod
     def backward(ctx, grad):
         device = ctx.device
         device.input_begin, device.input_due = device.launch(ctx.input_s)
-        return grad, None, None, None, None, None
+        return grad, None, None
 
 
 class _InputPath(torch.autograd.Function):
@@ -240,6 +236,7 @@ class EmulatedLayer(nn.Module):
         c = self.cost
         scale = self.share * x.shape[0] / c.rows
         f, i, w = (t * scale for t in (c.forward_s, c.input_grad_s, c.weight_grad_s))
+        start, due = self.device.launch(f, at=begin)
         label = f"L{self.index}"
         # no gradient to the input: no input path to split off, the weight path pays it all
         has_input_grad = x.requires_grad
@@ -247,7 +244,11 @@ class EmulatedLayer(nn.Module):
         saved = int(c.activation_bytes * scale)
         y = h + _WeightPath.apply(self.bias, x.shape[0], self.device,
                                   w if has_input_grad else i + w, saved, label)
-        return _Span.apply(y, self.device, begin, f, i if has_input_grad else 0.0, label)
+        out = _Span.apply(y, self.device, i if has_input_grad else 0.0)
+        # the forward's work was queued as the host entered the layer: wait for it once the
+        # layer's host code (its ops and autograd nodes) has run, as a device overlaps it
+        self.device.wait(start, due, f, f"F {label}")
+        return out
 
     def extra_repr(self) -> str:
         return f"{self.cost.text} ms x {self.share:g}, width={self.cost.width}"

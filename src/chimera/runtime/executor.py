@@ -206,7 +206,8 @@ class Executor:
             grads = [x.grad for x in self.inp.pop((a.pipe, src, a.micro))]
         pairs = [(t, g) for t, g in zip(spec.grad_leaves(y), grads)
                  if t.requires_grad and g is not None]
-        return [t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs]
+        return ([t for t, _ in pairs],
+                [g if g.dtype == t.dtype else g.to(t.dtype) for t, g in pairs])
 
     def _backward(self, a: Action) -> None:
         ys, gs = self._output_grad(a)

@@ -136,7 +136,7 @@ def grad_of(outputs: list, grads: list, inputs: list, keep_graph: bool = False) 
     """``torch.autograd.grad(outputs, inputs, grads, retain_graph=keep_graph,
     allow_unused=True)``: outputs may be tensors or GradientEdges; None for an input the
     outputs do not reach."""
-    if _ENGINE is None:
+    if not _ENGINE:
         return torch.autograd.grad(outputs, inputs, grads, retain_graph=keep_graph,
                                    allow_unused=True)
     outputs, grads = _roots(outputs, grads)
@@ -146,7 +146,7 @@ def grad_of(outputs: list, grads: list, inputs: list, keep_graph: bool = False) 
 def backward_of(outputs: list, grads: list, inputs: list | None = None) -> None:
     """``torch.autograd.backward(outputs, grads, inputs=inputs)``: gradients accumulate into
     the ``.grad`` of ``inputs`` (None: of every leaf the outputs reach)."""
-    if _ENGINE is None:
+    if not _ENGINE:
         torch.autograd.backward(outputs, grads, inputs=inputs)
         return
     outputs, grads = _roots(outputs, grads)
@@ -184,22 +184,23 @@ def _backward_input(y, xs: list[torch.Tensor], grad, pending: PendingWeightGrad)
     if (not found and pending.params) or _shared(found):
         pending.output, pending.output_grad = y, grad
         return _input_grads(y, xs, grad)
-    handles = []
+    live = [True]  # the hooks keep gradients during this call only (W runs the nodes again)
     for node, weights in found:
         boundary = Boundary(weights)
         pending.boundaries.append(boundary)
 
         def keep(grad_outputs, node=node, boundary=boundary):
+            if not live[0]:
+                return
             for i, g in enumerate(grad_outputs):
                 if g is not None:
                     boundary.edges.append(GradientEdge(node, i))
                     boundary.grads.append(g)
-        handles.append(node.register_prehook(keep))
+        node.register_prehook(keep)  # goes with the graph: switched off, not removed (cheaper)
     try:
         return _input_grads(y, xs, grad)
     finally:
-        for h in handles:
-            h.remove()
+        live[0] = False
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
