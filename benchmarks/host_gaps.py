@@ -7,7 +7,7 @@ On accelerator-like stages (``chimera bench --emulate``) a rank either waits (it
 compute, or a message) or runs host code. This script runs our runtime (``chimera.api.Pipeline``
 on ``chimera.models.emulated`` layers, as the bench's rows do) and, for a few measured steps,
 timestamps the runtime's pieces on every rank: each action handler, the p2p calls and their
-waits, a boundary's pack and unpack, a stage input's detach, the split backward's boundary
+waits, a boundary's pack and a received message's unpack, a stage input's detach, the split backward's boundary
 discovery. Between the end of one wait and the start of the next it then reads off the
 segments (from one timestamp to the next, e.g. ``pack< pack>`` is a pack, ``W> F>`` the way
 from a forward's wait back out of the stage) and reports the median and total of each kind over
@@ -66,9 +66,9 @@ def _instrument(pipe) -> None:
     _probe(p2p, "wait_work", "wait")
     _probe(executor, "detach_input", "detach")
     _probe(split_backward, "_boundaries", "discover")
-    for name, label in (("unpack", "unpack"), ("pack", "pack"), ("pack_grads", "pack_grads"),
-                        ("unpack_grads", "unpack_grads")):
-        _probe(boundary.BoundarySpec, name, label)
+    _probe(executor.Executor, "_received", "unpack")  # a received message's leaves
+    for name in ("pack", "pack_grads"):
+        _probe(boundary.BoundarySpec, name, name)
 
 
 def _worker(rank: int, world: int, args, out: str) -> None:

@@ -46,19 +46,19 @@ def _patch_host_path() -> None:
     """Once: make each host-path change switchable by ``_OFF``."""
     import torch.distributed as dist
 
-    import chimera.runtime.boundary as boundary
+    import chimera.runtime.executor as executor
     import chimera.runtime.split_backward as sb
     import chimera.runtime.transport as transport
 
-    if getattr(boundary.BoundarySpec, "_ab_views", None) is not None:
+    if getattr(executor.Executor, "_ab_received", None) is not None:
         return
-    views = boundary.BoundarySpec._ab_views = boundary.BoundarySpec._views
+    received = executor.Executor._ab_received = executor.Executor._received
 
-    def _views(self, buf, backward):
+    def _received(self, recv, spec, backward):
         if "views" in _OFF:
-            self._viewed.clear()  # nothing kept: every unpack makes its views again
-        return views(self, buf, backward)
-    boundary.BoundarySpec._views = _views
+            self._views.clear()  # nothing kept: every message's views are made again
+        return received(self, recv, spec, backward)
+    executor.Executor._received = _received
 
     engine = sb._ENGINE
 

@@ -66,26 +66,42 @@ def test_a_single_tensor_boundary_takes_the_same_bytes_as_its_pytree_form():
 
 
 def test_a_receive_buffer_is_viewed_once_and_its_views_follow_each_new_message():
-    """The mailbox refills one buffer per message every iteration: unpacking it again reuses
-    the views (no new view ops) and reads the new bytes; a narrowed leaf is cast back afresh."""
+    """The mailbox refills one buffer per message every iteration: the executor makes its
+    views once (no new view ops) and they read each new message; another buffer, or another
+    spec, gets its own; a leaf sent narrower is cast back afresh from every message."""
+    from types import SimpleNamespace
+
+    from chimera.ir import Action, Op
+    from chimera.runtime.executor import Executor
+
+    def received(ex, recv, buf, spec, backward=False):
+        ex.recv[recv] = buf
+        return Executor._received(ex, recv, spec, backward)
+
+    ex = SimpleNamespace(recv={}, _views={})
+    recv = Action(Op.RECV_F, 0, 1, 0)
     x = torch.randn(3, 4)
     spec = BoundarySpec.of((x.requires_grad_(), torch.arange(3)))
     x = x.detach()
     buf = spec.pack((x, torch.arange(3)), 0, "cpu").clone()  # stands for a receive buffer
-    first = spec.unpack(buf)
-    again = spec.unpack(buf)
-    assert all(a is b for a, b in zip(first, again))  # the same view objects
+    first = received(ex, recv, buf, spec)
+    again = received(ex, recv, buf, spec)
+    assert all(a is b for a, b in zip(first, again)) and not ex.recv  # the same view objects
     buf.copy_(spec.pack((2 * x, torch.arange(3) + 1), 0, "cpu"))  # the next iteration's message
-    h, m = spec.unpack(buf)
+    h, m = spec.from_views(received(ex, recv, buf, spec))
     assert torch.equal(h, 2 * x) and torch.equal(m, torch.arange(3) + 1)
-    other = buf.clone()  # another buffer: its own views
-    assert spec.unpack(other)[0].data_ptr() != h.data_ptr()
-    (g,) = spec.unpack_grads(spec.pack_grads([torch.ones(3, 4)], "cpu"))
+    other = buf.clone()  # a mailbox built again: its own buffer, its own views
+    assert received(ex, recv, other, spec)[0].data_ptr() != h.data_ptr()
+    assert len(ex._views) == 1  # one entry per receive: nothing piles up
+    grads = spec.pack_grads([torch.ones(3, 4)], "cpu").clone()
+    (g,) = received(ex, Action(Op.RECV_B, 0, 0, 0), grads, spec, backward=True)
     assert torch.equal(g, torch.ones(3, 4))
 
     narrow = dataclasses.replace(BoundarySpec.of(x), wire=torch.bfloat16)
+    assert narrow.copies_on_unpack and not spec.copies_on_unpack
     wire = narrow.pack(x, 0, "cpu").clone()
-    once = narrow.unpack(wire)
+    (once,) = received(ex, recv, wire, narrow)
     wire.copy_(narrow.pack(3 * x, 0, "cpu"))
-    assert torch.equal(narrow.unpack(wire), (3 * x).bfloat16().float())  # not the old copy
+    (now,) = received(ex, recv, wire, narrow)
+    assert torch.equal(now, (3 * x).bfloat16().float())  # not the old copy
     assert torch.equal(once, x.bfloat16().float())  # and the earlier result was left alone

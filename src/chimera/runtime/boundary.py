@@ -23,7 +23,6 @@ from torch.utils import _pytree as pytree
 from chimera.errors import UserError
 
 ALIGN = 16  # bytes; a uint8 slice can be viewed as any dtype of at most this size
-_VIEWED_MAX = 4096  # receive buffers whose views a spec keeps (more: start over)
 
 
 class BoundaryMismatch(UserError):
@@ -197,42 +196,31 @@ class BoundarySpec:
         return buf
 
     @functools.cached_property
-    def _viewed(self) -> dict:
-        """(id of a receive buffer, backward?) -> (that buffer, the views unpacking it gave).
-        A mailbox refills the same buffer for its message every iteration, so views of it
-        stay valid and are made once (each view op costs ~20 us on a host just woken from a
-        wait: a boundary's views were ~60 us of every action's host time at D=4)."""
-        return {}
-
-    @functools.cached_property
-    def _casts(self) -> bool:
-        """Whether a leaf travels narrower than computed (unpacking then copies it)."""
+    def copies_on_unpack(self) -> bool:
+        """Whether a leaf travels narrower than computed: unpacking casts it back, a copy that
+        holds one message's values (otherwise every leaf is a view of the buffer)."""
         return any(s.shape is not None and s.on_wire(self.wire) != s.dtype for s in self.leaves)
 
-    def _views(self, buf: torch.Tensor, backward: bool) -> tuple[torch.Tensor, ...]:
-        key = (id(buf), backward)
-        hit = self._viewed.get(key)
-        if hit is not None and hit[0] is buf:
-            return hit[1]
+    def views(self, buf: torch.Tensor, backward: bool = False) -> tuple[torch.Tensor, ...]:
+        """The tensor leaves (``backward``: the gradients) of the message in ``buf``."""
         _, specs, offsets, total = self._plans[backward]
         if buf.numel() != total:
             raise BoundaryMismatch(f"message of {buf.numel()} bytes, the spec needs {total}")
         # a leaf sent narrower than computed is cast back (a copy); otherwise a view, no copy
-        views = tuple(buf[off:off + s.nbytes(self.wire)].view(s.on_wire(self.wire)).view(s.shape)
-                      .to(s.dtype) for s, off in zip(specs, offsets))
-        if not self._casts:  # a copy holds this message's values only: never kept
-            if len(self._viewed) >= _VIEWED_MAX:  # buffers of mailboxes since rebuilt
-                self._viewed.clear()
-            self._viewed[key] = (buf, views)
-        return views
+        return tuple(buf[off:off + s.nbytes(self.wire)].view(s.on_wire(self.wire)).view(s.shape)
+                     .to(s.dtype) for s, off in zip(specs, offsets))
+
+    def from_views(self, views: tuple):
+        """The pytree around a message's tensor leaves (:meth:`views`), constants put back."""
+        if self.bare:
+            return views[0]
+        it = iter(views)
+        leaves = [s.const if s.shape is None else next(it) for s in self.leaves]
+        return pytree.tree_unflatten(leaves, self.tree)
 
     def unpack(self, buf: torch.Tensor):
         """The pytree, its tensor leaves viewing ``buf`` (no copy)."""
-        if self.bare:
-            return self._views(buf, False)[0]
-        views = iter(self._views(buf, False))
-        leaves = [s.const if s.shape is None else next(views) for s in self.leaves]
-        return pytree.tree_unflatten(leaves, self.tree)
+        return self.from_views(self.views(buf))
 
     # -- backward messages -------------------------------------------------------------
     def pack_grads(self, grads: list, device) -> torch.Tensor:
@@ -240,7 +228,7 @@ class BoundarySpec:
         return self._pack(grads, True, device)
 
     def unpack_grads(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        return list(self._views(buf, True))
+        return list(self.views(buf, True))
 
     def grad_leaves(self, x) -> list:
         """The leaves of ``x`` (this boundary's structure) that carry gradients."""

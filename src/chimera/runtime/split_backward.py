@@ -184,23 +184,24 @@ def _backward_input(y, xs: list[torch.Tensor], grad, pending: PendingWeightGrad)
     if (not found and pending.params) or _shared(found):
         pending.output, pending.output_grad = y, grad
         return _input_grads(y, xs, grad)
-    live = [True]  # the hooks keep gradients during this call only (W runs the nodes again)
+    handles = []
     for node, weights in found:
         boundary = Boundary(weights)
         pending.boundaries.append(boundary)
 
         def keep(grad_outputs, node=node, boundary=boundary):
-            if not live[0]:
-                return
             for i, g in enumerate(grad_outputs):
                 if g is not None:
                     boundary.edges.append(GradientEdge(node, i))
                     boundary.grads.append(g)
-        node.register_prehook(keep)  # goes with the graph: switched off, not removed (cheaper)
+        handles.append(node.register_prehook(keep))
     try:
         return _input_grads(y, xs, grad)
     finally:
-        live[0] = False
+        # removed, not left switched off: a hook holds its node and boundary, the boundary its
+        # edges and so the node, a cycle that would keep the graph until a garbage collection
+        for h in handles:
+            h.remove()
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
