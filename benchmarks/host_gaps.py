@@ -66,7 +66,11 @@ def _instrument(pipe) -> None:
     _probe(p2p, "wait_work", "wait")
     _probe(executor, "detach_input", "detach")
     _probe(split_backward, "_boundaries", "discover")
-    _probe(executor.Executor, "_received", "unpack")  # a received message's leaves
+    if hasattr(executor.Executor, "_received"):  # a received message's leaves
+        _probe(executor.Executor, "_received", "unpack")
+    else:  # the code before 2026-12-06 (for a before/after run in a worktree)
+        for name in ("unpack", "unpack_grads"):
+            _probe(boundary.BoundarySpec, name, "unpack")
     for name in ("pack", "pack_grads"):
         _probe(boundary.BoundarySpec, name, name)
 
