@@ -109,6 +109,30 @@ def test_host_time_before_a_layer_is_not_hidden(monkeypatch):
     assert fake.now - t0 == pytest.approx(0.003)  # a full F after the host got there
 
 
+def test_a_recomputation_that_stops_early_queues_no_forward(clock):
+    """Checkpointing recomputes the last layer's forward only up to the tensor it saves: that
+    partial forward queues nothing on the layer's device (its W would wait behind a forward
+    nobody waited for), so the checkpointed backward takes what it took before forwards were
+    committed at the layer's end: that of the plain backward here."""
+    from torch.utils.checkpoint import checkpoint
+
+    def stage():
+        torch.manual_seed(0)
+        return nn.Sequential(EmulatedLayer(COST, 0.5, index=0), EmulatedLayer(COST, 0.5, index=1))
+
+    x = torch.randn(4, COST.width, requires_grad=True)
+    plain = stage()(x)
+    t0 = clock.now
+    plain.sum().backward()
+    plain_s, expected = clock.now - t0, x.grad.clone()
+    x.grad = None
+    y = checkpoint(stage(), x, use_reentrant=False)
+    t0 = clock.now
+    y.sum().backward()
+    assert clock.now - t0 == pytest.approx(plain_s) and plain_s == pytest.approx(0.012)
+    assert torch.equal(x.grad, expected)
+
+
 def test_split_backward_waits_i_in_i_and_w_in_w(waits):
     layers = nn.Sequential(EmulatedLayer(COST, 0.5, index=0), EmulatedLayer(COST, 0.5, index=1))
     x = torch.randn(4, COST.width, requires_grad=True)

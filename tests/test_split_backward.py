@@ -135,6 +135,10 @@ def test_the_engine_calls_give_what_autograd_grad_and_backward_give():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(RuntimeError, match="scalar outputs"):
         grad_of([y], [None], [x], keep_graph=True)
+    with pytest.raises(RuntimeError, match="Mismatch in shape"):  # not broadcast silently
+        grad_of([y[:1]], [torch.ones(2, 3)], [x], keep_graph=True)
+    with pytest.raises(RuntimeError, match="cannot be empty"):  # not every leaf
+        backward_of([y], [g], [])
 
     backward_of([loss], [None])  # into every leaf's .grad, as autograd.backward
     ref = [t.grad.clone() for t in (x, lin.weight, lin.bias)]

@@ -78,7 +78,7 @@ def test_a_receive_buffer_is_viewed_once_and_its_views_follow_each_new_message()
         ex.recv[recv] = buf
         return Executor._received(ex, recv, spec, backward)
 
-    ex = SimpleNamespace(recv={}, _views={})
+    ex = SimpleNamespace(recv={}, _views={}, forward_only=False)
     recv = Action(Op.RECV_F, 0, 1, 0)
     x = torch.randn(3, 4)
     spec = BoundarySpec.of((x.requires_grad_(), torch.arange(3)))
@@ -105,3 +105,23 @@ def test_a_receive_buffer_is_viewed_once_and_its_views_follow_each_new_message()
     (now,) = received(ex, recv, wire, narrow)
     assert torch.equal(now, (3 * x).bfloat16().float())  # not the old copy
     assert torch.equal(once, x.bfloat16().float())  # and the earlier result was left alone
+
+
+def test_forward_only_runs_get_fresh_views_of_each_message():
+    """An evaluation hands a stage the received views themselves (no detach): each run gets
+    its own, so an in-place reshape of one run's input does not reach the next."""
+    from types import SimpleNamespace
+
+    from chimera.ir import Action, Op
+    from chimera.runtime.executor import Executor
+
+    ex = SimpleNamespace(recv={}, _views={}, forward_only=True)
+    recv = Action(Op.RECV_F, 0, 1, 0)
+    spec = BoundarySpec.of(torch.randn(3, 4))
+    buf = spec.pack(torch.randn(3, 4), 0, "cpu").clone()
+    ex.recv[recv] = buf
+    (first,) = Executor._received(ex, recv, spec, False)
+    first.unsqueeze_(0)  # what a stage might do to its input under no_grad
+    ex.recv[recv] = buf
+    (second,) = Executor._received(ex, recv, spec, False)
+    assert second is not first and second.shape == (3, 4) and not ex._views

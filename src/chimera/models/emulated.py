@@ -236,7 +236,9 @@ class EmulatedLayer(nn.Module):
         c = self.cost
         scale = self.share * x.shape[0] / c.rows
         f, i, w = (t * scale for t in (c.forward_s, c.input_grad_s, c.weight_grad_s))
-        start, due = self.device.launch(f, at=begin)
+        # queued when the host entered the layer, committed to the device once the layer got
+        # to its end: a recomputation that stops early (checkpointing) queues nothing
+        start = max(self.device.due, begin)
         label = f"L{self.index}"
         # no gradient to the input: no input path to split off, the weight path pays it all
         has_input_grad = x.requires_grad
@@ -247,6 +249,7 @@ class EmulatedLayer(nn.Module):
         out = _Span.apply(y, self.device, i if has_input_grad else 0.0)
         # the forward's work was queued as the host entered the layer: wait for it once the
         # layer's host code (its ops and autograd nodes) has run, as a device overlaps it
+        self.device.due = due = start + f
         self.device.wait(start, due, f, f"F {label}")
         return out
 

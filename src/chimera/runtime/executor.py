@@ -157,13 +157,15 @@ class Executor:
         """The tensor leaves of ``recv``'s message. The mailbox refills one buffer per message
         every iteration, so the views of a buffer are made once and stay valid (each view op
         costs ~20 us on a host just woken from a wait); where a leaf travels narrower and is
-        cast back (a copy of one message's values), they are made every time."""
+        cast back (a copy of one message's values), or where the stage is given the views
+        themselves (forward only: no detach in between, so what a stage did to its input
+        object, an in-place reshape, would reach the next run), they are made every time."""
         buf = self.recv.pop(recv)
         hit = self._views.get(recv)
         if hit is not None and hit[0] is buf and hit[1] is spec:
             return hit[2]
         views = spec.views(buf, backward)
-        if not spec.copies_on_unpack:
+        if not spec.copies_on_unpack and not self.forward_only:
             self._views[recv] = (buf, spec, views)
         return views
 

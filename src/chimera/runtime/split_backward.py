@@ -118,16 +118,19 @@ _ENGINE = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def _roots(outputs, grads) -> tuple[tuple, tuple]:
-    """Outputs and their gradients as the engine takes them: a missing gradient is ones for
-    a scalar (a loss), as autograd.grad makes it."""
-    if all(g is not None for g in grads):
-        return tuple(outputs), tuple(grads)
+    """Outputs and their gradients as the engine takes them, checked as autograd.grad checks
+    them (the engine would broadcast a gradient of another shape without a word): a missing
+    gradient is ones for a scalar tensor (a loss), as autograd makes it."""
     full = []
     for y, g in zip(outputs, grads):
+        tensor = isinstance(y, torch.Tensor)
         if g is None:
-            if y.numel() != 1:
+            if not tensor or y.numel() != 1:
                 raise RuntimeError("grad can be implicitly created only for scalar outputs")
             g = torch.ones_like(y, memory_format=torch.preserve_format)
+        elif tensor and g.shape != y.shape:
+            raise RuntimeError(f"Mismatch in shape: grad_output has a shape of {tuple(g.shape)} "
+                               f"and output has a shape of {tuple(y.shape)}")
         full.append(g)
     return tuple(outputs), tuple(full)
 
@@ -149,6 +152,8 @@ def backward_of(outputs: list, grads: list, inputs: list | None = None) -> None:
     if not _ENGINE:
         torch.autograd.backward(outputs, grads, inputs=inputs)
         return
+    if inputs is not None and not len(inputs):  # () would mean every leaf to the engine
+        raise RuntimeError("'inputs' argument to backward() cannot be empty.")
     outputs, grads = _roots(outputs, grads)
     _ENGINE(outputs, grads, False, False, tuple(inputs or ()), True, accumulate_grad=True)
 
