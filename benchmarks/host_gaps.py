@@ -32,20 +32,21 @@ import time
 _T: list = []  # (perf_counter, label) of this rank's probes
 
 
-def _probe(obj, name: str, label: str) -> None:
-    """Timestamp every call of ``obj.name`` (``label<`` before, ``label>`` after)."""
-    fn = getattr(obj, name)
+def _timed(fn, label: str):
+    """``fn``, timestamped on every call (``label<`` before, ``label>`` after)."""
     clock = time.perf_counter
 
-    def probed(*args, **kwargs):
+    def timed(*args, **kwargs):
         _T.append((clock(), label + "<"))
         out = fn(*args, **kwargs)
         _T.append((clock(), label + ">"))
         return out
-    if isinstance(obj, type) or not hasattr(type(obj), "__dataclass_fields__"):
-        setattr(obj, name, probed)
-    else:  # a frozen dataclass instance
-        object.__setattr__(obj, name, probed)
+    return timed
+
+
+def _probe(obj, name: str, label: str) -> None:
+    """Timestamp every call of ``obj.name`` (a class's method, a module's function)."""
+    setattr(obj, name, _timed(getattr(obj, name), label))
 
 
 def _instrument(pipe) -> None:
@@ -56,11 +57,7 @@ def _instrument(pipe) -> None:
 
     ex = pipe.runtime.executor
     for op, handler in list(ex.handlers.items()):
-        def timed(a, handler=handler, name=op.name):
-            _T.append((time.perf_counter(), name + "<"))
-            handler(a)
-            _T.append((time.perf_counter(), name + ">"))
-        ex.handlers[op] = timed
+        ex.handlers[op] = _timed(handler, op.name)
     ex._calls_of = (None, [])  # the handlers are looked up again
     _probe(ex.mailbox.transport, "isend", "isend")
     _probe(p2p, "wait_work", "wait")

@@ -139,10 +139,15 @@ class _Device:
         self.input_begin = 0.0  # when the current backward's input-gradient part starts
         self.input_due = 0.0  # and ends
 
+    def slot(self, seconds: float, at: float | None = None) -> tuple[float, float]:
+        """(start, end) that ``seconds`` of work queued at host time ``at`` (now) would have;
+        nothing is queued until ``due`` is set to its end."""
+        begin = max(self.due, time.perf_counter() if at is None else at)
+        return begin, begin + seconds
+
     def launch(self, seconds: float, at: float | None = None) -> tuple[float, float]:
         """Queue ``seconds`` of work at host time ``at`` (now): (its start, its end)."""
-        begin = max(self.due, time.perf_counter() if at is None else at)
-        self.due = begin + seconds
+        begin, self.due = self.slot(seconds, at)
         return begin, self.due
 
     def wait(self, begin: float, due: float, asked: float, label: str) -> None:
@@ -238,7 +243,7 @@ class EmulatedLayer(nn.Module):
         f, i, w = (t * scale for t in (c.forward_s, c.input_grad_s, c.weight_grad_s))
         # queued when the host entered the layer, committed to the device once the layer got
         # to its end: a recomputation that stops early (checkpointing) queues nothing
-        start = max(self.device.due, begin)
+        start, due = self.device.slot(f, at=begin)
         label = f"L{self.index}"
         # no gradient to the input: no input path to split off, the weight path pays it all
         has_input_grad = x.requires_grad
@@ -249,7 +254,7 @@ class EmulatedLayer(nn.Module):
         out = _Span.apply(y, self.device, i if has_input_grad else 0.0)
         # the forward's work was queued as the host entered the layer: wait for it once the
         # layer's host code (its ops and autograd nodes) has run, as a device overlaps it
-        self.device.due = due = start + f
+        self.device.due = due
         self.device.wait(start, due, f, f"F {label}")
         return out
 

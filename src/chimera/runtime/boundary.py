@@ -176,7 +176,8 @@ class BoundarySpec:
         alone = {}
         for backward, (_, specs, _, total) in self._plans.items():
             s = specs[0] if len(specs) == 1 else None
-            alone[backward] = (s.shape, s.on_wire(self.wire)) if s and s.nbytes(self.wire) == total else None
+            fits = s is not None and s.nbytes(self.wire) == total
+            alone[backward] = (s.shape, s.on_wire(self.wire)) if fits else None
         return alone
 
     def _pack(self, tensors: list, backward: bool, device) -> torch.Tensor:
