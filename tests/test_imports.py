@@ -27,7 +27,7 @@ NOT_YET_COMMENTED = {"api.py", "cli/train_cmd.py", "train/__init__.py",
 # its own unit and units of lower layers, at the top of the file or inside a function alike.
 # Units of one layer are independent of each other. No exceptions.
 LAYERS = [
-    {"errors", "_moved"},
+    {"errors"},
     {"ir"},
     {"modelcfg"},
     {"schedules", "passes"},
@@ -129,16 +129,15 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[frozenset]:
     return found
 
 
-def layer_of(module: str, moved: dict[str, str]) -> int:
-    """The index in LAYERS of a module's unit (``chimera.sim.cost`` -> sim); a module left at
-    an old path counts where it moved to."""
-    unit = moved.get(module, module).split(".")[1]
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a module's unit (``chimera.sim.cost`` -> sim)."""
+    unit = module.split(".")[1]
     found = [i for i, layer in enumerate(LAYERS) if unit in layer]
     assert found, f"{module}: unit {unit!r} is in no layer of LAYERS"
     return found[0]
 
 
-def upward_imports(graph: dict[str, dict[str, int]], moved: dict[str, str]) -> list[str]:
+def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
     """'a (line n) imports b' for each import that does not go down the layers."""
     out = []
     for module, targets in graph.items():
@@ -147,23 +146,23 @@ def upward_imports(graph: dict[str, dict[str, int]], moved: dict[str, str]) -> l
         for target, line in targets.items():
             if target == "chimera":
                 continue
-            mine, theirs = layer_of(module, moved), layer_of(target, moved)
-            same_unit = moved.get(module, module).split(".")[1] == moved.get(target, target).split(".")[1]
+            mine, theirs = layer_of(module), layer_of(target)
+            same_unit = module.split(".")[1] == target.split(".")[1]
             if theirs > mine or (theirs == mine and not same_unit):
                 out.append(f"{module} (line {line}) imports {target}")
     return out
 
 
 def test_imports_go_down_the_layers():
-    bad = upward_imports(import_graph(), _moved())
+    bad = upward_imports(import_graph())
     assert not bad, "imports against the layers (LAYERS):\n" + "\n".join(sorted(bad))
 
 
 def test_the_layer_check_finds_an_upward_import():
     graph = {"chimera.sim.engine": {"chimera.viz.grid": 3}, "chimera.viz.grid": {"chimera.sim.timeline": 5},
              "chimera.sim.timeline": {}, "chimera.check.validate": {"chimera.theory.bounds": 7},
-             "chimera.theory.bounds": {}, "chimera.bounds": {"chimera._moved": 1}}
-    assert upward_imports(graph, {"chimera.bounds": "chimera.theory.bounds"}) == [
+             "chimera.theory.bounds": {}}
+    assert upward_imports(graph) == [
         "chimera.sim.engine (line 3) imports chimera.viz.grid",
         "chimera.check.validate (line 7) imports chimera.theory.bounds"]
 
@@ -238,63 +237,6 @@ def test_an_unexplained_function_import_is_found(tmp_path, text):
     assert list(_function_imports(path)) == []
 
 
-def _moved() -> dict[str, str]:
-    """old path -> new path of each module left at its old path as an alias (issue 24)."""
-    out = {}
-    for name, path in modules().items():
-        text = path.read_text()
-        if "from chimera._moved import alias" in text:
-            out[name] = text.split('alias(__name__, "')[1].split('"')[0]
-    return out
-
-
-def test_moved_modules_keep_their_old_path_with_a_warning(cli_env):
-    """Each old path gives the very module of its new path (so a monkeypatch through either
-    reaches the code) and says where it went, once, as a DeprecationWarning."""
-    moved = _moved()
-    assert len(moved) >= 13
-    script = (
-        "import importlib, sys, warnings\n"
-        f"moved = {moved!r}\n"
-        "for old, new in moved.items():\n"
-        "    with warnings.catch_warnings(record=True) as seen:\n"
-        "        warnings.simplefilter('always')\n"
-        "        module = importlib.import_module(old)\n"
-        "    assert module is importlib.import_module(new), old\n"
-        "    said = [str(w.message) for w in seen if w.category is DeprecationWarning]\n"
-        "    assert said == [f'{old} moved to {new}; the old path goes in the next release'], said\n"
-        "print('ok', len(moved))\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=cli_env, timeout=300)
-    assert proc.returncode == 0 and f"ok {len(moved)}" in proc.stdout, proc.stdout + proc.stderr
-
-
-def test_nothing_in_the_tree_uses_an_old_path():
-    """The package, tests, examples and benchmarks import moved modules by their new path only
-    (the old one is for users' code, for one release)."""
-    moved = _moved()
-    root = SRC.parent
-    used = []
-    for path in [*PACKAGE.rglob("*.py"), *root.glob("tests/*.py"), *root.glob("examples/*.py"),
-                 *root.glob("benchmarks/*.py")]:
-        if path.name == "test_imports.py" or modules().get(_dotted(path)) and _dotted(path) in moved:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-                     if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
-            used += [f"{path.relative_to(root)}:{node.lineno}: {n}" for n in names if n in moved]
-    assert not used, "old paths in use:\n" + "\n".join(used)
-
-
-def _dotted(path: pathlib.Path) -> str:
-    try:
-        parts = list(path.relative_to(SRC).with_suffix("").parts)
-    except ValueError:
-        return ""
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def _drawn_layers(text: str, after: str) -> list[str]:
     """The units a layer picture names, top to bottom: the first column of the first code
     block after ``after`` (``errors, rng`` names two; ``sim/`` is sim)."""
@@ -313,10 +255,10 @@ def test_the_docs_draw_the_layers_of_the_check(doc, after):
     """The layer pictures of docs/ARCHITECTURE.md and the README list the units of LAYERS,
     bottom layer first, in the order the check enforces (any order inside one layer)."""
     drawn = _drawn_layers((SRC.parent / doc).read_text(), after)
-    declared = [layer & set(drawn) for layer in LAYERS if layer - {"_moved", "__main__"}]
+    declared = [layer & set(drawn) for layer in LAYERS if layer - {"__main__"}]
     unknown = set(drawn) - set().union(*LAYERS)
     assert not unknown, f"{doc} draws units that are in no layer: {sorted(unknown)}"
     order = [next(i for i, layer in enumerate(declared) if unit in layer) for unit in drawn]
     assert order == sorted(order), f"{doc} draws the layers out of order: {drawn}"
-    missing = set().union(*LAYERS) - {"_moved", "__main__"} - set(drawn)
+    missing = set().union(*LAYERS) - {"__main__"} - set(drawn)
     assert not missing, f"{doc} does not draw {sorted(missing)}"

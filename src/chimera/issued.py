@@ -1,5 +1,0 @@
-"""Moved to ``chimera.check.issued``; this path works for one release."""
-
-from chimera._moved import alias
-
-alias(__name__, "chimera.check.issued")
