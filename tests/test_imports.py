@@ -36,6 +36,7 @@ LAYERS = [
     {"check", "theory"},
     {"plan"},
     {"data", "rng"},
+    {"tp"},
     {"runtime"},
     {"byo"},
     {"models"},
