@@ -1,11 +1,10 @@
 """TrainConfig as sections (issue 24): each field written once (type, default, help); the same
 run as Python, as `chimera train` flags and as a TOML file; values refused by name when made;
-the old flat names warn and map through one table; every checkpoint records its config; one
+the old flat attribute names are gone (issue 34); every checkpoint records its config; one
 default for the micro-batch count."""
 
 import dataclasses
 import inspect
-import warnings
 
 import pytest
 
@@ -14,7 +13,7 @@ from chimera.cli.train_cmd import parse
 from chimera.schedules import default_micro_batches
 from chimera.schedules.registry import option_declarations
 from chimera.train import build
-from chimera.train.config import DEPRECATED, TrainConfig
+from chimera.train.config import TrainConfig
 from chimera.train.sections import FLAT, SECTIONS, ConfigError, Optim, Pipeline, flag
 
 # one value off the default for most fields (a real run would not check files here)
@@ -124,24 +123,17 @@ def test_a_bad_file_or_flag_is_one_line(tmp_path, capsys):
         assert err.startswith("chimera train: ") and word in err, err
 
 
-def test_old_flat_names_warn_and_map_through_one_table():
+def test_old_flat_names_are_no_attributes_and_get_reads_a_flag():
     cfg = TrainConfig(**CHANGED)
-    for name, where in DEPRECATED.items():
-        if where.startswith("build."):
-            continue  # builders: checked below without building a model here
-        with pytest.warns(DeprecationWarning, match=f"TrainConfig.{name} is deprecated"):
-            old = getattr(cfg, name)
-        assert old == cfg.get(name), name
-        if name in FLAT and name != "options":
-            assert old == getattr(getattr(cfg, FLAT[name]), name)
-    assert set(DEPRECATED) >= set(FLAT) - {"options"}
-    with pytest.warns(DeprecationWarning, match="chimera.train.build.stages_total"):
-        assert cfg.stages_total == build.stages_total(cfg) == 4
-    with pytest.raises(AttributeError):
-        cfg.no_such_field
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new names do not warn
-        assert cfg.pipeline.stages == 4 and cfg.optim.lr == 1e-3 and cfg.n_micro == 8
+    for name in [*FLAT, "chunks", "pipes", "strategy", "schedule_options", "stages_total",
+                 "model_source"]:
+        with pytest.raises(AttributeError):
+            getattr(cfg, name)
+    for name, section in FLAT.items():
+        if name != "options":
+            assert cfg.get(name) == getattr(getattr(cfg, section), name), name
+    assert (cfg.get("pipes"), cfg.get("strategy")) == (4, "doubling")
+    assert cfg.pipeline.stages == 4 and cfg.optim.lr == 1e-3 and cfg.n_micro == 8
 
 
 def test_flat_arguments_and_replace_keep_working():
@@ -159,11 +151,9 @@ def test_a_checkpoint_records_its_config(data, tmp_path, capsys):
 
     cfg = TrainConfig(schedule="none", stages=1, micro_batch_size=2, steps=2, data=data,
                       progress=False, seq_len=16)
-    with warnings.catch_warnings():  # the tree reads the sections, not the old flat names
-        warnings.filterwarnings("error", "TrainConfig.* is deprecated", DeprecationWarning)
-        trainer = Trainer(build.preflight(cfg))
-        trainer.step(0)
-        path = ckpt.save(trainer, tmp_path, 1, keep=3)
+    trainer = Trainer(build.preflight(cfg))
+    trainer.step(0)
+    path = ckpt.save(trainer, tmp_path, 1, keep=3)
     assert TrainConfig.from_toml(path / "config.toml") == cfg
     assert "config.toml" in ckpt.read_meta(path)["files"]  # verified as the tensors are
     ckpt.verify(path)

@@ -14,7 +14,6 @@ Imports no torch (the CLI parses and checks flags before torch loads).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, field, fields
 
 from chimera.schedules.registry import option_declarations
@@ -29,21 +28,11 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
     import tomli as tomllib
 
 __all__ = ["TrainConfig", "ConfigError", "DTYPES", "LIMITS", "LR_SCHEDULES", "RESUME_ALLOWABLE",
-           "WIRE_DTYPES", "DEPRECATED"]
+           "WIRE_DTYPES"]
 
-# What ``cfg.<old name>`` reads, for one release (each warns): a flat field's name -> its
-# section (``sections.FLAT``), a scheme option's name -> the pipeline's options, and the
-# builders that were properties of the config -> ``chimera.train.build``.
-DEPRECATED = {
-    **{name: f"{section}.{name}" for name, section in FLAT.items() if name != "options"},
-    "options": "pipeline.scheme_options",
-    **{name: f"pipeline.scheme_options.get({name!r})" for name in ("chunks", "pipes", "strategy")},
-    "model_source": "build.model_source(cfg)", "data_info": "build.data_info(cfg)",
-    "data_spec": "build.data_spec(cfg)", "mask_id": "build.mask_id(cfg)",
-    "model_config": "build.model_config(cfg)", "stages_total": "build.stages_total(cfg)",
-    "resume_changes": "build.resume_changes(cfg)", "resume_from": "build.resume_from(cfg)",
-    "schedule_options": "pipeline.scheme_options",
-}
+# What ``get`` builds by name (``chimera.train.build``): for the checkpoint's record, which
+# build's checks import and so cannot import build back.
+BUILT = ("model_source", "data_info", "mask_id")
 
 
 @dataclass(frozen=True, init=False)
@@ -79,28 +68,16 @@ class TrainConfig:
             raise ConfigError("--dtype bf16-master with --shard-optimizer is not supported yet: "
                               "the sharded optimizer updates slices of the parameters themselves")
 
-    def __getattr__(self, name: str):
-        """An old flat name (``cfg.stages``): its new place, with a DeprecationWarning."""
-        if name.startswith("_") or name not in DEPRECATED:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        warnings.warn(f"TrainConfig.{name} is deprecated: use cfg.{DEPRECATED[name]}"
-                      if not DEPRECATED[name].startswith("build.") else
-                      f"TrainConfig.{name} is deprecated: use chimera.train.{DEPRECATED[name]}",
-                      DeprecationWarning, stacklevel=2)
-        return self.get(name)
-
     def get(self, name: str):
-        """A value by its flat name (a flag's: ``stages``, ``pipes``; what ``DEPRECATED``
-        names), without a warning: for code that speaks in flags (resume's record)."""
+        """A value by its flat name (a flag's: ``stages``, ``pipes``), for code that speaks in
+        flags (resume's record), or one of ``BUILT``."""
         if name in FLAT and name != "options":
             return getattr(getattr(self, FLAT[name]), name)
         if name in option_declarations():
             return self.pipeline.scheme_options.get(name)
-        if name in ("options", "schedule_options"):
-            return self.pipeline.scheme_options if name == "schedule_options" else \
-                ({k: v for k, v in self.pipeline.options if k not in self.option_fields()} or None)
-        target = DEPRECATED.get(name, "")
-        if target.startswith("build."):
+        if name == "options":
+            return {k: v for k, v in self.pipeline.options if k not in self.option_fields()} or None
+        if name in BUILT:
             return getattr(build, name)(self)
         raise AttributeError(name)
 
