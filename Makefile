@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo demo-hf test test-fast test-slow clean
+.PHONY: setup demo demo-hf test test-slow clean
 
 $(BIN)/chimera: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,9 +31,6 @@ demo-hf: setup
 # every test but the long multi-process ones (marked slow); CI runs both targets (.ci/run)
 test: setup
 	$(BIN)/python -m pytest -q -x -m "not slow" --durations=10
-
-# kept for one release: what make test now is
-test-fast: test
 
 # the long multi-process tests: real gloo process groups, CLI runs on several ranks, signals
 test-slow: setup

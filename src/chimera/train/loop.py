@@ -9,7 +9,7 @@ import json
 import math
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -59,17 +59,6 @@ class NonFiniteLoss(RuntimeError):
     def __init__(self, message: str, loss: float | None = None, grad_norm: float | None = None):
         super().__init__(message)
         self.loss, self.grad_norm = loss, grad_norm
-
-
-@dataclass
-class RunResult:
-    """What rank 0 reports at the end of a run."""
-
-    config: dict
-    steps: list[StepLog] = field(default_factory=list)
-    records: list[list[tuple]] = field(default_factory=list)  # per rank: (action, start, end, cpu)
-    peak_rss_mb: list[float] = field(default_factory=list)
-    final_params: dict | None = None  # model-wide name -> tensor, when asked for
 
 
 def stage_ranges(cfg: TrainConfig, source, n_stages: int) -> list[range]:
