@@ -345,29 +345,6 @@ def test_wake_cost_script_writes_its_table(cli_env, tmp_path):
 
 
 @pytest.mark.slow
-def test_runtime_ab_script_runs_every_variant(cli_env, tmp_path):
-    """benchmarks/runtime_ab.py (RESULTS.md's A/B of runtime changes) switches every variant on
-    a live pipeline and writes one row per schedule and variant (no time is asserted)."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "runtime_ab.py"), "--emulate",
-                        "1:1:1", "-D", "2", "-N", "2", "--schedules", "1f1b,zb-v", "--rounds", "1",
-                        "--warmup", "0", "--out", str(tmp_path)],
-                       env=cli_env, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr
-    rows = json.loads((tmp_path / "runtime_ab-D2-N2.json").read_text())["rows"]
-    variants = ("now", "sync-fingerprint", "plan-posts", "before", "no-fingerprint",
-                "views-each-time", "autograd-api", "dist-p2p", "host-before")
-    assert [(x["schedule"], x["variant"]) for x in rows] == \
-        [(s, v) for s in ("1f1b", "zb-v") for v in variants]
-    assert all(x["median_step_s"] > 0 for x in rows)
-    assert all(x["vs_now"] == 1.0 for x in rows if x["variant"] == "now")
-
-
-@pytest.mark.slow
 def test_bench_emulate_spin_rows(run_cli, tmp_path):
     """--spin: the same rows with busy-waiting stages, written under their own name."""
     r = run_cli("bench", "--emulate", "1:1:1", "-D", "2", "-N", "2", "--steps", "1", "--warmup", "0",
@@ -377,45 +354,3 @@ def test_bench_emulate_spin_rows(run_cli, tmp_path):
     assert data["config"]["waits"] == "spin" and "--spin" in data["config"]["command"]
     assert {(x["impl"], x["schedule"]) for x in data["results"]} == {("chimera", "1f1b"), ("floor", "1f1b")}
     assert "spinning" in r.stdout and not (tmp_path / "bench-emulated-D2-N2.json").exists()
-
-
-@pytest.mark.slow
-def test_host_gaps_script_splits_the_time_between_waits(cli_env, tmp_path):
-    """benchmarks/host_gaps.py (RESULTS.md's table of where host time between two waits goes)
-    runs our runtime with its pieces timestamped and reports the segments it found: the
-    handlers' pack, send and boundary discovery among them (no time is asserted)."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_gaps.py"), "--emulate",
-                        "2:2:2", "-D", "2", "-N", "4", "--schedule", "zb-h1", "--steps", "2",
-                        "--warmup", "1", "--top", "100", "--out", str(tmp_path)],
-                       env=cli_env, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr
-    data = json.loads((tmp_path / "host_gaps-D2-N4-zb-h1.json").read_text())
-    kinds = {row["segment"] for row in data["segments"]}
-    assert {"pack< pack>", "isend< isend>", "discover< discover>"} <= kinds, kinds
-    assert all(row["count"] > 0 and row["median_us"] >= 0 for row in data["segments"])
-    assert len(data["gaps_us"]) > 0
-    assert "| `pack< pack>` |" in (tmp_path / "host_gaps-D2-N4-zb-h1.md").read_text()
-
-
-def test_host_gaps_reads_segments_between_waits_and_drops_peer_waits():
-    """The segment reader: a gap runs from a wait's end to the next wait's start; pieces
-    before the first wait are not a gap; a piece longer than the peer-wait bound is dropped."""
-    import importlib.util
-
-    from conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("host_gaps", ROOT / "benchmarks" / "host_gaps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    step = [(0.0, "F<"), (0.001, "WAIT<"), (0.020, "WAIT>"), (0.0201, "pack<"), (0.0203, "pack>"),
-            (0.030, "wait<"), (0.0301, "wait>"), (0.0302, "WAIT<"), (0.05, "WAIT>")]
-    kinds, gaps = mod.segments([step], peer_wait_s=0.005)
-    assert gaps == pytest.approx([0.0102])
-    assert kinds["pack< pack>"] == pytest.approx([0.0002])
-    assert "pack> wait<" not in kinds  # 9.7 ms: a wait for a peer, left out
-    assert "F< WAIT<" not in kinds  # before the first wait: not between two
