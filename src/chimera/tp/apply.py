@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
                                                parallelize_module)
 
 from chimera.errors import UserError
-from chimera.tp.plans import Plan, style
+from chimera.tp.plans import Plan, styles
 from chimera.tp.styles import Colwise, LocalHeads, Replicated, Rowwise, is_conv1d, widths
 from chimera.tp.vocab import VocabEmbedding, VocabHead
 
@@ -29,12 +29,12 @@ def tp_mesh(group, device_type: str = "cpu") -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
 
 
-def resolve(layer: nn.Module, plan: Plan, tp: int) -> dict[str, ParallelStyle]:
-    """Submodule name -> style, every entry checked for ``tp`` ranks; raises UserError."""
+def resolve(layer: nn.Module, plan: Plan, tp: int) -> dict[str, tuple[ParallelStyle, ...]]:
+    """Submodule name -> its styles, every entry checked for ``tp`` ranks; raises UserError."""
     if not isinstance(tp, int) or tp < 1:
         raise UserError(f"tensor parallel: T must be a positive integer, got {tp!r}")
     names = [name for name, _ in layer.named_modules() if name]
-    chosen: dict[str, tuple[str, ParallelStyle]] = {}
+    chosen: dict[str, tuple[str, tuple[ParallelStyle, ...]]] = {}
     for pattern, value in plan.items():
         matched = [n for n in names if fnmatchcase(n, pattern)]
         if not matched:
@@ -45,13 +45,12 @@ def resolve(layer: nn.Module, plan: Plan, tp: int) -> dict[str, ParallelStyle]:
             if name in chosen:
                 raise UserError(f"tensor parallel: {name} is matched by both "
                                 f"{chosen[name][0]!r} and {pattern!r}")
-            chosen[name] = (pattern, style(value))
+            chosen[name] = (pattern, styles(value))
     modules = dict(layer.named_modules())
-    for name, (_, entry) in chosen.items():
-        problem = _problem(modules[name], entry, tp)
-        if problem:
+    for name, (_, entries) in chosen.items():
+        for problem in filter(None, (_problem(modules[name], e, tp) for e in entries)):
             raise UserError(f"tensor parallel: {name} ({type(modules[name]).__name__}): {problem}")
-    return {name: entry for name, (_, entry) in chosen.items()}
+    return {name: entries for name, (_, entries) in chosen.items()}
 
 
 def _problem(module: nn.Module, entry: ParallelStyle, tp: int) -> str | None:
@@ -97,6 +96,7 @@ def parallelize(layer: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
     plans do). Parameters the plan does not name stay plain and replicated."""
     if mesh.ndim != 1:
         raise UserError(f"tensor parallel: the mesh must be 1-D (one TP group), got {mesh.ndim}-D")
-    for name, entry in resolve(layer, plan, mesh.size()).items():
-        parallelize_module(layer.get_submodule(name), mesh, entry)
+    for name, entries in resolve(layer, plan, mesh.size()).items():
+        for entry in entries:
+            parallelize_module(layer.get_submodule(name), mesh, entry)
     return layer

@@ -25,12 +25,18 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor, padded_like: torch.Tensor | None = None) -> torch.Tensor:
     """The whole of ``t`` in its original layout (a collective over the TP group for a
-    sharded DTensor: every rank must call it), vocabulary padding stripped."""
+    sharded DTensor: every rank must call it), vocabulary padding stripped as marked on ``t``
+    (a parameter) or on ``padded_like`` (the parameter of the gradient ``t``)."""
     full = t.full_tensor() if isinstance(t, DTensor) else t
-    rows = getattr(t, PADDED_ROWS, None)
+    rows = getattr(t if padded_like is None else padded_like, PADDED_ROWS, None)
     return full if rows is None else full[:rows]
+
+
+def full_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """The whole gradient of parameter ``p`` (see ``full_tensor``), None if it has none."""
+    return None if p.grad is None else full_tensor(p.grad, padded_like=p)
 
 
 def _rank_and_size(group) -> tuple[int, int]:

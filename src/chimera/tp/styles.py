@@ -43,7 +43,7 @@ def widths(module: nn.Module) -> tuple[int, int]:
     return module.in_features, module.out_features
 
 
-def _distribute(module: nn.Module, mesh, placements: dict[str, object]) -> None:
+def distribute_params(module: nn.Module, mesh, placements: dict[str, object]) -> None:
     """Each named parameter of ``module`` becomes a DTensor parameter with its placement."""
     for name, param in list(module.named_parameters(recurse=False)):
         dist_param = distribute_tensor(param, mesh, [placements[name]], src_data_rank=0)
@@ -64,13 +64,14 @@ class Colwise(ColwiseParallel):
         return Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)
 
     def _partition(self, name, module, mesh):
-        _distribute(module, mesh, {"weight": self.placement(out_dim(module)),
+        distribute_params(module, mesh, {"weight": self.placement(out_dim(module)),
                                    "bias": self.placement(0)})
 
     @staticmethod
-    def _local_output(output_layouts, use_local_output, mod, outputs, mesh):
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, mesh):
         # Shard(-1) asked: the local block (plain or strided) is this rank's output already;
-        # torch's own fn would redistribute a strided one to a plain Shard (a collective)
+        # torch's own fn would redistribute a strided one to a plain Shard (a collective).
+        # Otherwise gathered, and waited for (see Rowwise).
         if not isinstance(output_layouts[0], Shard):
             outputs = outputs.redistribute(placements=output_layouts)
         return outputs.to_local() if use_local_output else outputs
@@ -81,15 +82,23 @@ class Colwise(ColwiseParallel):
         return distribute_module(
             module, device_mesh, self._partition,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._local_output, self.output_layouts, self.use_local_output))
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
 class Rowwise(RowwiseParallel):
     """``RowwiseParallel`` for Linear, Embedding and Conv1D (weight sharded on its input
-    dimension, bias replicated; the partial outputs are summed by one allreduce)."""
+    dimension, bias replicated; the partial outputs are summed by one allreduce, waited for:
+    torch's asynchronous one returns an ``AsyncCollectiveTensor``, a wrapper that waits at
+    its first use, and such a tensor must not be what a layer hands the pipeline)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts)
+        return outputs.to_local() if use_local_output else outputs
 
     def _partition(self, name, module, mesh):
-        _distribute(module, mesh, {"weight": Shard(1 - out_dim(module)), "bias": Replicate()})
+        distribute_params(module, mesh, {"weight": Shard(1 - out_dim(module)), "bias": Replicate()})
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not is_conv1d(module):

@@ -23,8 +23,11 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from chimera.tp.styles import Colwise, distribute_params
 
 # On a padded parameter: how many of its rows (dim 0) are real.
 PADDED_ROWS = "chimera_tp_rows"
@@ -52,36 +55,53 @@ def _mark(module: nn.Module, rows: int) -> None:
 
 
 def _local_padding_idx(padding_idx: int | None, rows: int, rank: int, tp: int) -> int | None:
-    """The padding row as this rank's shard indexes it, None where another rank holds it:
-    DTensor hands the module's padding_idx to the local lookup unchanged, and a global index
-    there would freeze the gradient of another token's row on every other rank."""
+    """The padding row as this rank's shard indexes it, None where another rank holds it (a
+    global index would freeze another token's row on the other ranks)."""
     if padding_idx is None:
         return None
     local = padding_idx - rank * (rows // tp)
     return local if 0 <= local < rows // tp else None
 
 
-class VocabEmbedding(RowwiseParallel):
+class VocabEmbedding(ParallelStyle):
     """An ``nn.Embedding`` with its vocabulary sharded (padded to a multiple of T): each rank
-    looks up the tokens in its rows, zeros elsewhere; one allreduce sums them."""
+    looks up the tokens in its rows, zeros elsewhere; one allreduce sums them.
+
+    The lookup is local, not DTensor's: DTensor has no row-sharded rule for the embedding's
+    backward and computes the full (V, C) gradient, replicated, on every rank (T times the
+    memory, and a gradient whose layout differs from its parameter's)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         tp, real = device_mesh.size(), module.num_embeddings
         rows = padded_size(real, tp)
         _pad_rows(module, "weight", rows)
         module.num_embeddings = rows
-        module = super()._apply(module, device_mesh)
+        distribute_params(module, device_mesh, {"weight": Shard(0)})
         module.padding_idx = _local_padding_idx(module.padding_idx, rows,
                                                 device_mesh.get_local_rank(), tp)
+        module.forward = partial(_vocab_lookup, module, device_mesh)
         _mark(module, real)
         return module
+
+
+def _vocab_lookup(module: nn.Embedding, mesh, ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) token ids, replicated -> (B, S, C), replicated: this rank's rows looked up,
+    other tokens zero, summed over the ranks (backward: no collective)."""
+    weight = module.weight.to_local()                         # (V/T, C)
+    local = ids - mesh.get_local_rank() * weight.shape[0]
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), weight, module.padding_idx,
+                      module.max_norm, module.norm_type)       # (B, S, C), partial
+    out = out.masked_fill(outside.unsqueeze(-1), 0)
+    summed = DTensor.from_local(out, mesh, [Partial()]).redistribute(placements=[Replicate()])
+    return summed.to_local()
 
 
 def _strip(real: int, module, inputs, logits: torch.Tensor) -> torch.Tensor:
     return logits[..., :real]
 
 
-class VocabHead(ColwiseParallel):
+class VocabHead(Colwise):
     """An ``nn.Linear`` LM head with its output vocabulary sharded (padded to a multiple of
     T); the logits are gathered and the padding stripped: (B, S, C) -> (B, S, V), plain."""
 
