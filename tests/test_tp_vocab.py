@@ -75,8 +75,9 @@ def _one(padding_idx: int, mesh) -> dict:
     grads = {n: _diff(p.grad, tp.full_grad(q)) for (n, p), q in
              zip(ref.named_parameters(), sharded.parameters())}
     assert all(same_layout(q) for q in sharded.parameters())
-    weights = {n: _diff(p, tp.full_tensor(q)) for (n, p), q in
-               zip(ref.named_parameters(), sharded.parameters())}
+    whole = tp.full_state_dict(sharded)  # what an export writes
+    assert whole.keys() == ref.state_dict().keys()
+    weights = {n: _diff(t, whole[n]) for n, t in ref.state_dict().items()}
     share = tp.squared_norm_share(sharded.parameters(), mesh)
     naive = sum(tp.local_tensor(q.grad).pow(2).sum() for q in sharded.parameters())
     for t in (share, naive):

@@ -15,7 +15,8 @@ Conventions (said once):
 """
 
 from chimera.tp.apply import parallelize, resolve, tp_mesh
-from chimera.tp.norm import full_grad, full_tensor, local_tensor, squared_norm_share
+from chimera.tp.norm import (full_grad, full_state_dict, full_tensor, local_tensor,
+                             squared_norm_share)
 from chimera.tp.plans import (HF_LLAMA_TP_PLAN, HF_STYLES, embedding_plan, from_hf, gpt2_block_plan,
                               head_plan, hf_gpt2_block_plan, llama_decoder_plan, prefixed, shared_input,
                               style, styles)
@@ -23,7 +24,7 @@ from chimera.tp.styles import Colwise, LocalHeads, Replicated, Rowwise
 from chimera.tp.vocab import PADDED_ROWS, VocabEmbedding, VocabHead, padded_size
 
 __all__ = ["Colwise", "HF_LLAMA_TP_PLAN", "HF_STYLES", "LocalHeads", "PADDED_ROWS", "Replicated",
-           "Rowwise", "VocabEmbedding", "VocabHead", "embedding_plan", "from_hf", "full_grad", "full_tensor",
+           "Rowwise", "VocabEmbedding", "VocabHead", "embedding_plan", "from_hf", "full_grad", "full_state_dict", "full_tensor",
            "gpt2_block_plan", "head_plan", "hf_gpt2_block_plan", "llama_decoder_plan",
            "local_tensor", "padded_size", "parallelize", "prefixed", "resolve", "shared_input",
            "squared_norm_share", "style", "styles", "tp_mesh"]

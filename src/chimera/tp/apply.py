@@ -57,13 +57,8 @@ def _problem(module: nn.Module, entry: ParallelStyle, tp: int) -> str | None:
     """Why ``entry`` cannot shard ``module`` over ``tp`` ranks, or None."""
     if any(isinstance(p, DTensor) for p in module.parameters()):
         return "already sharded (parallelize a layer once)"
-    if isinstance(entry, LocalHeads):
+    if isinstance(entry, (LocalHeads, Replicated, VocabEmbedding, VocabHead)):
         return entry.problem(module, tp)
-    if isinstance(entry, Replicated):
-        return None
-    if isinstance(entry, (VocabEmbedding, VocabHead)):
-        kind = nn.Embedding if isinstance(entry, VocabEmbedding) else nn.Linear
-        return None if isinstance(module, kind) else f"{type(entry).__name__} takes an nn.{kind.__name__}"
     if isinstance(entry, (ColwiseParallel, RowwiseParallel)):
         return _width_problem(module, entry, tp)
     return None  # a style of the user's own: torch's parallelize_module applies it as it is

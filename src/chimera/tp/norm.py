@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from chimera.tp.vocab import PADDED_ROWS
@@ -37,6 +38,13 @@ def full_tensor(t: torch.Tensor, padded_like: torch.Tensor | None = None) -> tor
 def full_grad(p: torch.Tensor) -> torch.Tensor | None:
     """The whole gradient of parameter ``p`` (see ``full_tensor``), None if it has none."""
     return None if p.grad is None else full_tensor(p.grad, padded_like=p)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every tensor whole and unpadded, as one process holds it
+    (for export; a collective per sharded tensor, so every rank of the TP group calls it)."""
+    # keep_vars: the parameters themselves, which carry their padding mark (detach drops it)
+    return {name: full_tensor(t).detach() for name, t in module.state_dict(keep_vars=True).items()}
 
 
 def _rank_and_size(group) -> tuple[int, int]:

@@ -43,10 +43,12 @@ def widths(module: nn.Module) -> tuple[int, int]:
     return module.in_features, module.out_features
 
 
-def distribute_params(module: nn.Module, mesh, placements: dict[str, object]) -> None:
-    """Each named parameter of ``module`` becomes a DTensor parameter with its placement."""
+def distribute_params(module: nn.Module, mesh, placements: dict[str, object],
+                      src_data_rank: int | None = 0) -> None:
+    """Each named parameter of ``module`` becomes a DTensor parameter with its placement,
+    its values from rank ``src_data_rank`` of the mesh (None: each rank's own, no collective)."""
     for name, param in list(module.named_parameters(recurse=False)):
-        dist_param = distribute_tensor(param, mesh, [placements[name]], src_data_rank=0)
+        dist_param = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
         module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
 
 
@@ -65,7 +67,7 @@ class Colwise(ColwiseParallel):
 
     def _partition(self, name, module, mesh):
         distribute_params(module, mesh, {"weight": self.placement(out_dim(module)),
-                                   "bias": self.placement(0)})
+                                         "bias": self.placement(0)}, self.src_data_rank)
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, mesh):
@@ -98,7 +100,8 @@ class Rowwise(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
     def _partition(self, name, module, mesh):
-        distribute_params(module, mesh, {"weight": Shard(1 - out_dim(module)), "bias": Replicate()})
+        distribute_params(module, mesh, {"weight": Shard(1 - out_dim(module)), "bias": Replicate()},
+                          self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not is_conv1d(module):
@@ -112,6 +115,9 @@ class Rowwise(RowwiseParallel):
 
 class Replicated(ParallelStyle):
     """HF's ``replicate``: every rank keeps the whole module (its parameters stay plain)."""
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        return None
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return module

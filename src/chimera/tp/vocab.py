@@ -71,12 +71,21 @@ class VocabEmbedding(ParallelStyle):
     backward and computes the full (V, C) gradient, replicated, on every rank (T times the
     memory, and a gradient whose layout differs from its parameter's)."""
 
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        if not isinstance(module, nn.Embedding):
+            return "VocabEmbedding takes an nn.Embedding"
+        if module.scale_grad_by_freq or module.sparse or module.max_norm is not None:
+            # each counts or renormalizes rows of the local lookup, where other ranks'
+            # tokens stand in as row 0
+            return "VocabEmbedding does not take max_norm, scale_grad_by_freq or sparse embeddings"
+        return None
+
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         tp, real = device_mesh.size(), module.num_embeddings
         rows = padded_size(real, tp)
         _pad_rows(module, "weight", rows)
         module.num_embeddings = rows
-        distribute_params(module, device_mesh, {"weight": Shard(0)})
+        distribute_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
         module.padding_idx = _local_padding_idx(module.padding_idx, rows,
                                                 device_mesh.get_local_rank(), tp)
         module.forward = partial(_vocab_lookup, module, device_mesh)
@@ -90,8 +99,7 @@ def _vocab_lookup(module: nn.Embedding, mesh, ids: torch.Tensor) -> torch.Tensor
     weight = module.weight.to_local()                         # (V/T, C)
     local = ids - mesh.get_local_rank() * weight.shape[0]
     outside = (local < 0) | (local >= weight.shape[0])
-    out = F.embedding(local.masked_fill(outside, 0), weight, module.padding_idx,
-                      module.max_norm, module.norm_type)       # (B, S, C), partial
+    out = F.embedding(local.masked_fill(outside, 0), weight, module.padding_idx)  # (B, S, C), partial
     out = out.masked_fill(outside.unsqueeze(-1), 0)
     summed = DTensor.from_local(out, mesh, [Partial()]).redistribute(placements=[Replicate()])
     return summed.to_local()
@@ -107,6 +115,9 @@ class VocabHead(Colwise):
 
     def __init__(self):
         super().__init__(output_layouts=Replicate(), use_local_output=True)
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        return None if isinstance(module, nn.Linear) else "VocabHead takes an nn.Linear"
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         real = module.out_features
