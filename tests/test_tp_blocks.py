@@ -156,7 +156,7 @@ def _split_worker(rank: int, world: int) -> dict:
     """Each block: I (input gradient only), then W; the collectives each issued."""
     from chimera.runtime.split_backward import backward_input, backward_weight
     out = {}
-    for name, attn in (("llama", "eager"), ("hf-gpt2", "sdpa"), ("gpt2", "")):
+    for name, attn in (("llama", "sdpa"), ("hf-gpt2", "eager"), ("gpt2", "")):  # the other attentions
         ref, sharded = _pair(name, attn)
         x, mask, g = _inputs(seed=5)
         xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()

@@ -88,6 +88,9 @@ def test_a_module_claimed_by_two_patterns_is_refused():
     (_hf_gpt2_block, lambda: {"mlp.c_fc": ColwiseParallel()}, 2, "torch's styles do not take HF's Conv1D"),
     (lambda: nn.ModuleDict({"tok": nn.Embedding(37, 8)}), lambda: {"tok": tp.VocabHead()}, 2,
      "tok (Embedding): VocabHead takes an nn.Linear"),
+    (_llama_layer, tp.gpt2_block_plan, 2, "matches no submodule"),
+    (_llama_layer, lambda: {"self_attn": tp.LocalHeads(heads="n_head", divide=("split_size",))}, 2,
+     "self_attn (LlamaAttention): LocalHeads: the module has no n_head, split_size"),
     (lambda: nn.ModuleDict({"tok": nn.Embedding(37, 8, scale_grad_by_freq=True)}),
      lambda: tp.embedding_plan("tok"), 2, "does not take max_norm, scale_grad_by_freq or sparse"),
 ])

@@ -131,6 +131,14 @@ def attribute(module: nn.Module, path: str):
     return value
 
 
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        attribute(module, path)
+    except AttributeError:
+        return False
+    return True
+
+
 class LocalHeads(ParallelStyle):
     """On an attention module: its heads are split over the T ranks.
 
@@ -147,11 +155,13 @@ class LocalHeads(ParallelStyle):
 
     def problem(self, module: nn.Module, tp: int) -> str | None:
         """Why ``tp`` ranks cannot split this module's heads, or None."""
+        paths = [p for p in (self.heads, self.kv_heads, *self.divide) if p is not None]
+        missing = [p for p in paths if not _has(module, p)]
+        if missing:
+            return f"LocalHeads: the module has no {', '.join(missing)} (a plan for another model?)"
         for what, path in (("heads", self.heads), ("key/value heads", self.kv_heads)):
-            if path is None:
-                continue
-            count = attribute(module, path)
-            if count % tp:
+            count = None if path is None else attribute(module, path)
+            if count is not None and count % tp:
                 return f"T={tp} does not divide the {count} {what} ({path})"
         return None
 
