@@ -45,7 +45,7 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
-from chimera.runtime.sync import DEVICE_PLAN_ENV  # noqa: E402
+from chimera.runtime.nccl_emulation import DEVICE_PLAN_ENV  # noqa: E402
 from chimera.runtime.virtual import VirtualWorld, run_virtual  # noqa: E402
 from chimera.check.rendezvous import replay_recorded  # noqa: E402
 from chimera.train.config import TrainConfig  # noqa: E402
@@ -154,8 +154,10 @@ def _frozen_rank(rank: int, device: torch.device, x, y) -> dict:
     import chimera.api as chimera
 
     pipe = chimera.Pipeline(_frozen_layers, torch.nn.functional.mse_loss, schedule="gems",
-                            micro_batches=3, micro_batch_size=2, shard_optimizer=True,
-                            partition=[range(0, 2), range(2, 5)], device=device)
+                            micro_batches=3, micro_batch_size=2,
+                            model=chimera.ModelOptions(partition=[range(0, 2), range(2, 5)]),
+                            options=chimera.ExecOptions(shard_optimizer=True),
+                            context=chimera.RunContext.here(device=device))
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses = []
     for _ in range(2):
@@ -246,7 +248,8 @@ def _api_rank(rank: int, world: int, device: str, out: str) -> None:
         return [layer.double() for layer in make_layers()]
 
     pipe = chimera.Pipeline(layers64, torch.nn.functional.mse_loss, schedule="1f1b", stages=1,
-                            micro_batches=2, micro_batch_size=4, device=device)
+                            micro_batches=2, micro_batch_size=4,
+                            context=chimera.RunContext.here(device=device))
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randn(8, 8, generator=gen, dtype=torch.float64)

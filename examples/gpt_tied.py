@@ -82,7 +82,7 @@ def batch(step: int, rows: int = 16):
 
 def main(rank: int, world: int, out: str) -> None:
     pipe = chimera.Pipeline(make_layers, loss_fn, schedule="chimera", stages=2, micro_batches=4,
-                            micro_batch_size=4, loss_reduction="token_mean")
+                            micro_batch_size=4, loss=chimera.LossOptions(reduction="token_mean"))
     opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     for step in range(30):
         opt.zero_grad()  # either mode is fine: the pipeline re-attaches its gradient buffers

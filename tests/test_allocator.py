@@ -6,7 +6,10 @@ import sys
 
 import pytest
 
-PROBE = "from chimera.runtime.allocator import keep_freed_memory as k; print(k(), k())"
+# as an entry point calls it: with the run's option, which CHIMERA_MALLOC may set
+PROBE = ("from chimera.runtime.allocator import keep_freed_memory as k\n"
+         "from chimera.runtime.context import RuntimeOptions as O\n"
+         "m = O.from_env().malloc; print(k(m), k(m))")
 
 
 def _probe(cli_env, **env) -> str:

@@ -62,9 +62,11 @@ def _worker(rank: int, world: int) -> dict:
     res = {}
     pipe = chimera.Pipeline(layers(WithAux), aux_loss, **kw)
     res["aux"] = pipe.eval().eval_step(x, y, return_outputs=True)
-    plain = chimera.Pipeline(layers(), nn.functional.mse_loss, partition=[range(0, 2), range(2, 3)], **kw)
+    plain = chimera.Pipeline(layers(), nn.functional.mse_loss, **kw,
+                             model=chimera.ModelOptions(partition=[range(0, 2), range(2, 3)]))
     res["function_loss"] = plain.step(x, y)
-    bn = chimera.Pipeline(layers(bn=True), nn.functional.mse_loss, partition=[range(0, 2), range(2, 4)], **kw)
+    bn = chimera.Pipeline(layers(bn=True), nn.functional.mse_loss, **kw,
+                          model=chimera.ModelOptions(partition=[range(0, 2), range(2, 4)]))
     for _ in range(3):
         bn.step(x, y)
     res["tracked"] = [int(b) for m in bn.runtime.modules.values()
@@ -72,8 +74,9 @@ def _worker(rank: int, world: int) -> dict:
     res["zbv"] = _refusal(lambda: chimera.Pipeline([nn.Linear(4, 1)], nn.functional.mse_loss,
                                                    schedule="zb-v", stages=2, **kw))
     res["bad"] = [_refusal(lambda: chimera.Pipeline(layers(), nn.functional.mse_loss, **bad))
-                  for bad in (dict(micro_batch_size=0), dict(comm_timeout=-5.0),
-                              dict(comm_timeout=float("nan")), dict(micro_batches=0))]
+                  for bad in (dict(micro_batch_size=0), dict(micro_batches=0))]
+    res["bad"] += [_refusal(lambda: chimera.RuntimeOptions(comm_timeout=t))
+                   for t in (-5.0, float("nan"))]
     return res
 
 
@@ -127,9 +130,9 @@ def test_more_pieces_than_stages_names_the_schedule(world):
 def test_bad_sizes_and_timeouts_are_one_line(world):
     got = world[0]["bad"]
     assert "micro_batch_size must be a positive integer, got 0" in got[0]
-    assert "comm_timeout must be between 1 and 604800 seconds, got -5.0" in got[1]
-    assert "got nan" in got[2]
-    assert "micro_batches must be a positive integer, got 0" in got[3]
+    assert "micro_batches must be a positive integer, got 0" in got[1]
+    assert "comm_timeout must be between 1 and 604800 seconds, got -5.0" in got[2]
+    assert "got nan" in got[3]
 
 
 def test_spawn_refuses_what_it_cannot_start():
@@ -176,7 +179,8 @@ import chimera.api as chimera
 def main(rank, world):
     torch.manual_seed(0)
     pipe = chimera.Pipeline([nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)], nn.functional.mse_loss,
-                            micro_batches=4, micro_batch_size=2, comm_timeout=5.0)
+                            micro_batches=4, micro_batch_size=2,
+                            context=chimera.RunContext.here(comm_timeout=5.0))
     x, y = torch.ones(8, 4), torch.ones(8, 1)
     pipe.step(x, y)
     if rank == 1:  # the same values in another shape

@@ -31,8 +31,9 @@ N, B = 4, 2  # micro-batches, micro-batch size
 def _main_case(schedule: str, d: int, w: int, shard: bool = False) -> dict:
     make = functools.partial(bm.make_gpt, tied=False) if shard else bm.make_gpt
     pipe = chimera.Pipeline(make, bm.gpt_loss, schedule=schedule, stages=d, data_parallel=w,
-                            micro_batches=N, micro_batch_size=B, loss_reduction="token_mean",
-                            recompute=(schedule, d, w) in RECOMPUTE, shard_optimizer=shard)
+                            micro_batches=N, micro_batch_size=B,
+                            loss=chimera.LossOptions(reduction="token_mean"),
+                            options=chimera.ExecOptions(recompute=(schedule, d, w) in RECOMPUTE, shard_optimizer=shard))
     out = bm.pipelined(pipe, N * B * w)
     if shard:  # what this rank's optimizer holds: its slices, not whole replicas
         out["optimized"] = sum(p.numel() for p in pipe.parameters())
@@ -65,7 +66,7 @@ def _frozen_case(schedule: str) -> dict:
     """#9: stage 0 holds only a frozen layer (and an activation)."""
     pipe = chimera.Pipeline(functools.partial(mlp, frozen=True), nn.functional.mse_loss,
                             schedule=schedule, micro_batches=4, micro_batch_size=2,
-                            partition=[range(0, 2), range(2, 5)])
+                            model=chimera.ModelOptions(partition=[range(0, 2), range(2, 5)]))
     pipe.step(*mlp_batch())
     return {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
 
@@ -77,9 +78,10 @@ def _factory_case(rank: int) -> dict:
     def make_layer(i):
         built.append((i, torch.empty(()).device.type))
         return bm.make_gpt()[i]  # a fresh model per call: the tie exists only by name
-    pipe = chimera.Pipeline(make_layer, bm.gpt_loss, num_layers=5, ties=[("0.wte.weight", "4.wte.weight")],
-                            schedule="1f1b", micro_batches=N, micro_batch_size=B,
-                            loss_reduction="token_mean", partition=[range(0, 2), range(2, 5)])
+    pipe = chimera.Pipeline(make_layer, bm.gpt_loss, schedule="1f1b", micro_batches=N,
+                            micro_batch_size=B,
+                            model=chimera.ModelOptions(num_layers=5, ties=[("0.wte.weight", "4.wte.weight")], partition=[range(0, 2), range(2, 5)]),
+                            loss=chimera.LossOptions(reduction="token_mean"))
     out = bm.pipelined(pipe, N * B)
     out["built"] = sorted({i for i, dev in built if dev != "meta"})
     return out
@@ -98,8 +100,9 @@ def _meta_case() -> dict:
 def _bn_case() -> dict:
     """#10: the probe leaves running statistics alone; replicas' buffers reconciled."""
     pipe = chimera.Pipeline(functools.partial(mlp, bn=True), nn.functional.mse_loss,
-                            micro_batches=4, micro_batch_size=2, partition=[range(0, 2), range(2, 6)],
-                            example_input=torch.zeros(1, 4, dtype=torch.float64))
+                            micro_batches=4, micro_batch_size=2,
+                            example_input=torch.zeros(1, 4, dtype=torch.float64),
+                            model=chimera.ModelOptions(partition=[range(0, 2), range(2, 6)]))
     after_probe = [(n, b.clone()) for _, m in sorted(pipe.runtime.modules.items())
                    for n, b in m.named_buffers() if "running" in n]
     pipe.step(*mlp_batch())
@@ -119,19 +122,21 @@ def _error_cases() -> dict:
     for name, part in [("gap", [range(0, 2), range(3, 5)]), ("overlap", [range(0, 3), range(2, 5)]),
                        ("range", [range(0, 2), range(2, 7)])]:
         try:
-            chimera.Pipeline(mlp, nn.functional.mse_loss, partition=part)
+            chimera.Pipeline(mlp, nn.functional.mse_loss,
+                             model=chimera.ModelOptions(partition=part))
             out[name] = None
         except ScheduleError as exc:
             out[name] = str(exc)
     try:
-        chimera.Pipeline(mlp, nn.functional.mse_loss, autocast=torch.bfloat16, schedule_options={"x": 1})
+        chimera.Pipeline(mlp, nn.functional.mse_loss,
+                         options=chimera.ExecOptions(autocast=torch.bfloat16, schedule_options={"x": 1}))
     except ScheduleError as exc:
         out["options"] = str(exc)
     bad = lambda: mlp()[:3] + [Bad()] + mlp()[3:]  # noqa: E731
     try:
-        chimera.Pipeline(bad, nn.functional.mse_loss, partition=[range(0, 2), range(2, 6)],
-                         micro_batches=4, micro_batch_size=2,
-                         example_input=torch.zeros(1, 4, dtype=torch.float64))
+        chimera.Pipeline(bad, nn.functional.mse_loss, micro_batches=4, micro_batch_size=2,
+                         example_input=torch.zeros(1, 4, dtype=torch.float64),
+                         model=chimera.ModelOptions(partition=[range(0, 2), range(2, 6)]))
     except chimera.ProbeError as exc:
         out["probe"] = str(exc)
     return out
@@ -169,10 +174,12 @@ def _review_cases(rank: int) -> dict:
         p.requires_grad_(name != "0.weight")
     out["unfreeze"] = _raises(lambda: pipe.step(x, y))
     two = chimera.Pipeline(mlp, lambda out, t: nn.functional.mse_loss(out, t[0], reduction="sum"),
-                           loss_reduction="token_mean", **kw)
+                           **kw, loss=chimera.LossOptions(reduction="token_mean"))
     out["token_multi"] = _raises(lambda: two.step(x, (y, y)))
-    counted = chimera.Pipeline(mlp, lambda out, t: nn.functional.mse_loss(out, t[0], reduction="sum"),
-                               loss_reduction="token_mean", token_count=lambda t: t[0].numel(), **kw)
+    counted = chimera.Pipeline(mlp,
+                               lambda out, t: nn.functional.mse_loss(out, t[0], reduction="sum"),
+                               **kw,
+                               loss=chimera.LossOptions(reduction="token_mean", token_count=lambda t: t[0].numel()))
     out["token_count_loss"] = counted.step(x, (y, y))
     def meta_layers():
         with torch.device("meta"):
@@ -188,9 +195,9 @@ def _review_cases(rank: int) -> dict:
 def _worker2(rank: int, world: int) -> dict:
     res = {s: _main_case(s, d, w) for s, d, w in MAIN2}
     res.update({f"shard-{s}-{d}-{w}": _main_case(s, d, w, True) for s, d, w in SHARDED2})
-    res["shard_tied"] = _raises(lambda: chimera.Pipeline(
-        bm.make_gpt, bm.gpt_loss, stages=2, micro_batches=N, micro_batch_size=B,
-        shard_optimizer=True))
+    res["shard_tied"] = _raises(lambda: chimera.Pipeline(bm.make_gpt, bm.gpt_loss, stages=2,
+                                                         micro_batches=N, micro_batch_size=B,
+                                                         options=chimera.ExecOptions(shard_optimizer=True)))
     res["frozen"] = {s: _frozen_case(s) for s in ("chimera", "zb-h1")}
     res["factory"] = _factory_case(rank)
     res["meta"] = _meta_case()

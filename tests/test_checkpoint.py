@@ -17,7 +17,7 @@ from chimera.train import checkpoint as ckpt
 from chimera.train.checkpoint import disk
 from chimera.train.launch import launch
 from chimera.train.checkpoint.lease import Lease, claim
-from chimera.train.loop import NonFiniteLoss, Trainer
+from chimera.train.loop import NonFiniteLoss, Trainer, run_context
 from ranks import run_ranks
 
 
@@ -207,11 +207,12 @@ BASE = dict(stages=2, micro_batches=4, micro_batch_size=2, dtype="float64", step
             progress=False, checkpoint_every=2)
 
 
-def _run(cfg, rank):
+def _run(cfg):
     """What ``chimera train`` does on one rank, inside an existing process group."""
+    from chimera.runtime.transport import TorchDist
     from chimera.train.launch import _train
 
-    trainer = Trainer(cfg, rank)
+    trainer = Trainer(cfg, run_context(cfg, transport=TorchDist()))  # the spawned gloo group
     logs = []
     _train(trainer, cfg, None, lambda t, step, log: logs.append(log))
     params = {n: p.detach().clone() for n, _, p in trainer.replica_parameters()}
@@ -221,19 +222,19 @@ def _run(cfg, rank):
 def _worker(rank, world, root, data):
     out = {}
     a = TrainConfig(schedule="chimera", data=data, checkpoint_dir=f"{root}/a", **BASE)
-    out["a"] = _run(a, rank)
-    out["again"] = _run(dataclasses.replace(a, checkpoint_dir=f"{root}/again"), rank)
+    out["a"] = _run(a)
+    out["again"] = _run(dataclasses.replace(a, checkpoint_dir=f"{root}/again"))
     for name, kw in {"1f1b": dict(schedule="1f1b"),
                      "w2": dict(schedule="1f1b", stages=1, data_parallel=2, micro_batches=2)}.items():
         if rank == 0:
             shutil.copytree(f"{root}/a/step-00000002", f"{root}/{name}/step-00000002")
         torch.distributed.barrier()
-        out[name] = _run(dataclasses.replace(a, checkpoint_dir=f"{root}/{name}", resume=True, **kw), rank)
+        out[name] = _run(dataclasses.replace(a, checkpoint_dir=f"{root}/{name}", resume=True, **kw))
     os.environ["CHIMERA_FAULT"] = "nan:1:1"  # rank 1's gradients only: every rank must agree
     out["skip"] = _run(dataclasses.replace(a, checkpoint_dir=f"{root}/skip", checkpoint_every=1,
-                                           skip_nonfinite=True), rank)
+                                           skip_nonfinite=True))
     try:
-        _run(dataclasses.replace(a, checkpoint_dir=f"{root}/stop", checkpoint_every=1), rank)
+        _run(dataclasses.replace(a, checkpoint_dir=f"{root}/stop", checkpoint_every=1))
         out["stop"] = "no error"
     except NonFiniteLoss as exc:
         out["stop"] = str(exc)

@@ -5,17 +5,17 @@ from types import SimpleNamespace
 
 import torch
 
-from chimera.runtime import grid
+from chimera.runtime import context
 from chimera.train.checkpoint.state import init_adam_state
 
 
 def test_collective_device_is_the_current_gpu_under_nccl(monkeypatch):
-    def transport(backend):
-        return SimpleNamespace(is_initialized=lambda: True, get_backend=lambda group=None: backend)
+    def transport(device_collectives):
+        return SimpleNamespace(is_initialized=lambda: True, device_collectives=device_collectives)
 
-    monkeypatch.setattr(grid.torch.cuda, "current_device", lambda: 3)
-    assert grid.collective_device(transport("nccl")) == torch.device("cuda", 3)
-    assert grid.collective_device(transport("gloo")) == torch.device("cpu")
+    monkeypatch.setattr(context.torch.cuda, "current_device", lambda: 3)
+    assert context.collective_device(transport(True)) == torch.device("cuda", 3)
+    assert context.collective_device(transport(False)) == torch.device("cpu")
 
 
 class _Optimizer:
@@ -39,10 +39,10 @@ def test_every_tensor_the_runtime_hands_to_dist_is_on_its_device():
     ranks: every p2p and collective tensor of start-up and of one iteration (every schedule
     kind: chimera with its replica allreduce, 1f1b, a split backward) is on that device, and
     the iteration reads nothing back to the host (meta tensors cannot be read)."""
-    from chimera.runtime.transport import Wrapping, current, using
+    from chimera.runtime.transport import Wrapping, current
     from chimera.runtime.virtual import run_virtual
     from chimera.train.config import TrainConfig
-    from chimera.train.loop import Trainer
+    from chimera.train.loop import Trainer, run_context
 
     seen = []
 
@@ -64,12 +64,12 @@ def test_every_tensor_the_runtime_hands_to_dist_is_on_its_device():
         cfg = TrainConfig(schedule=schedule, stages=2, micro_batches=4, micro_batch_size=2, steps=1)
 
         def body(rank):
-            with using(Recording(current())):
-                trainer = Trainer(cfg, rank, meta)
-                trainer.runtime.zero_grad()
-                loss = trainer.runtime.run(trainer._micro_data(*trainer.batch(0)))
-                assert loss.device == meta
-                assert trainer.runtime.owned_sq_norm().device == meta
+            # the virtual rank's transport (in effect on its thread), recorded
+            trainer = Trainer(cfg, run_context(cfg, meta, Recording(current())))
+            trainer.runtime.zero_grad()
+            loss = trainer.runtime.run(trainer._micro_data(*trainer.batch(0)))
+            assert loss.device == meta
+            assert trainer.runtime.owned_sq_norm().device == meta
 
         run_virtual(cfg.world, body)
     kinds = {k for k, _ in seen}

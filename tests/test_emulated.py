@@ -192,7 +192,8 @@ def _pipeline_worker(rank, world) -> dict:
     for schedule in SCHEDULES:
         make = emulated_layers(cost, stages=2, layers=4, seed=3)
         pipe = api.Pipeline(make, nn.functional.mse_loss, schedule=schedule, stages=2,
-                            micro_batches=4, micro_batch_size=2, num_layers=4)
+                            micro_batches=4, micro_batch_size=2,
+                            model=api.ModelOptions(num_layers=4))
         pipe.step(*emulated_batch(cost, 8, step=0, seed=3))
         grads[schedule] = {name: p.grad.clone() for name, p in pipe.named_parameters()}
     return grads

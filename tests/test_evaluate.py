@@ -39,7 +39,7 @@ def _run(cfg, rank):
     """What ``chimera train`` does on one rank: (step, loss, val_loss) per step, parameters."""
     from chimera.train.launch import _train
 
-    trainer = Trainer(cfg, rank)
+    trainer = Trainer(cfg)
     logs = []
     _train(trainer, cfg, None, lambda t, step, log: logs.append(log))
     params = {n: p.detach().clone() for n, _, p in trainer.replica_parameters()}

@@ -125,6 +125,7 @@ def test_the_report_marks_any_position(where):
 
     from chimera.passes import lower
     from chimera.runtime.p2p import CommTimeout
+    from chimera.runtime.transport import Transport
     from chimera.schedules import build
     from chimera.train.faults import explain
 
@@ -133,7 +134,8 @@ def test_the_report_marks_any_position(where):
     action = {"recv": next(a for a in program if a.op.name == "RECV_B"), "allreduce": None,
               "first": program[0]}[where]
     exc = CommTimeout("rank 1: it failed", 1, action, 2, "gradient allreduce of stage 2")
-    text = str(explain(exc, schedule, SimpleNamespace(d=1, w=0, rank=1, world=4)))
+    nobody = Transport()  # no store to post positions to: the picture alone
+    text = str(explain(exc, schedule, SimpleNamespace(d=1, w=0, rank=1, world=4), nobody))
     assert text.splitlines()[0] == "rank 1: it failed"
     assert "marked:" in text and ">" in text and "P3 |" in text
 
@@ -143,7 +145,7 @@ def test_the_report_marks_any_position(where):
 def test_a_failed_collective_names_its_peers(rank, world, want):
     from chimera.train import faults
 
-    from chimera.runtime.transport import Transport, using
+    from chimera.runtime.transport import Transport
 
     class World(Transport):  # only who is who: the collective itself fails below
         def is_initialized(self):
@@ -157,11 +159,11 @@ def test_a_failed_collective_names_its_peers(rank, world, want):
 
     def broken():
         raise RuntimeError("Connection reset by peer")
-    with using(World()):
-        assert faults._peers(rank, None) == want
-        with pytest.raises(faults.CommTimeout,
-                           match=re.escape(f"rank {rank}: the loss with {want} failed")):
-            faults.collective("the loss", broken)
+    transport = World()
+    assert faults._peers(transport, rank, None) == want
+    with pytest.raises(faults.CommTimeout,
+                       match=re.escape(f"rank {rank}: the loss with {want} failed")):
+        faults.collective(transport, "the loss", broken)
 
 
 class _ClosedTransport:

@@ -22,6 +22,7 @@ import hf_models as hm  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 from chimera import hf  # noqa: E402
 from chimera.runtime.boundary import call_layer  # noqa: E402
+from chimera.runtime.context import ExecOptions  # noqa: E402
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 ARCHS = ("gpt2", "llama", "bert")
@@ -39,7 +40,8 @@ def _name(arch, schedule, d, w) -> str:
 def _main_case(folders: dict, arch: str, schedule: str, d: int, w: int) -> dict:
     model = hf.load(folders[arch], dtype=torch.float64, attn_implementation=hm.ATTN[arch])
     pipe = model.pipeline(schedule=schedule, stages=d, data_parallel=w, micro_batches=N,
-                          micro_batch_size=B, recompute=(arch, schedule, d, w) in RECOMPUTE)
+                          micro_batch_size=B,
+                          options=ExecOptions(recompute=(arch, schedule, d, w) in RECOMPUTE))
     return hm.pipelined(model, pipe, arch, N * B * w)
 
 

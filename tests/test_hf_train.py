@@ -131,7 +131,7 @@ def test_a_save_pretrained_folder_gives_the_starting_weights(root, tmp_path):
     want = dict(saved.named_parameters())
     cfg = cfg_of(root, f"hf:{tmp_path / 'w'}", schedule="1f1b", stages=2, micro_batches=2)
     ranks = run_virtual(2, lambda rank: [(n, p.detach().clone())
-                                         for n, _, p in Trainer(cfg, rank).replica_parameters()])
+                                         for n, _, p in Trainer(cfg).replica_parameters()])
     ref = Trainer(cfg_of(root, f"hf:{tmp_path / 'w'}", schedule="none", stages=1, micro_batches=1))
     got = [item for rank in ranks for item in rank] + [(n, p) for n, _, p in ref.replica_parameters()]
     assert {n for n, _ in got} == set(want)
@@ -160,7 +160,7 @@ def test_presets_are_the_configs_they_name():
 
 # -- checkpoints: HF names, a tie once, resumed on another layout ------------------------
 def _run(cfg, rank):
-    trainer = Trainer(cfg, rank)
+    trainer = Trainer(cfg)
     logs = []
     _train(trainer, cfg, None, lambda t, step, log: logs.append(log))
     return [(log.step, log.loss) for log in logs]

@@ -119,7 +119,7 @@ def test_posts_out_of_the_plans_order_still_post_each_once():
     post = next(s for s in steps if isinstance(s, Post) and s.message.micro == wait.micro
                 and s.message.kind == wait.op and s.message.stage == wait.stage)
     reordered = [post, wait] + [s for s in steps if s is not post and s is not wait]
-    assert program_for(tuple(steps), plan.schedule, 1) == tuple(steps)  # no fault set here
+    assert program_for(tuple(steps), plan.schedule, 1, "") == tuple(steps)  # no fault set here
     _run(box, reordered)
     assert sorted(t.posts) == sorted(_tags(plan, 1))
 

@@ -29,9 +29,10 @@ from chimera.ir import Action, Op
 from chimera.passes import lower
 from chimera.runtime.executor import MicroData
 from chimera.runtime.grid import ProcessGrid
-from chimera.runtime.nccl_emulation import ENV, MODES, NcclEmulation, transport_from_env
+from chimera.runtime.context import ExecOptions, RunContext, RuntimeOptions
+from chimera.runtime.nccl_emulation import ENV, MODES, NcclEmulation, p2p_transport
 from chimera.runtime.p2p import CommTimeout, wait_work
-from chimera.runtime.sync import DEVICE_PLAN_ENV
+from chimera.runtime.nccl_emulation import DEVICE_PLAN_ENV
 from chimera.runtime.pipeline import PipelineRuntime
 from chimera.runtime.transport import TorchDist, Transport
 from chimera.schedules import build
@@ -64,8 +65,11 @@ def _runtime(name, opts, stages, n, dp, timeout_s=TIMEOUT_S) -> PipelineRuntime:
     schedule = validate(lower(build(name, stages, n, **opts)))
     grid = ProcessGrid(schedule.placement, dp, dist.get_rank())
     rows = int(B * schedule.micro_scale)
-    return PipelineRuntime(schedule, grid, _stage, nn.functional.mse_loss, (WIDTH,),
-                           torch.float64, rows, comm_timeout=timeout_s, shard_optimizer=shard)
+    # the options as a run takes them: its CHIMERA_* variables (set by the worker)
+    context = RunContext(TorchDist(), options=RuntimeOptions.from_env(comm_timeout=timeout_s))
+    return PipelineRuntime(schedule, grid, _stage, nn.functional.mse_loss, context,
+                           ExecOptions(shard_optimizer=shard), rows,
+                           example=torch.zeros(rows, WIDTH, dtype=torch.float64))
 
 
 def _data(rt: PipelineRuntime, step: int) -> MicroData:
@@ -203,12 +207,12 @@ def _allreduce_orders(mode: str) -> dict:
 
 
 def _from_env() -> list[str]:
-    """What CHIMERA_EMULATE_NCCL selects (the runtime asks transport_from_env per Mailbox)."""
+    """What CHIMERA_EMULATE_NCCL selects (the runtime asks p2p_transport per Mailbox)."""
     seen = []
     for value in ("", "rank", "pair", "bogus"):
         os.environ[ENV] = value
         try:
-            t = transport_from_env(TorchDist())
+            t = p2p_transport(TorchDist(), RuntimeOptions.from_env())
             seen.append(getattr(t, "mode", type(t).__name__))
             if isinstance(t, NcclEmulation):
                 t.close()
@@ -291,7 +295,7 @@ def test_allreduces_in_crossed_orders_hang(world2):
 def test_env_var_selects_the_transport(world2):
     seen = world2[0]["from_env"]
     assert seen[:3] == ["TorchDist", "rank", "pair"]
-    assert seen[3].startswith(f"{ENV}='bogus'")
+    assert seen[3].startswith("NCCL emulation 'bogus': choose one of pair, rank, strict") and ENV in seen[3]
 
 
 def _train_cli(cli_env, tmp_path, env_value, device_plan=""):

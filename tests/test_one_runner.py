@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from chimera.api import Pipeline
+from chimera.api import ExecOptions, ModelOptions, Pipeline
 from chimera.byo import refuse_sharded_ties
 from chimera.errors import UserError
 from chimera.runtime.virtual import run_virtual
@@ -33,9 +33,9 @@ def _by_hand(cfg: TrainConfig, trainer: Trainer) -> dict:
     pipe = Pipeline(functools.partial(loop._layer, source, cfg.optim.seed, torch.float64),
                     source.loss_fn, cfg.pipeline.schedule, stages=cfg.pipeline.stages,
                     micro_batches=cfg.n_micro, micro_batch_size=cfg.pipeline.micro_batch_size,
-                    data_parallel=cfg.pipeline.data_parallel, partition=trainer.pipe.ranges,
-                    seed=cfg.optim.seed, num_layers=source.num_layers,
-                    shard_optimizer=cfg.pipeline.shard_optimizer, schedule_options=cfg.pipeline.scheme_options)
+                    data_parallel=cfg.pipeline.data_parallel,
+                    model=ModelOptions(partition=trainer.pipe.ranges, seed=cfg.optim.seed, num_layers=source.num_layers),
+                    options=ExecOptions(shard_optimizer=cfg.pipeline.shard_optimizer, schedule_options=cfg.pipeline.scheme_options))
     opt = make_optimizer(pipe.parameters(), cfg, [m for _, m in pipe.runtime.optimizer_parameters()])
     for step in range(STEPS):
         inputs, targets = trainer.batch(step)
@@ -58,7 +58,7 @@ def test_the_trainers_step_is_the_pipelines(schedule, accum, shard):
                       clip=0.05, progress=False)  # a small clip: it clips on every step
 
     def body(rank):
-        trainer = Trainer(cfg, rank)
+        trainer = Trainer(cfg)
         norms = [trainer.step(s).grad_norm for s in range(STEPS)]
         mine = {n: p.detach().clone() for n, _, p in trainer.replica_parameters()}
         return mine, _by_hand(cfg, trainer), norms
@@ -119,8 +119,8 @@ def test_one_refusal_of_sharded_ties():
         head = nn.Linear(4, 8, bias=False)
         head.weight = emb.weight  # tied across the two stages
         with pytest.raises(UserError) as got:
-            Pipeline([emb, head], nn.functional.cross_entropy, "1f1b", stages=2,
-                     micro_batches=2, shard_optimizer=True)
+            Pipeline([emb, head], nn.functional.cross_entropy, "1f1b", stages=2, micro_batches=2,
+                     options=ExecOptions(shard_optimizer=True))
         return str(got.value)
 
     assert run_virtual(2, body) == [str(expected.value)] * 2
@@ -134,7 +134,7 @@ def test_a_sharded_accumulation_gathers_the_parameters_once_per_update():
                       dtype="float64", steps=2, grad_accum=3, shard_optimizer=True, progress=False)
 
     def body(rank):
-        trainer = Trainer(cfg, rank)
+        trainer = Trainer(cfg)
         trainer.step(0)
         calls, gather = [], trainer.runtime.gather_parameters
         trainer.runtime.gather_parameters = lambda: calls.append(1) or gather()

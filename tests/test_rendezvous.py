@@ -203,7 +203,7 @@ class _RecordingDist:
         self.log.append(entry)
         return _Work(self.log, len(self.log) - 1)
 
-    matches_by_tag = False  # as NCCL
+    matches_by_tag, device_collectives, timed_waits = False, True, False  # as NCCL
 
     def isend(self, tensor, dst, tag=0, group=None):
         return self._call("isend", dst, tag)
@@ -238,6 +238,7 @@ def _record(plan: CommPlan, rank: int, w: int, bucket_bytes: int,
     import torch
 
     from chimera.runtime.boundary import BoundarySpec
+    from chimera.runtime.context import ExecOptions
     from chimera.runtime.executor import Executor, MicroData
     from chimera.runtime.grid import ProcessGrid
     from chimera.runtime.p2p import Mailbox
@@ -261,7 +262,9 @@ def _record(plan: CommPlan, rank: int, w: int, bucket_bytes: int,
     mailbox = Mailbox(plan, grid, lambda m: (spec.nbytes(backward=m.kind is Op.RECV_B),),
                       torch.uint8, torch.device("cpu"), None, fake)
     loss = lambda y, t: ((y - t) ** 2).mean()  # noqa: E731
-    executor = Executor(s, modules, loss, mailbox, sync, early=plan.early[grid.d])
+    executor = Executor(s, modules, loss, sync, ExecOptions(), torch.device("cpu"),
+                        early=plan.early[grid.d])
+    executor.mailbox = mailbox
     executor.boundaries = [spec] * s.stages
     if sharded:
         executor.before_forward = runtime._gathered

@@ -3,6 +3,7 @@
 import torch
 
 from chimera.passes import lower
+from chimera.runtime.context import RunContext
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.pipeline import PipelineRuntime
 from chimera.runtime.virtual import run_virtual
@@ -23,7 +24,7 @@ def test_replicas_are_made_equal_at_construction():
 
         grid = ProcessGrid(schedule.placement, 1, rank)
         runtime = PipelineRuntime(schedule, grid, stage, torch.nn.functional.mse_loss,
-                                  input_shape=(4,), input_dtype=torch.float32, rows=2)
+                                  RunContext.here(), rows=2, example=torch.zeros(2, 4))
         return {s: [t.clone() for t in list(m.parameters()) + list(m.buffers())]
                 for (_, s), m in runtime.modules.items()}
 

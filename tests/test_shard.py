@@ -63,7 +63,7 @@ def test_parameter_all_gathers_are_prefetched():
                       dtype="float64", steps=2, shard_optimizer=True)
 
     def body(rank):
-        trainer = Trainer(cfg, rank)
+        trainer = Trainer(cfg)
         trainer.step(0)
         in_flight = sorted(trainer.runtime.gathering)
         seen, wait = [], trainer.runtime.executor.before_forward

@@ -171,7 +171,7 @@ DEVICE_PLAN = "64"  # bytes: the tiny models' stages are cut into several bucket
 @pytest.fixture
 def strict_env(monkeypatch):
     from chimera.runtime.nccl_emulation import ENV
-    from chimera.runtime.sync import DEVICE_PLAN_ENV
+    from chimera.runtime.nccl_emulation import DEVICE_PLAN_ENV
 
     monkeypatch.setenv(ENV, "strict")
     monkeypatch.setenv(DEVICE_PLAN_ENV, DEVICE_PLAN)
@@ -266,9 +266,10 @@ def _api_rank(rank, world, schedule, n, shard, tied=False) -> dict:
     from chimera.byo import seeded
 
     make = _tied_layers if tied else _frozen_layers
-    pipe = chimera.Pipeline(make, nn.functional.mse_loss, schedule=schedule,
-                            micro_batches=n, micro_batch_size=2, shard_optimizer=shard,
-                            partition=[range(0, 2), range(2, 6 if tied else 5)])
+    pipe = chimera.Pipeline(make, nn.functional.mse_loss, schedule=schedule, micro_batches=n,
+                            micro_batch_size=2,
+                            model=chimera.ModelOptions(partition=[range(0, 2), range(2, 6 if tied else 5)]),
+                            options=chimera.ExecOptions(shard_optimizer=shard))
     g = torch.Generator().manual_seed(5)
     x, y = (torch.randn(2 * n, 4, generator=g, dtype=torch.float64),
             torch.randn(2 * n, 2, generator=g, dtype=torch.float64))
@@ -332,6 +333,7 @@ def _mixed_env_rank(rank, world) -> str:
     from torch import nn
 
     from chimera.errors import UserError
+    from chimera.runtime.context import RunContext
     from chimera.runtime.grid import ProcessGrid
     from chimera.runtime.nccl_emulation import ENV
     from chimera.runtime.pipeline import PipelineRuntime
@@ -341,7 +343,8 @@ def _mixed_env_rank(rank, world) -> str:
     schedule = lower(build("chimera", 2, 2))
     try:
         PipelineRuntime(schedule, ProcessGrid(schedule.placement, 1, dist.get_rank()),
-                        lambda s: nn.Linear(2, 2), nn.functional.mse_loss, (2,))
+                        lambda s: nn.Linear(2, 2), nn.functional.mse_loss, RunContext.here(),
+                        example=torch.zeros(1, 2))
         message = "built"
     except UserError as exc:
         message = str(exc)
@@ -363,20 +366,24 @@ def test_device_plan_switch(monkeypatch):
     import torch
 
     from chimera.errors import UserError
-    from chimera.runtime.sync import BUCKET_BYTES, DEVICE_PLAN_ENV, CommChoices, comm_choices
+    from chimera.runtime.sync import BUCKET_BYTES, CommChoices, comm_choices
+
+    from chimera.runtime.context import RuntimeOptions
+    from chimera.runtime.nccl_emulation import DEVICE_PLAN_ENV
 
     cpu = torch.device("cpu")
-    monkeypatch.delenv(DEVICE_PLAN_ENV, raising=False)
     assert comm_choices(cpu) == CommChoices(0, False)  # the CPU path
-    assert comm_choices(cpu, nccl=True) == CommChoices(BUCKET_BYTES, True)
+    assert comm_choices(cpu, device_collectives=True) == CommChoices(BUCKET_BYTES, True)
     assert comm_choices(torch.device("cuda", 0)) == CommChoices(BUCKET_BYTES, True)
-    monkeypatch.setenv(DEVICE_PLAN_ENV, "1")
-    assert comm_choices(cpu) == CommChoices(BUCKET_BYTES, True)
-    monkeypatch.setenv(DEVICE_PLAN_ENV, "4096")
-    assert comm_choices(cpu) == CommChoices(4096, True)
+    assert comm_choices(cpu, device_plan=1) == CommChoices(BUCKET_BYTES, True)
+    assert comm_choices(cpu, device_plan=4096) == CommChoices(4096, True)
+    # the environment variable is one way to set the option, read where a run starts
+    for text, plan in (("", 0), ("1", 1), ("4096", 4096)):
+        monkeypatch.setenv(DEVICE_PLAN_ENV, text)
+        assert RuntimeOptions.from_env().device_plan == plan
     monkeypatch.setenv(DEVICE_PLAN_ENV, "yes")
-    with pytest.raises(UserError, match="CHIMERA_DEVICE_PLAN='yes'"):
-        comm_choices(cpu)
+    with pytest.raises(UserError, match="device plan 'yes'.*CHIMERA_DEVICE_PLAN"):
+        RuntimeOptions.from_env()
 
 
 def test_validator_refuses_per_rank_buckets_in_one_line(monkeypatch, capsys):
@@ -404,7 +411,7 @@ def test_cli_sharded_under_strict_emulation(tmp_path, cli_env):
     import sys
 
     from chimera.runtime.nccl_emulation import ENV
-    from chimera.runtime.sync import DEVICE_PLAN_ENV
+    from chimera.runtime.nccl_emulation import DEVICE_PLAN_ENV
 
     def losses(emulate):
         env = {k: v for k, v in cli_env.items() if k not in (ENV, DEVICE_PLAN_ENV)}

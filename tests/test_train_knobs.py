@@ -58,7 +58,7 @@ def test_compile_reaches_every_module(data):
     for on in (True, False):  # (built and probed layer by layer: nothing compiled runs)
         pipe = dataclasses.replace(cfg, schedule="chimera", stages=2, compile=on)
         held = run_virtual(2, lambda rank: [m._compiled_call_impl is not None
-                                            for m in Trainer(pipe, rank).runtime.modules.values()])
+                                            for m in Trainer(pipe).runtime.modules.values()])
         assert held == [[on, on], [on, on]]
 
 
@@ -78,7 +78,7 @@ ACCUM = {  # world 2, 8 sequences per pass; with --grad-accum 2 a step is 16 (BE
 def _run(cfg, rank):
     from chimera.train.launch import _train
 
-    trainer = Trainer(cfg, rank)
+    trainer = Trainer(cfg)
     logs = []
     _train(trainer, cfg, None, lambda t, step, log: logs.append(log))
     params = {n: p.detach().clone() for n, _, p in trainer.replica_parameters()}
@@ -219,7 +219,7 @@ def _compile_worker(rank, world, data):
     out = {}
     for on in (False, True):
         cfg = TrainConfig(data=data, steps=3, dtype="float64", compile=on, progress=False)
-        t = Trainer(cfg, rank)
+        t = Trainer(cfg)
         out[on] = ([t.step(s).loss for s in range(3)],
                    [m._compiled_call_impl is not None for m in t.runtime.modules.values()])
     out["graphs"] = counters["stats"]["unique_graphs"]

@@ -126,7 +126,7 @@ def _worker(rank, world, data):
     for dtype, sharded in (("bf16-master", False), ("fp16", False), ("fp16", True)):
         cfg = _cfg(data, dtype, schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2,
                    shard_optimizer=sharded)
-        t = Trainer(cfg, rank)
+        t = Trainer(cfg)
         losses, params = _train(t)
         out[dtype + "-sharded" * sharded] = (losses, params, t.norms, [m.dtype for m in t.params],
                       sorted({str(p.dtype) for m in t.runtime.modules.values() for p in m.parameters()}))
@@ -162,7 +162,7 @@ def _tied_worker(rank, world, root):
     cfg = TrainConfig(model=f"hf:{root / 'gpt2'}", data=str(root / "text.txt"), dtype="bf16-master",
                       schedule="chimera", stages=2, micro_batches=4, micro_batch_size=2, seq_len=8,
                       steps=3, progress=False)
-    t = Trainer(cfg, rank)
+    t = Trainer(cfg)
     losses, _ = _train(t, 3)
     tie = t.tie_sync.ties[0] if t.tie_sync.ties else None
     copies = [p.detach().clone() for n, _, p in t.replica_parameters()  # masters, by the

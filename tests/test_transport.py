@@ -52,8 +52,29 @@ def test_only_the_allowed_modules_call_torch_distributed():
         rel = path.relative_to(PACKAGE).as_posix()
         if rel not in ALLOWED:
             found += [f"{rel}:{line}: {text}" for line, text in direct_uses(ast.parse(path.read_text()))]
-    assert not found, ("torch.distributed used directly (take a transport, or "
-                       "chimera.runtime.transport.current()):\n" + "\n".join(found))
+    assert not found, ("torch.distributed used directly (take a transport: the run context's):\n"
+                       + "\n".join(found))
+
+
+# Where the ambient transport may be read or set: its definition, the one place a run starts
+# (RunContext.here) and the launcher that runs virtual ranks as threads. Everything else is
+# handed its transport in a RunContext.
+AMBIENT = {"runtime/transport.py", "runtime/context.py", "runtime/virtual.py"}
+
+
+def test_only_launchers_look_the_transport_up():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if rel in AMBIENT:
+                break
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("current", "using"):
+                found.append(f"{rel}:{node.lineno}: {node.func.id}()")
+            if isinstance(node, ast.ImportFrom) and node.module == "chimera.runtime.transport":
+                found += [f"{rel}:{node.lineno}: imports {a.name}" for a in node.names
+                          if a.name in ("current", "using")]
+    assert not found, "the transport looked up instead of handed down:\n" + "\n".join(found)
 
 
 def test_every_allowed_module_still_needs_it():
@@ -148,14 +169,14 @@ def test_a_one_stage_pipeline_on_one_rank_is_single_device_training():
     same layers on one device."""
     from torch import nn
 
-    from chimera.api import Pipeline
+    from chimera.api import Pipeline, RunContext
     from chimera.byo import seeded
 
     def layers():
         return [nn.Linear(4, 4).double(), nn.Tanh(), nn.Linear(4, 2).double()]
 
     pipe = Pipeline(layers, nn.functional.mse_loss, schedule="1f1b", stages=1, micro_batches=2,
-                    micro_batch_size=2, transport=OneRank())
+                    micro_batch_size=2, context=RunContext.here(transport=OneRank()))
     with seeded(0):  # what Pipeline does with seed=0
         ref = nn.Sequential(*layers())
     g = torch.Generator().manual_seed(0)

@@ -86,7 +86,8 @@ def test_a_gradient_hook_on_another_thread_runs_as_its_rank():
     def body(rank):
         layer = torch.nn.Linear(2, 2, dtype=torch.float64)
         group = current().new_group([0, 1])
-        sync = GradSync({(0, 0): ReplicaGrads(layer)}, {0: group}, rank, None, bucket_bytes=8)
+        sync = GradSync({(0, 0): ReplicaGrads(layer)}, {0: group}, rank, None, bucket_bytes=8,
+                        transport=current())
         sync.arm(0, 0)  # a bucket per parameter, launched by its gradient hook
         x = torch.full((1, 2), float(rank + 1), dtype=torch.float64)
         device_thread = threading.Thread(target=lambda: layer(x).sum().backward())
@@ -146,7 +147,7 @@ def test_recorded_calls_are_replayed_under_nccl_rules(body, modes_ok):
 def test_device_plan_on_virtual_ranks_replays_strictly(monkeypatch, schedule, stages, n, shard):
     """What gpu_check runs on the GPU: the device path's buckets (or reduce-scatters), every
     call recorded and replayed with one stream per rank, gradients of one process."""
-    from chimera.runtime.sync import DEVICE_PLAN_ENV
+    from chimera.runtime.nccl_emulation import DEVICE_PLAN_ENV
 
     monkeypatch.setenv(DEVICE_PLAN_ENV, "256")
     cfg = TrainConfig(schedule=schedule, stages=stages, micro_batches=n, micro_batch_size=2,
@@ -171,8 +172,9 @@ def _tied_bn_rank(rank, schedule, n, shard):
         return [m.double() for m in (first, nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 4), last)]
 
     pipe = chimera.Pipeline(layers, nn.functional.mse_loss, schedule=schedule, micro_batches=n,
-                            micro_batch_size=2, shard_optimizer=shard,
-                            partition=[range(0, 3), range(3, 5)])
+                            micro_batch_size=2,
+                            model=chimera.ModelOptions(partition=[range(0, 3), range(3, 5)]),
+                            options=chimera.ExecOptions(shard_optimizer=shard))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2 * n, 4, generator=g, dtype=torch.float64)
     y = torch.randn(2 * n, 4, generator=g, dtype=torch.float64)
@@ -192,7 +194,7 @@ def test_api_collectives_replay_strictly(monkeypatch, schedule, n, shard):
     import collections
 
     from chimera.check.rendezvous import replay_recorded
-    from chimera.runtime.sync import DEVICE_PLAN_ENV
+    from chimera.runtime.nccl_emulation import DEVICE_PLAN_ENV
     from chimera.runtime.virtual import VirtualWorld, run_virtual
 
     monkeypatch.setenv(DEVICE_PLAN_ENV, "64")

@@ -21,7 +21,8 @@ Example (runs as is; see ``examples/byo_model.py`` and ``examples/gpt_tied.py``)
             pipe.clip_grad_norm_(1.0)
             opt.step()
 
-    chimera.spawn(main, world=2)          # or run main under torchrun
+    if __name__ == "__main__":            # spawn starts fresh processes that import this file
+        chimera.spawn(main, world=2)      # or run main under torchrun
 
 Conventions (the same as ``nn.Sequential`` with pytrees):
 
@@ -33,21 +34,21 @@ Conventions (the same as ``nn.Sequential`` with pytrees):
   (W x N x micro_batch_size rows) first; every rank gets the whole mini-batch and takes its
   rows. The last stage's output reaches ``loss_fn(output, target)`` (``loss_fn(*output,
   target)`` for a tuple, so extra outputs such as an auxiliary loss reach it too).
-- ``loss_reduction``: ``"mean"``: ``loss_fn`` returns the mean over its micro-batch, the
+- ``LossOptions(reduction=...)``: ``"mean"``: ``loss_fn`` returns the mean over its micro-batch, the
   step's loss is the mini-batch mean; ``"sum"``: ``loss_fn`` returns a sum, the loss is the
   sum; ``"token_mean"``: ``loss_fn`` returns a sum over tokens (e.g. ``cross_entropy(...,
   reduction="sum")``) and the loss is divided by the number of targets != ``ignore_index``
   in the whole mini-batch (all micro-batches and data-parallel copies): padding does not
   change the gradient. With several target tensors, or targets the loss shifts (labels =
-  input ids, shifted inside ``loss_fn``), pass ``token_count=fn(targets)``: the number of
+  input ids, shifted inside ``loss_fn``), pass ``LossOptions(token_count=fn(targets))``: the number of
   tokens the loss sums over in the whole mini-batch.
 - Every rank must be given the same mini-batch: ``step`` compares a fingerprint of it across
-  ranks (one small allreduce; ``check_batch=False`` skips it) and refuses a mismatch.
+  ranks (one small allreduce; ``ExecOptions(check_batch=False)`` skips it) and refuses a mismatch.
 - Exact: the gradient equals single-device training on the same mini-batch (tests check
   1e-10 in float64), for models whose layers see rows independently. Layers that mix rows
   (BatchNorm in training mode) see one micro-batch at a time, as under any pipeline: their
   batch statistics are per micro-batch, and the running statistics of a stage's replicas are
-  averaged at every step (``sync_buffers=True``), so replicas stay equal but the statistics
+  averaged at every step (``ExecOptions(sync_buffers=True)``), so replicas stay equal but the statistics
   differ from one device's; ``num_batches_tracked`` counts every micro-batch of every replica,
   as one device running the micro-batches one by one counts them.
 """
@@ -55,6 +56,7 @@ Conventions (the same as ``nn.Sequential`` with pytrees):
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -69,16 +71,18 @@ from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.boundary import signature
 from chimera.runtime.clip import EPS as CLIP_EPS, clip_by_global_norm_
 from chimera.runtime.executor import ActionRecord, MicroData, to_device
-from chimera.runtime.grid import ProcessGrid, collective_device
+from chimera.runtime.context import ExecOptions, RunContext, RuntimeOptions
+from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.launch_local import SpawnError, spawn
 from chimera.runtime.p2p import peers_text, wait_work
 from chimera.runtime.pipeline import PipelineRuntime, ProbeError
 from chimera.runtime.shared import TieSync, counters, sync_buffers
-from chimera.runtime.transport import ReduceOp, Transport, current
+from chimera.runtime.transport import ReduceOp, Transport
 from chimera.schedules import build, default_micro_batches, require_runnable
 from chimera.check.validate import validate
 
-__all__ = ["Pipeline", "ProbeError", "SpawnError", "balanced_partition", "build_layers", "spawn"]
+__all__ = ["ExecOptions", "LossOptions", "ModelOptions", "Pipeline", "ProbeError", "RunContext",
+           "RuntimeOptions", "SpawnError", "balanced_partition", "build_layers", "spawn"]
 REDUCTIONS = ("mean", "sum", "token_mean")
 
 
@@ -90,35 +94,48 @@ def balanced_partition(layers: Sequence[nn.Module], parts: int) -> list[range]:
     return partition(costs, parts)
 
 
-# the bounds chimera train's --comm-timeout has (train.config): below a second the ranks
-# cannot rendezvous; above a week it is no timeout (and overflows C's)
-MIN_COMM_TIMEOUT_S, MAX_COMM_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the layers are built and cut. ``num_layers``: with it, ``layers`` is
+    ``make_layer(i)`` building one layer (a rank then builds only the layers it holds; see
+    :mod:`chimera.byo`); ``partition``: one range of layer indices per stage (default
+    balanced by parameter count); ``seed``: what ``make_layers`` is called with (the caller's
+    RNG untouched); ``ties``: shared Parameters by name, beside those found by identity;
+    ``init(module)``: initializes a layer built on the meta device; ``compile``:
+    ``torch.compile`` every stage module (True, or its keyword arguments as a dict)."""
+
+    num_layers: int | None = None
+    partition: Sequence | None = None
+    seed: int = 0
+    ties: Sequence[Sequence[str]] | None = None
+    init: Callable[[nn.Module], None] | None = None
+    compile: bool | dict = False
 
 
-def _check_numbers(micro_batch_size, micro_batches, comm_timeout) -> None:
-    """Sizes and the timeout, refused in one line here rather than as a ZeroDivisionError or
-    a hang deep in the runtime."""
+@dataclass(frozen=True)
+class LossOptions:
+    """How micro-batch losses make the step's loss (see the module's conventions):
+    ``reduction`` is ``mean``, ``sum`` or ``token_mean``; ``ignore_index``: targets that do
+    not count for ``token_mean``; ``token_count(targets)``: the tokens the loss sums over in
+    the whole mini-batch, where they are not the targets != ``ignore_index``."""
+
+    reduction: str = "mean"
+    ignore_index: int = -100
+    token_count: Callable | None = None
+
+    def __post_init__(self) -> None:
+        if self.reduction not in REDUCTIONS:
+            raise UserError(f"loss reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+
+
+def _check_sizes(micro_batch_size, micro_batches) -> None:
+    """Sizes refused in one line here rather than as a ZeroDivisionError deep in the runtime."""
     for name, value, optional in (("micro_batch_size", micro_batch_size, False),
                                   ("micro_batches", micro_batches, True)):
         if optional and value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UserError(f"{name} must be a positive integer, got {value!r}")
-    t = comm_timeout
-    if not isinstance(t, (int, float)) or isinstance(t, bool) or not \
-            MIN_COMM_TIMEOUT_S <= t <= MAX_COMM_TIMEOUT_S:  # NaN fails every comparison
-        raise UserError(f"comm_timeout must be between {MIN_COMM_TIMEOUT_S:g} and "
-                        f"{MAX_COMM_TIMEOUT_S:g} seconds, got {t!r}")
-
-
-def default_device(transport: Transport | None = None) -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is there and the backend is not gloo (which moves CPU tensors)."""
-    import os
-
-    transport = transport if transport is not None else current()
-    if torch.cuda.is_available() and transport.get_backend() != "gloo":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def _fingerprint(tree) -> torch.Tensor:
@@ -150,7 +167,7 @@ class _BatchCheck:
     def __init__(self, tree, runtime: PipelineRuntime):
         self.runtime = runtime
         mine = _fingerprint(tree)
-        self.both = torch.cat([mine, -mine]).to(collective_device())
+        self.both = torch.cat([mine, -mine]).to(runtime.context.collective_device)
         self.work = runtime.all_reduce_async(self.both, op=ReduceOp.MAX)
 
     MISMATCH = ("the ranks were given different mini-batches: every rank must pass the same "
@@ -224,79 +241,68 @@ def _join(column: list):
 class Pipeline:
     """This rank's share of a pipelined model. Construct it on every rank, same arguments.
 
-    ``layers`` is ``make_layers()`` returning every layer (called with ``seed``, the caller's
-    RNG untouched), a list of layers, or, with ``num_layers``, ``make_layer(i)`` building one
-    layer (a rank then builds only the layers it holds; see :mod:`chimera.byo`). ``partition``
-    gives one range of layer indices per stage (default: balanced by parameter count).
-    Shared Parameters (tied weights) are found by identity, or named in ``ties``.
-    ``example_input`` (optional; one row or a micro-batch, a pytree) sizes the boundaries now;
-    otherwise the first ``step`` does, and a new input shape re-probes. ``schedule`` is a
-    scheme's name, or a :class:`~chimera.ir.Schedule` built already (its ``placement.ranks``
-    is then ``stages``; lowered here with ``sync`` unless it is). ``transport``: how the
-    ranks talk (default ``torch.distributed``, or the one in effect:
-    :func:`chimera.runtime.transport.current`).
+    ``layers`` is ``make_layers()`` returning every layer (called with the seed, the
+    caller's RNG untouched), a list of layers, or ``make_layer(i)`` building one layer
+    (``ModelOptions(num_layers=...)``). Shared Parameters (tied weights) are found by
+    identity, or named in ``ModelOptions.ties``. ``schedule`` is a scheme's name, or a
+    :class:`~chimera.ir.Schedule` built already (its ``placement.ranks`` is then ``stages``;
+    lowered here with ``options.sync`` unless it is). The grouped options: ``model``
+    (:class:`ModelOptions`: layers, partition, seed, ties, init, compile), ``loss``
+    (:class:`LossOptions`: reduction, ignore_index, token_count), ``options``
+    (:class:`~chimera.runtime.context.ExecOptions`: schedule options, sync, recompute,
+    autocast, wire dtype, sharded optimizer, buffer sync, batch check). ``example_input``
+    (and ``example_target``; optional, one row or a micro-batch, a pytree) sizes the
+    boundaries now; otherwise the first ``step`` does, and a new input shape re-probes.
+    ``context``: the run's transport, device and runtime options
+    (:class:`~chimera.runtime.context.RunContext`; default :meth:`RunContext.here`:
+    ``torch.distributed``, ``cuda:LOCAL_RANK`` under NCCL, options from ``CHIMERA_*``).
     """
 
-    def __init__(self, layers, loss_fn: Callable, schedule: str = "chimera", stages: int = 2,
-                 micro_batches: int | None = None, micro_batch_size: int = 1, example_input=None,
-                 data_parallel: int = 1, partition: Sequence | None = None, seed: int = 0,
-                 sync: str = "eager", recompute: bool = False, comm_timeout: float = 300.0, *,
-                 num_layers: int | None = None, ties: Sequence[Sequence[str]] | None = None,
-                 loss_reduction: str = "mean", ignore_index: int = -100,
-                 schedule_options: dict | None = None, autocast: torch.dtype | None = None,
-                 compile: bool | dict = False, device: torch.device | str | None = None,
-                 sync_buffers: bool = True, example_target=None,
-                 init: Callable[[nn.Module], None] | None = None,
-                 wire_dtype: torch.dtype | None = None, token_count: Callable | None = None,
-                 check_batch: bool = True, shard_optimizer: bool = False,
-                 transport: Transport | None = None):
-        self.transport = transport if transport is not None else current()
-        _check_numbers(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
-                       comm_timeout=comm_timeout)
+    def __init__(self, layers, loss_fn: Callable, schedule: str | Schedule = "chimera",
+                 stages: int = 2, micro_batches: int | None = None, micro_batch_size: int = 1,
+                 data_parallel: int = 1, *, model: ModelOptions | None = None,
+                 loss: LossOptions | None = None, options: ExecOptions | None = None,
+                 example_input=None, example_target=None, context: RunContext | None = None):
+        self.context = context if context is not None else RunContext.here()
+        self.transport = self.context.transport
+        model, self.loss = model or ModelOptions(), loss or LossOptions()
+        self.options = options = options or ExecOptions()
+        _check_sizes(micro_batch_size=micro_batch_size, micro_batches=micro_batches)
         if isinstance(schedule, Schedule):  # built already (chimera train's config builds it)
             stages, n = schedule.placement.ranks, micro_batches or micro_count(schedule)
         else:
             n = micro_batches or default_micro_batches(stages, schedule)
-        self._check_args(self.transport, loss_reduction, stages, data_parallel)
-        keep_freed_memory()  # this process trains: keep its freed buffers (under torchrun too)
-        self.schedule = _lowered(schedule, stages, n, schedule_options, sync)
-        self.loss_reduction, self.ignore_index = loss_reduction, ignore_index
-        self.token_count, self.check_batch = token_count, check_batch
-        self.sync_buffers = sync_buffers
+        self._check_args(self.transport, stages, data_parallel)
+        keep_freed_memory(self.context.options.malloc)  # this process trains (torchrun too)
+        self.schedule = _lowered(schedule, stages, n, options.schedule_options, options.sync)
         self._prefetching = False  # the caller gathers after each optimizer step
         self.grid = ProcessGrid(self.schedule.placement, data_parallel, self.transport.get_rank())
         self.batch_rows = micro_batch_size * n * data_parallel
         self.rows = int(micro_batch_size * self.schedule.micro_scale)
         if self.rows * self.schedule.micro_batches * data_parallel != self.batch_rows:
             raise UserError(f"micro_batch_size {micro_batch_size} cannot be halved for {schedule}")
-        source = LayerSource(layers, num_layers, seed, ties, init)
-        self.ranges = self._partition(source, partition)
+        source = LayerSource(layers, model.num_layers, model.seed, model.ties, model.init)
+        self.ranges = self._partition(source, model.partition)
         self.ties = source.ties(self.ranges)
-        refuse_sharded_ties([t.names[0] for t in self.ties] if shard_optimizer else [])
-        device = torch.device(device) if device is not None else default_device(self.transport)
-        if device.type == "cuda" and device.index is None:  # "cuda": this process's current GPU
-            device = torch.device("cuda", torch.cuda.current_device())
+        refuse_sharded_ties([t.names[0] for t in self.ties] if options.shard_optimizer else [])
+        device = self.context.device
         if device.type == "cuda":  # NCCL's object collectives (probe, state_dict) use it
             torch.cuda.set_device(device)
-        opts = None if not compile else ({} if compile is True else dict(compile))
+        opts = None if not model.compile else ({} if model.compile is True else dict(model.compile))
         stage_of = functools.partial(_build_stage, source, self.ranges, self.ties, device, opts)
         self.runtime = PipelineRuntime(
-            self.schedule, self.grid, stage_of, loss_fn,
-            rows=self.rows, recompute=recompute, autocast=autocast, device=device,
-            comm_timeout=comm_timeout, example=self._example(example_input, device),
-            target_example=self._example(example_target, device), wire_dtype=wire_dtype,
-            shard_optimizer=shard_optimizer, transport=self.transport)
+            self.schedule, self.grid, stage_of, loss_fn, self.context, options, rows=self.rows,
+            example=self._example(example_input, device),
+            target_example=self._example(example_target, device))
         del source, stage_of  # the layers a rank does not hold are garbage now
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
 
     @staticmethod
-    def _check_args(transport: Transport, loss_reduction: str, stages: int, data_parallel: int) -> None:
+    def _check_args(transport: Transport, stages: int, data_parallel: int) -> None:
         if not transport.is_initialized():
             raise RuntimeError("chimera.api.Pipeline needs torch.distributed initialized "
                                "(use chimera.api.spawn or torchrun)")
-        if loss_reduction not in REDUCTIONS:
-            raise UserError(f"loss_reduction must be one of {REDUCTIONS}, got {loss_reduction!r}")
         world = transport.get_world_size()
         if world != stages * data_parallel:
             raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
@@ -376,7 +382,7 @@ class Pipeline:
         if targets is not None:
             self._check_rows(targets, "targets")
         weight = scale * self._loss_weight(targets, tokens)  # (refusals of the input first)
-        check = _BatchCheck((inputs, targets), self.runtime) if self.check_batch else None
+        check = _BatchCheck((inputs, targets), self.runtime) if self.options.check_batch else None
         example = _rows(inputs, 0, rows, dev)
         if check is not None and signature(example) != self.runtime.signature:
             check.wait()  # a new shape is probed with collectives: the ranks must agree first
@@ -396,21 +402,22 @@ class Pipeline:
         return data, check
 
     def _loss_weight(self, targets, tokens: int | None = None) -> float:
-        if self.loss_reduction == "mean":
+        reduction = self.loss.reduction
+        if reduction == "mean":
             return self.rows / self.batch_rows
-        if self.loss_reduction == "sum" or targets is None:
+        if reduction == "sum" or targets is None:
             return 1.0
         if tokens is not None:
             count = int(tokens)
-        elif self.token_count is not None:
-            count = int(self.token_count(targets))
+        elif self.loss.token_count is not None:
+            count = int(self.loss.token_count(targets))
         else:
             leaves = [t for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
             if len(leaves) != 1:
-                raise UserError(f"loss_reduction='token_mean' with {len(leaves)} target tensors: "
-                                 "pass token_count=fn(targets) -> the number of tokens the loss "
+                raise UserError(f"loss reduction 'token_mean' with {len(leaves)} target tensors: "
+                                 "pass LossOptions(token_count=fn(targets)): the number of tokens the loss "
                                  "sums over (the whole mini-batch)")
-            count = int((leaves[0] != self.ignore_index).sum())  # the whole mini-batch
+            count = int((leaves[0] != self.loss.ignore_index).sum())  # the whole mini-batch
         return 1.0 / max(count, 1)
 
     def step(self, inputs, targets, accumulate: bool = False, loss_scale: float = 1.0,
@@ -424,7 +431,7 @@ class Pipeline:
         Mini-batches that differ across ranks are refused (UserError) once the forwards and
         backwards ran (the check overlaps them): the refused step's gradients are not to be
         used (accumulated ones are put back as they were), BatchNorm statistics have moved.
-        ``total_tokens`` (``loss_reduction="token_mean"``): divide by this count instead of
+        ``total_tokens`` (reduction ``"token_mean"``): divide by this count instead of
         the mini-batch's, e.g. the tokens of every mini-batch accumulated into one optimizer
         step, so that the step's loss is the mean over all of them.
         """
@@ -437,7 +444,7 @@ class Pipeline:
         kept = [t.clone() for t in self.runtime.grad_tensors()] if accumulate else None
         if kept is not None:  # the sums below must cover only this step's gradients
             self.runtime.zero_grad(keep=False)
-        counts = counters(self.runtime) if self.sync_buffers else None
+        counts = counters(self.runtime) if self.options.sync_buffers else None
         loss = self._checked(self.runtime.run, data, check, record)
         if check is not None:  # before the syncs: a refused step leaves ties and buffers alone
             try:
@@ -447,7 +454,7 @@ class Pipeline:
                     t.copy_(k)  # the gradients accumulated before this step, as they were
                 raise
         self.tie_sync.reduce_grads()
-        if self.sync_buffers:
+        if self.options.sync_buffers:
             sync_buffers(self.runtime, counts)
         for t, k in zip(self.runtime.grad_tensors(), kept or []):
             t += k
@@ -522,7 +529,7 @@ class Pipeline:
         ``max_norm=None`` measures it and clips nothing. ``parameters`` (default
         :meth:`parameters`): the tensors whose ``.grad`` is scaled, where the optimizer updates
         others holding the same gradients (float32 masters of bf16 weights). A collective."""
-        sq = (self.runtime.owned_sq_norm() - self._tie_excess()).to(collective_device(self.transport))
+        sq = (self.runtime.owned_sq_norm() - self._tie_excess()).to(self.context.collective_device)
         params = self.parameters() if parameters is None else parameters
         grads = [p.grad for p in params if p.grad is not None]
         return clip_by_global_norm_(grads, sq, max_norm, eps, all_reduce=self.runtime.all_reduce)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from chimera.api import Pipeline
+from chimera.api import ExecOptions, ModelOptions, Pipeline
 from chimera.bench.rows import BenchConfig, Row
 from chimera.bench.profiler import allreduce_time, ping
 from chimera.bench.start import start_together
@@ -32,7 +32,8 @@ from chimera.ir import Action, Op, Placement, Schedule
 from chimera.models.emulated import (EmulatedCost, WaitLog, emulated_batch, emulated_layers,
                                      sleep_device)
 from chimera.passes import lower
-from chimera.runtime.transport import ReduceOp, current
+from chimera.runtime.context import RunContext
+from chimera.runtime.transport import ReduceOp, Transport
 from chimera.schedules import build
 from chimera.sim import CostModel, simulate
 
@@ -58,17 +59,21 @@ def equal_cut(layers: int, stages: int) -> list[range]:
 
 
 class EmulatedOurs:
-    """Our runtime on emulated stages, through ``chimera.api.Pipeline``."""
+    """Our runtime on emulated stages, through ``chimera.api.Pipeline``, in ``context`` (the
+    bench rank's: ``start.bench_context``)."""
 
-    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+    def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
         self.cfg, self.cost, self.log = cfg, cost_of(cfg), WaitLog()
         layers = layer_count(cfg)
         self.pipe = Pipeline(
             emulated_layers(self.cost, cfg.stages, layers, cfg.seed, self.log),
             nn.functional.mse_loss, schedule=row.schedule, stages=cfg.stages,
             micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
-            num_layers=layers, schedule_options=row.scheme_options,
-            shard_optimizer=bool(row.opts.get("shard")), comm_timeout=cfg.comm_timeout)
+            model=ModelOptions(num_layers=layers),
+            options=ExecOptions(schedule_options=row.scheme_options,
+                                shard_optimizer=bool(row.opts.get("shard"))),
+            context=context)
+        self.transport = context.transport
         self.schedule = self.pipe.schedule
         self.params = self.pipe.parameters()
 
@@ -90,9 +95,10 @@ class EmulatedFloor:
     messages (8 ranks on 2 cores included), and ours over floor is what the runtime around
     the schedule costs."""
 
-    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
-        self.ours = EmulatedOurs(cfg, row, rank)  # the same program, grid, groups and buffers
+    def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
+        self.ours = EmulatedOurs(cfg, row, context)  # the same program, grid, groups and buffers
         self.cfg, self.schedule, self.log, self.params = cfg, self.ours.schedule, WaitLog(), []
+        self.transport = context.transport
         # one step of our row fits the boundaries and allocates the mailbox (every rank builds
         # its rows in one order, so its collectives meet); its loss is the row's first loss
         self.loss = self.ours.step(0)
@@ -136,13 +142,13 @@ class EmulatedFloor:
 class EmulatedTorch(TorchPipeline):
     """``torch.distributed.pipelining`` on the same emulated layers, cut and data."""
 
-    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+    def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
         self.cost, self.log = cost_of(cfg), WaitLog()
         make = emulated_layers(self.cost, cfg.stages, layer_count(cfg), cfg.seed, self.log)
 
         def module_of(stage: int, n: int) -> nn.Module:
             return nn.Sequential(*[make(i) for i in equal_cut(layer_count(cfg), n)[stage]])
-        super().__init__(cfg, row, rank, module_of, nn.functional.mse_loss)
+        super().__init__(cfg, row, context, module_of, nn.functional.mse_loss)
 
     def step(self, i: int) -> float:
         x, y = emulated_batch(self.cost, self.cfg.global_batch, i, self.cfg.seed)
@@ -184,19 +190,20 @@ def _ours(actions) -> list[Action]:
 
 
 # -- measured link latencies ------------------------------------------------------------------
-def link_latency(cfg: BenchConfig, rank: int, reps: int = 30) -> dict:
+def link_latency(cfg: BenchConfig, transport: Transport, reps: int = 30) -> dict:
     """Median one-way p2p time of one boundary message between ranks 0 and 1 (half a
     ping-pong round trip) and median allreduce time of one stage's gradient between ranks 0
-    and D-1 (Chimera's stage-0 pair), over gloo, measured in the bench's own process group."""
+    and D-1 (Chimera's stage-0 pair), over gloo, measured in the bench's own process group
+    (``transport``)."""
     width, rows = cost_of(cfg).width, cfg.micro_batch_size
     msg, grad = torch.zeros(rows, width), torch.zeros(width * 2)
     ends = (0, cfg.stages - 1)
-    pair = current().new_group(list(ends))
-    trips = [ping(rank, msg) for _ in range(reps + 3)][3:]
-    reduces = [allreduce_time(rank, grad, pair, ends) for _ in range(reps + 3)][3:]
+    pair = transport.new_group(list(ends))
+    trips = [ping(transport, msg) for _ in range(reps + 3)][3:]
+    reduces = [allreduce_time(transport, grad, pair, ends) for _ in range(reps + 3)][3:]
     # ranks outside a pair timed nothing (0): the pair's own medians win the MAX
     box = torch.tensor([statistics.median(trips), statistics.median(reduces)], dtype=torch.float64)
-    current().all_reduce(box, op=ReduceOp.MAX)
+    transport.all_reduce(box, op=ReduceOp.MAX)
     return {"p2p_s": float(box[0]), "allreduce_s": float(box[1]),
             "how": f"p2p: median of {reps} half round trips of a {rows}x{width} float32 message "
                    f"between ranks 0 and 1; allreduce: median of {reps} allreduces of "
@@ -291,7 +298,7 @@ def traced_step(runner, i: int) -> tuple[list[tuple], float]:
     """One more step of ``runner`` with its layers' waits logged; (waits, step start)."""
     runner.log.events.clear()
     runner.log.on = True
-    start = start_together()
+    start = start_together(runner.transport)
     try:
         runner.step(i)
     finally:

@@ -24,31 +24,34 @@ import torch
 from chimera.bench import emulated
 from chimera.models.emulated import tighten_timer_slack
 from chimera.bench.rows import BenchConfig, Row
-from chimera.bench.start import start_together
+from chimera.bench.start import bench_context, start_together
 from chimera.bench.runners import OursRunner, SingleRunner, peak_activation_bytes
 from chimera.bench.torchpp import TorchRunner
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
-from chimera.runtime.transport import ReduceOp, current
+from chimera.runtime.context import RunContext
+from chimera.runtime.transport import ReduceOp, Transport
 from chimera.runtime.workers import free_port, gloo_group
 
 
 FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to say why
 
 
-def make_runner(cfg: BenchConfig, row: Row, rank: int):
+def make_runner(cfg: BenchConfig, row: Row, context: RunContext):
+    """``row``'s runner on this rank, in the rank's ``context``."""
     if cfg.emulate:
         kind = {"chimera": emulated.EmulatedOurs, "floor": emulated.EmulatedFloor}
-        return kind.get(row.impl, emulated.EmulatedTorch)(cfg, row, rank)
+        return kind.get(row.impl, emulated.EmulatedTorch)(cfg, row, context)
     if row.impl == "single":
-        return SingleRunner(cfg, row, rank)
+        return SingleRunner(cfg, row, context)
     if row.impl == "chimera":
-        return OursRunner(cfg, row, rank)
-    return TorchRunner(cfg, row, rank)
+        return OursRunner(cfg, row, context)
+    return TorchRunner(cfg, row, context)
 
 
-def _group(rank: int, world: int, port: int, cfg: BenchConfig):
-    keep_freed_memory()  # as `chimera train` runs: every row, torch's too, gets the same malloc
+def _group(rank: int, world: int, port: int, cfg: BenchConfig, context: RunContext):
+    """The rank's gloo group (``context.transport``'s), the process set up as ``context`` says."""
+    keep_freed_memory(context.options.malloc)  # as `chimera train`: every row, torch's too
     if cfg.emulate:  # before gloo starts its threads, which inherit it
         tighten_timer_slack()
     return gloo_group(rank, world, port, cfg.threads, cfg.comm_timeout)
@@ -59,24 +62,24 @@ def _say(rank: int, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def _build(cfg: BenchConfig, rows: list[Row], rank: int) -> tuple[list, dict[str, str]]:
+def _build(cfg: BenchConfig, rows: list[Row], context: RunContext) -> tuple[list, dict[str, str]]:
     """Runners of every row, in the same order on every rank; rows that fail are skipped."""
     runners, failed = [], {}
     for row in rows:
         try:
-            runners.append(make_runner(cfg, row, rank))
+            runners.append(make_runner(cfg, row, context))
         except Exception as exc:  # a scheme that cannot run this layout: report, go on
             runners.append(None)
             failed[row.id] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    everyone: list = [None] * current().get_world_size()
-    current().all_gather_object(everyone, failed)
-    for other in everyone:
+    for other in _from_every_rank(context.transport, failed):
         failed.update(other)
     return [None if row.id in failed else r for row, r in zip(rows, runners)], failed
 
 
-def _rounds(cfg: BenchConfig, rows: list[Row], runners: list, rank: int) -> tuple[list, list]:
+def _rounds(cfg: BenchConfig, rows: list[Row], runners: list,
+            transport: Transport) -> tuple[list, list]:
     """Step times of every row and round, and each row's loss of the first step (rank 0's)."""
+    rank = transport.get_rank()
     live = [k for k, r in enumerate(runners) if r is not None]
     times: list[list[float]] = [[] for _ in rows]
     losses: list[float | None] = [None] * len(rows)
@@ -84,7 +87,7 @@ def _rounds(cfg: BenchConfig, rows: list[Row], runners: list, rank: int) -> tupl
         start = time.perf_counter()
         for j in range(len(live)):
             k = live[(rnd + j) % len(live)]
-            t0 = start_together()
+            t0 = start_together(transport)
             loss = runners[k].step(rnd)
             times[k].append(time.perf_counter() - t0)
             if rnd == 0:
@@ -94,35 +97,37 @@ def _rounds(cfg: BenchConfig, rows: list[Row], runners: list, rank: int) -> tupl
     return times, losses
 
 
-def _slowest(values: list[list[float]]) -> list[list[float]]:
+def _slowest(transport: Transport, values: list[list[float]]) -> list[list[float]]:
     """Element-wise maximum over ranks (rows of different lengths are padded with zeros)."""
     width = max((len(v) for v in values), default=0)
     t = torch.tensor([v + [0.0] * (width - len(v)) for v in values], dtype=torch.float64)
-    current().all_reduce(t, op=ReduceOp.MAX)
+    transport.all_reduce(t, op=ReduceOp.MAX)
     return [t[k, :len(v)].tolist() for k, v in enumerate(values)]
 
 
-def _activations(cfg: BenchConfig, runners: list) -> list[float | None]:
+def _activations(cfg: BenchConfig, runners: list, transport: Transport) -> list[float | None]:
     peaks = []
     for r in runners:
-        current().barrier()
+        transport.barrier()
         peaks.append(None if r is None else peak_activation_bytes(r, cfg.rounds) / 2**20)
-    merged = _slowest([[p or 0.0] for p in peaks])
+    merged = _slowest(transport, [[p or 0.0] for p in peaks])
     return [None if r is None else m[0] for r, m in zip(runners, merged)]
 
 
 def _timing_worker(rank: int, world: int, cfg: BenchConfig, rows: list[Row], port: int,
                    out: str) -> None:
-    with _group(rank, world, port, cfg):
-        latency = emulated.link_latency(cfg, rank) if cfg.emulate else None
+    context = bench_context(cfg.comm_timeout)
+    with _group(rank, world, port, cfg, context):
+        transport = context.transport
+        latency = emulated.link_latency(cfg, transport) if cfg.emulate else None
         _say(rank, f"bench: building {len(rows)} rows on {world} ranks")
-        runners, failed = _build(cfg, rows, rank)
+        runners, failed = _build(cfg, rows, context)
         for row_id, why in failed.items():
             _say(rank, f"bench: skipping {row_id}: {why}")
-        times, losses = _rounds(cfg, rows, runners, rank)
-        times = _slowest(times)
-        extra = _emulated_extras(cfg, runners, rank) if cfg.emulate else {}
-        acts = _activations(cfg, runners) if not cfg.emulate else \
+        times, losses = _rounds(cfg, rows, runners, transport)
+        times = _slowest(transport, times)
+        extra = _emulated_extras(cfg, runners, transport) if cfg.emulate else {}
+        acts = _activations(cfg, runners, transport) if not cfg.emulate else \
             [None if p is None else max(p) / 2**20 for p in extra["activation_bytes"]]
         if rank == 0:  # every row trains the same model on the same data: same first loss
             with open(out, "w") as f:
@@ -130,38 +135,39 @@ def _timing_worker(rank: int, world: int, cfg: BenchConfig, rows: list[Row], por
                            "first_loss": losses, "latency": latency, **extra}, f)
 
 
-def _from_every_rank(value) -> list:
-    everyone: list = [None] * current().get_world_size()
-    current().all_gather_object(everyone, value)
+def _from_every_rank(transport: Transport, value) -> list:
+    everyone: list = [None] * transport.get_world_size()
+    transport.all_gather_object(everyone, value)
     return everyone
 
 
-def _emulated_extras(cfg: BenchConfig, runners: list, rank: int) -> dict:
+def _emulated_extras(cfg: BenchConfig, runners: list, transport: Transport) -> dict:
     """Per row: peak activation bytes of every rank, the order that ran (ours: the lowered
     schedule; torch's: its pipeline_order), one traced step's waits on every rank, and every
     rank's wait totals (asked and taken, per kind, over all its steps)."""
     peaks, orders, traces, totals = [], [], [], []
     for k, r in enumerate(runners):
-        current().barrier()
+        transport.barrier()
         keeps = r is not None and not isinstance(r, emulated.EmulatedFloor)  # a floor keeps none
         peak = peak_activation_bytes(r, cfg.rounds + 1) if keeps else 0
-        peaks.append(_from_every_rank(peak) if keeps else None)
+        peaks.append(_from_every_rank(transport, peak) if keeps else None)
         order = None if r is None else r.order()
         orders.append(None if order is None else order.to_json())
         waits = None if r is None else emulated.traced_step(r, cfg.rounds + 2)
-        traces.append(None if r is None else _from_every_rank(waits))
-        totals.append(None if r is None else _from_every_rank(r.log.totals))
+        traces.append(None if r is None else _from_every_rank(transport, waits))
+        totals.append(None if r is None else _from_every_rank(transport, r.log.totals))
     return {"activation_bytes": peaks, "orders": orders, "traces": traces, "wait_totals": totals}
 
 
 def _memory_worker(rank: int, world: int, cfg: BenchConfig, row: Row, port: int, out: str) -> None:
-    with _group(rank, world, port, cfg):
-        runner = make_runner(cfg, row, rank)
+    context = bench_context(cfg.comm_timeout)
+    with _group(rank, world, port, cfg, context):
+        runner = make_runner(cfg, row, context)
         for i in range(2):
-            current().barrier()
+            context.transport.barrier()
             runner.step(i)
         peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
-        current().all_reduce(peak, op=ReduceOp.MAX)
+        context.transport.all_reduce(peak, op=ReduceOp.MAX)
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({"peak_rss_mb": float(peak)}, f)

@@ -35,7 +35,8 @@ from chimera.models import build_layers, get_config, layer_names, loss_fn
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.split_backward import backward_input, backward_weight
-from chimera.runtime.transport import current
+from chimera.runtime.context import RuntimeOptions
+from chimera.runtime.transport import TorchDist, Transport
 from chimera.sim.profile import PROFILE_SCHEMA
 from chimera.train.config import TrainConfig
 from chimera.train.loop import make_optimizer
@@ -143,39 +144,41 @@ def fit_link(samples: list[tuple[int, float]], steps: int = 1) -> dict:
             "samples": [[b, t] for b, t in samples]}
 
 
-def ping(rank: int, buf: torch.Tensor, pair: tuple[int, int] = (0, 1)) -> float:
+def ping(transport: Transport, buf: torch.Tensor, pair: tuple[int, int] = (0, 1)) -> float:
     """Half a round trip of ``buf`` between the ranks of ``pair`` (0.0 on the others)."""
-    current().barrier()
+    transport.barrier()
+    rank = transport.get_rank()
     if rank not in pair:
         return 0.0
     peer = pair[1] if rank == pair[0] else pair[0]
     t0 = time.perf_counter()
     if rank == pair[0]:
-        current().isend(buf, peer).wait()
-        current().irecv(buf, peer).wait()
+        transport.isend(buf, peer).wait()
+        transport.irecv(buf, peer).wait()
     else:
-        current().irecv(buf, peer).wait()
-        current().isend(buf, peer).wait()
+        transport.irecv(buf, peer).wait()
+        transport.isend(buf, peer).wait()
     return (time.perf_counter() - t0) / 2
 
 
-def allreduce_time(rank: int, buf: torch.Tensor, group=None, members=None) -> float:
+def allreduce_time(transport: Transport, buf: torch.Tensor, group=None, members=None) -> float:
     """Seconds of one allreduce of ``buf`` over ``group`` (0.0 on ranks outside ``members``)."""
-    current().barrier()
-    if members is not None and rank not in members:
+    transport.barrier()
+    if members is not None and transport.get_rank() not in members:
         return 0.0
     t0 = time.perf_counter()
-    current().all_reduce(buf, group=group)
+    transport.all_reduce(buf, group=group)
     return time.perf_counter() - t0
 
 
 def _links_worker(rank: int, port: int, repeat: int, out: str) -> None:
     with gloo_group(rank, 2, port):
+        transport = TorchDist()  # the group just made
         result: dict = {"p2p": [], "allreduce": []}
         for nbytes in LINK_SIZES:
             buf = torch.zeros(nbytes // 4)
             for key, fn in (("p2p", ping), ("allreduce", allreduce_time)):
-                times = [fn(rank, buf) for _ in range(repeat + 2)][2:]
+                times = [fn(transport, buf) for _ in range(repeat + 2)][2:]
                 result[key].append((nbytes, statistics.median(times)))
         if rank == 0:
             with open(out, "w") as f:
@@ -214,7 +217,7 @@ def optimizer_seconds_per_byte(model: str, repeat: int = 5, seed: int = 0) -> fl
 def build_profile(model: str, micro_batch: int, threads: int = 1, repeat: int = 5,
                   link_repeat: int = 20) -> dict:
     torch.set_num_threads(threads)
-    keep_freed_memory()  # the layers run as they do in `chimera train`
+    keep_freed_memory(RuntimeOptions.from_env().malloc)  # the layers run as in `chimera train`
     layers = profile_layers(model, micro_batch, repeat)
     data = {"schema": PROFILE_SCHEMA, "model": model, "micro_batch": micro_batch,
             "threads": threads, "dtype": "float32", "layers": layers,

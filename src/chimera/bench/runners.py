@@ -15,22 +15,24 @@ from chimera.train import build
 from chimera.train.config import TrainConfig
 from chimera.models import loss_fn
 from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares
-from chimera.train.loop import Trainer, lr_at
+from chimera.runtime.context import RunContext
+from chimera.train.loop import Trainer, lr_at, run_context
 
 
 class SingleRunner:
     """One process (rank 0; other ranks sit it out): the whole mini-batch at once, or, with the
-    row option ``micro_batches``, accumulated over the pipelines' micro-batches."""
+    row option ``micro_batches``, accumulated over the pipelines' micro-batches. Its trainer
+    runs alone (a world of one, ``run_context``), whatever group the rank is in."""
 
-    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
-        self.rank, self.threads, self.base = rank, row.threads or 1, cfg.threads
+    def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
+        self.rank, self.threads, self.base = context.rank, row.threads or 1, cfg.threads
         self.micro = cfg.micro_batch_size if row.opts.get("micro_batches") else None
         self.trainer = None
-        if rank == 0:
+        if self.rank == 0:
             tc = TrainConfig(model=cfg.model, schedule="none", stages=1, micro_batches=1,
                              micro_batch_size=cfg.global_batch, steps=cfg.rounds + 2,
-                             seed=cfg.seed, progress=False)
-            self.trainer = Trainer(tc.preflight(), 0)
+                             seed=cfg.seed, progress=False).preflight()
+            self.trainer = Trainer(tc, run_context(tc, context.device))
 
     def step(self, i: int) -> float | None:
         if self.trainer is None:
@@ -60,17 +62,19 @@ class SingleRunner:
 
 
 class OursRunner:
-    """Our runtime (``chimera.train.Trainer``) with one of our schedules."""
+    """Our runtime (``chimera.train.Trainer``) with one of our schedules, on the ranks of
+    ``context``."""
 
-    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+    def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
         opts = row.opts
         tc = TrainConfig(model=cfg.model, schedule=row.schedule, stages=cfg.stages,
                          micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
                          steps=cfg.rounds + 2, seed=cfg.seed,
                          options=row.scheme_options,
                          shard_optimizer=bool(opts.get("shard")),
-                         threads=cfg.threads, comm_timeout=cfg.comm_timeout, progress=False)
-        self.trainer = Trainer(tc.preflight(), rank)
+                         threads=cfg.threads, comm_timeout=cfg.comm_timeout,
+                         progress=False).preflight()
+        self.trainer = Trainer(tc, run_context(tc, context.device, context.transport))
 
     def step(self, i: int) -> float:
         return self.trainer.step(i).loss

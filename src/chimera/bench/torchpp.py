@@ -16,7 +16,8 @@ from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row
 from chimera.data import get_batch, load_corpus
 from chimera.models import build_layers, get_config, loss_fn
 from chimera.runtime.clip import clip_by_global_norm_, sum_of_squares
-from chimera.runtime.transport import current
+from chimera.runtime.context import RunContext
+from chimera.runtime.transport import Transport
 from chimera.train import build
 from chimera.train.config import TrainConfig
 from chimera.train.loop import make_optimizer, stage_ranges
@@ -31,31 +32,35 @@ def stages_of(style: str, rank: int, ranks: int, per_rank: int) -> list[int]:
     return [rank, 2 * ranks - 1 - rank]  # "v"
 
 
-def run_schedule(schedule, first: bool, last: bool, inputs, targets, micro_batches: int) -> float:
+def run_schedule(transport: Transport, schedule, first: bool, last: bool, inputs, targets,
+                 micro_batches: int) -> float:
     """One ``schedule.step`` of torch's pipelining (inputs where this rank holds the first
-    stage, targets where it holds the last); the mini-batch's mean loss on every rank."""
+    stage, targets where it holds the last); the mini-batch's mean loss on every rank of
+    ``transport``."""
     losses: list = []
     schedule.step(*((inputs,) if first else ()), target=targets if last else None,
                   losses=losses if last else None, return_outputs=False)
     total = torch.tensor([sum(float(l.detach()) for l in losses) / micro_batches],
                          dtype=torch.float64)
-    current().all_reduce(total)
+    transport.all_reduce(total)
     return float(total.item())
 
 
 class TorchPipeline:
     """This rank's share of a torch.distributed.pipelining schedule ``row.schedule`` over
-    ``cfg.stages`` ranks: ``module_of(stage, n)`` builds stage ``stage`` of ``n`` (the same
-    weights on every rank); ``step`` runs one mini-batch."""
+    ``cfg.stages`` ranks (``context``'s: torch's pipelining talks to ``torch.distributed``
+    itself, our losses and norms go through the context's transport): ``module_of(stage, n)``
+    builds stage ``stage`` of ``n`` (the same weights on every rank); ``step`` runs one
+    mini-batch."""
 
-    def __init__(self, cfg: BenchConfig, row: Row, rank: int, module_of, loss):
+    def __init__(self, cfg: BenchConfig, row: Row, context: RunContext, module_of, loss):
         cls_name, self.style, per_rank = TORCH_SCHEDULES[row.schedule]
         cls = getattr(pipelining, cls_name, None)
         if cls is None:
             raise RuntimeError(f"torch {torch.__version__} has no pipelining.{cls_name}")
-        self.cfg, self.row = cfg, row
+        self.cfg, self.row, self.transport = cfg, row, context.transport
         self.stages = n = cfg.stages * per_rank
-        self.indices = stages_of(self.style, rank, cfg.stages, per_rank)
+        self.indices = stages_of(self.style, context.rank, cfg.stages, per_rank)
         self.modules = [module_of(i, n) for i in self.indices]
         stages = [pipelining.PipelineStage(m, i, n, torch.device("cpu"))
                   for m, i in zip(self.modules, self.indices)]
@@ -65,12 +70,12 @@ class TorchPipeline:
         self.params = [p for m in self.modules for p in m.parameters()]
 
     def run(self, inputs, targets) -> float:
-        return run_schedule(self.schedule, self.first, self.last, inputs, targets,
-                            self.cfg.micro_batches)
+        return run_schedule(self.transport, self.schedule, self.first, self.last, inputs,
+                            targets, self.cfg.micro_batches)
 
 
 class TorchRunner(TorchPipeline):
-    def __init__(self, cfg: BenchConfig, row: Row, rank: int):
+    def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
         self.model = get_config(cfg.model)
         self.tc = TrainConfig(model=cfg.model, schedule="none", stages=1, micro_batches=1,
                               micro_batch_size=cfg.global_batch, steps=cfg.rounds + 2,
@@ -80,7 +85,7 @@ class TorchRunner(TorchPipeline):
         def module_of(stage: int, n: int) -> torch.nn.Module:
             ranges = cut.setdefault(n, stage_ranges(self.tc, build.model_source(self.tc), n))
             return torch.nn.Sequential(*build_layers(self.model, cfg.seed, ranges[stage]))
-        super().__init__(cfg, row, rank, module_of, loss_fn(self.model, "mean"))
+        super().__init__(cfg, row, context, module_of, loss_fn(self.model, "mean"))
         self.optimizer = make_optimizer(self.params, self.tc)
         self.corpus = load_corpus(None, seq_len=self.model.seq_len)
 
@@ -96,4 +101,4 @@ class TorchRunner(TorchPipeline):
     def _clip(self) -> float:
         grads = [p.grad for p in self.params if p.grad is not None]
         return float(clip_by_global_norm_(grads, sum_of_squares(grads), self.tc.optim.clip or None,
-                                          all_reduce=current().all_reduce))
+                                          all_reduce=self.transport.all_reduce))

@@ -10,13 +10,14 @@ Ties are HF's own (``model.all_tied_weights_keys``): across layers they go to th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from chimera.api import Pipeline
+from chimera.api import ExecOptions, LossOptions, ModelOptions, Pipeline
 from chimera.byo import build_layers
 from chimera.errors import UserError
 from chimera.hf import layers as L
@@ -162,17 +163,23 @@ class HFModel:
             setattr(out[int(i)].get_submodule(owner), attr, out[int(j)].get_parameter(src))
         return out
 
-    def pipeline_kwargs(self) -> dict:
-        """What ``Pipeline`` needs for this model; add the schedule and sizes."""
-        return dict(layers=self.make_layer, loss_fn=self.loss_fn, num_layers=self.num_layers,
-                    ties=self.ties or None, loss_reduction="token_mean",
-                    token_count=self.token_count, sync_buffers=False)
+    def pipeline_kwargs(self, model: ModelOptions | None = None,
+                        options: ExecOptions | None = None) -> dict:
+        """What ``Pipeline`` needs for this model (its layers, ties, loss and token count; no
+        buffers to sync); add the schedule and sizes. ``model`` and ``options``: the caller's,
+        with this model's parts set in them."""
+        return dict(layers=self.make_layer, loss_fn=self.loss_fn,
+                    model=dataclasses.replace(model or ModelOptions(), num_layers=self.num_layers,
+                                              ties=self.ties or None),
+                    loss=LossOptions("token_mean", token_count=self.token_count),
+                    options=dataclasses.replace(options or ExecOptions(), sync_buffers=False))
 
-    def pipeline(self, **kwargs):
+    def pipeline(self, *, model: ModelOptions | None = None, options: ExecOptions | None = None,
+                 **kwargs):
         """``chimera.api.Pipeline`` of this model: ``pipeline(schedule="chimera", stages=4,
         micro_batches=8, micro_batch_size=2)``. Every rank calls it."""
 
-        return Pipeline(**self.pipeline_kwargs(), **kwargs)
+        return Pipeline(**self.pipeline_kwargs(model, options), **kwargs)
 
     # -- export ----------------------------------------------------------------------------
     def hf_state_dict(self, state: dict) -> dict[str, torch.Tensor]:

@@ -10,14 +10,14 @@ PyTorch's CPU performance guide recommends jemalloc or tcmalloc for the same rea
 gets most of it from glibc alone. The cost is that a rank's RSS stays at its peak, which a
 training step reaches every iteration anyway. The setting is process-wide: the training
 entry points call it in the process that trains (a spawned or torchrun rank, a `--schedule
-none` run, `chimera.api.Pipeline`); ``CHIMERA_MALLOC=default`` turns it off.
+none` run, `chimera.api.Pipeline`); ``--malloc default`` (``CHIMERA_MALLOC=default``, the run
+context's ``RuntimeOptions.malloc``) turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
@@ -28,14 +28,15 @@ MMAP_THRESHOLD = 32 << 20  # blocks under 32 MiB (glibc's maximum) come from the
 _done: bool | None = None
 
 
-def keep_freed_memory() -> bool:
-    """Tune glibc's malloc for this process (once); False where it does not apply."""
+def keep_freed_memory(mode: str = "keep") -> bool:
+    """Tune glibc's malloc for this process (once) unless ``mode`` is ``default``; False
+    where it does not apply."""
     global _done
     if _done is not None:
         return _done
-    _done = False
-    if os.environ.get("CHIMERA_MALLOC", "").lower() == "default":
+    if mode == "default":
         return False
+    _done = False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

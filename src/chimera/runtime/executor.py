@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from chimera.check.comm_plan import Launch, Post
 from chimera.ir import Action, Op, Schedule, input_stage, peer_stage, recv_of
 from chimera.runtime.boundary import call_loss, detach_input
+from chimera.runtime.context import ExecOptions
 from chimera.runtime.split_backward import (PendingWeightGrad, backward_input, backward_of,
                                             backward_weight)
 
@@ -75,11 +76,15 @@ class _Clock:
 
 
 class Executor:
+    """Runs one rank's program: ``modules`` by (pipe, stage), ``sync`` its stage collectives,
+    ``options`` how stages run (recompute, autocast); the mailbox is set per boundary layout
+    (``PipelineRuntime.prepare``)."""
+
     def __init__(self, schedule: Schedule, modules: dict[tuple[int, int], nn.Module], loss_fn,
-                 mailbox, sync, recompute: bool = False, autocast: torch.dtype | None = None,
-                 device: torch.device = torch.device("cpu"), early: frozenset = frozenset(),
-                 forward_only: bool = False):
+                 sync, options: ExecOptions, device: torch.device, *,
+                 early: frozenset = frozenset(), forward_only: bool = False):
         self.schedule, self.modules, self.loss_fn = schedule, modules, loss_fn
+        mailbox, recompute, autocast = None, options.recompute, options.autocast
         self.arm = early  # last backwards inside which buckets may reduce (CommPlan.early)
         self.forward_only = forward_only  # evaluation: no graph kept, nothing sent back
         self.boundaries: list = []  # per stage, the BoundarySpec of its output (set by the runtime)

@@ -1,4 +1,5 @@
-"""NCCL's p2p and collective semantics emulated on gloo (``CHIMERA_EMULATE_NCCL=pair|rank|strict``).
+"""NCCL's p2p and collective semantics emulated on gloo (``--emulate-nccl pair|rank|strict``,
+or ``CHIMERA_EMULATE_NCCL``: the run context's ``RuntimeOptions.emulate_nccl``).
 
 gloo matches messages by tag and lets either end run ahead, so a p2p order that hangs on
 GPUs can train fine on CPU. :class:`NcclEmulation` is a :class:`~chimera.runtime.transport.Transport`
@@ -36,7 +37,7 @@ Not emulated:
   communicators used concurrently see their operations in one order): one completes when
   every member has it at the head. The runtime routes the stage allreduces and, with a
   sharded optimizer, the reduce-scatters and the prefetched parameter all-gathers through
-  it (``collectives_from_env``), buckets included: with ``CHIMERA_DEVICE_PLAN`` a CPU run
+  it (:func:`emulation`), buckets included: with the device plan forced a CPU run
   issues the device path's collectives (:func:`chimera.runtime.sync.comm_choices`). In
   ``strict`` mode the tie and buffer syncs and the API's batch fingerprint and loss take
   the same stream (``PipelineRuntime.all_reduce``). The trainer's loss and norm
@@ -61,7 +62,6 @@ iteration drains its messages), not for two used within one iteration.
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import time
 from collections import deque
@@ -70,51 +70,43 @@ from dataclasses import dataclass, field
 import torch
 
 from chimera.errors import UserError
-from chimera.runtime.sync import DEVICE_PLAN_ENV
+from chimera.runtime.context import ENV as OPTION_ENV, EMULATION_MODES, RuntimeOptions
 from chimera.runtime.transport import ReduceOp, Transport, Wrapping
 
-__all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "agree", "collectives_from_env",
-           "transport_from_env"]
+__all__ = ["ENV", "MODES", "EmulatedWork", "NcclEmulation", "agree", "emulation", "p2p_transport"]
 
-MODES = ("pair", "rank", "strict")  # strictest last
-ENV = "CHIMERA_EMULATE_NCCL"
+MODES = EMULATION_MODES  # strictest last
+ENV, DEVICE_PLAN_ENV = OPTION_ENV["emulate_nccl"], OPTION_ENV["device_plan"]
 PREFIX = "chimera-nccl-emulation"
 POLL_MIN_S, POLL_MAX_S = 1e-4, 2e-3  # store polling backs off from min to max while it waits
 
 
-def transport_from_env(inner: Transport) -> Transport:
-    """``inner`` itself, or the emulation wrapping it when ``CHIMERA_EMULATE_NCCL`` names a
-    stream mode."""
-    mode = os.environ.get(ENV, "")
-    if not mode:
-        return inner
-    if mode not in MODES:
-        raise UserError(f"{ENV}={mode!r}: choose one of {', '.join(MODES)} (or leave it unset)")
-    return NcclEmulation(inner, mode)
+def p2p_transport(inner: Transport, options: RuntimeOptions) -> Transport:
+    """The transport of a Mailbox: ``inner`` itself, or the emulation wrapping it when
+    ``options.emulate_nccl`` names a stream mode."""
+    return NcclEmulation(inner, options.emulate_nccl) if options.emulate_nccl else inner
 
 
-def collectives_from_env(inner: Transport) -> "NcclEmulation | None":
+def emulation(inner: Transport, options: RuntimeOptions) -> "NcclEmulation | None":
     """The emulation's collective stream (wrapping ``inner``) for the stage collectives
     (GradSync, the shards), or None (no emulation); in ``strict`` mode also the transport of
     every Mailbox (one stream for everything). Create it at the same point on every rank (its
     store keys count)."""
-    mode = os.environ.get(ENV, "")
-    return NcclEmulation(inner, mode) if mode in MODES else None
+    return NcclEmulation(inner, options.emulate_nccl) if options.emulate_nccl else None
 
 
-def agree(transport: Transport) -> None:
-    """Refuse, on every rank and in one line, a ``CHIMERA_EMULATE_NCCL`` or
-    ``CHIMERA_DEVICE_PLAN`` that differs across ranks: one rank emulating NCCL (or bucketing)
-    while its peer does not would only show as a communication timeout. One small collective
-    at start-up."""
-    mine = (os.environ.get(ENV, ""), os.environ.get(DEVICE_PLAN_ENV, ""))
+def agree(transport: Transport, options: RuntimeOptions) -> None:
+    """Refuse, on every rank and in one line, an NCCL emulation or device plan that differs
+    across ranks: one rank emulating NCCL (or bucketing) while its peer does not would only
+    show as a communication timeout. One small collective at start-up."""
+    mine = (options.emulate_nccl, options.device_plan)
     every: list = [None] * transport.get_world_size()
     transport.all_gather_object(every, mine)
     if len(set(map(tuple, every))) > 1:
         seen = "; ".join(f"rank {r}: {ENV}={e[0]!r} {DEVICE_PLAN_ENV}={e[1]!r}"
                          for r, e in enumerate(every))
-        raise UserError(f"rank {transport.get_rank()}: the NCCL emulation and device plan must be set alike on "
-                        f"every rank ({seen})")
+        raise UserError(f"rank {transport.get_rank()}: the NCCL emulation and device plan must "
+                        f"be set alike on every rank ({seen})")
 
 
 class EmulatedWork:

@@ -25,7 +25,7 @@ import torch
 
 from chimera.check.comm_plan import CommPlan, Message
 from chimera.ir import Action, Op
-from chimera.runtime.transport import Transport, current
+from chimera.runtime.transport import Transport
 
 __all__ = ["CommTimeout", "Mailbox", "Message", "peers_text"]
 
@@ -77,13 +77,13 @@ class Mailbox:
     """Posts, waits for, and sends the p2p messages of one rank, iteration after iteration."""
 
     def __init__(self, plan: CommPlan, grid, shape_of, dtype: torch.dtype,
-                 device: torch.device, timeout_s: float | None, transport: Transport | None = None):
+                 device: torch.device, timeout_s: float | None, transport: Transport):
         self.schedule, self.grid = plan.schedule, grid
         self.order = plan.incoming[grid.d]  # the receives, in the order the plan posts them
         self.buffers = {m: torch.empty(shape_of(m), dtype=dtype, device=device) for m in self.order}
         self.sources = {m: (grid.peer(m.pipe, m.source_stage), m.tag(plan.schedule)) for m in self.order}
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        self.transport = transport if transport is not None else current()
+        self.transport = transport
         self.dtype = dtype
         self.pending: dict[Message, object] = {}
         self.routes: dict[Action, tuple[Message, int, int]] = {}  # (message, peer, tag) per action

@@ -19,11 +19,12 @@ from chimera.ir import Op, Schedule, ScheduleError
 from chimera.runtime.boundary import BoundarySpec, Stage, call_layer, call_loss, describe, signature
 from chimera.runtime.executor import ActionRecord, Executor, MicroData
 from chimera.runtime.grid import ProcessGrid
-from chimera.runtime.nccl_emulation import agree, collectives_from_env, transport_from_env
+from chimera.runtime.context import ExecOptions, RunContext
+from chimera.runtime.nccl_emulation import agree, emulation, p2p_transport
 from chimera.runtime.p2p import Mailbox, peers_text, wait_work
 from chimera.runtime.shard import StageShard
 from chimera.runtime.sync import GradSync, ReplicaGrads, comm_choices
-from chimera.runtime.transport import ReduceOp, Transport, current
+from chimera.runtime.transport import ReduceOp, Transport
 from chimera.sim.engine import Deadlock, simulate
 
 
@@ -73,9 +74,9 @@ def _probe_stage(module: nn.Module, stage: int, x, last: bool, loss_fn, target, 
         return "ok", BoundarySpec.of(x)
 
 
-def probe_boundaries(grid: ProcessGrid, modules: dict, example, loss_fn=None, target=None,
-                     device: torch.device = torch.device("cpu"),
-                     transport: Transport | None = None) -> list[BoundarySpec]:
+def probe_boundaries(grid: ProcessGrid, modules: dict, example, transport: Transport,
+                     loss_fn=None, target=None,
+                     device: torch.device = torch.device("cpu")) -> list[BoundarySpec]:
     """Per stage, the BoundarySpec of its output for one micro-batch ``example``, agreed on by
     every rank; a failure raises ProbeError on every rank (not only the failing one).
 
@@ -84,7 +85,6 @@ def probe_boundaries(grid: ProcessGrid, modules: dict, example, loss_fn=None, ta
     to learn which outputs carry gradients) rather than the meta device: meta's first use
     imports torch's compiler stack (seconds per process).
     """
-    transport = transport if transport is not None else current()
     out: list[BoundarySpec] = []
     stages = grid.placement.stages
     for stage in range(stages):
@@ -122,58 +122,58 @@ class PipelineRuntime:
     """One rank's share of a pipelined model, running a lowered schedule.
 
     ``stage_factory(stage)`` builds stage ``stage`` (identical weights on every replica);
-    ``loss_fn(output, targets)`` turns the last stage's output into a loss. ``transport``:
-    how the rank talks to the others (default :func:`chimera.runtime.transport.current`:
-    ``torch.distributed`` unless a virtual world or a test set another).
+    ``loss_fn(output, targets)`` turns the last stage's output into a loss. ``context``: the
+    run's transport, device and runtime options (:class:`~chimera.runtime.context.RunContext`);
+    ``options``: how the step runs (recompute, autocast, wire dtype, sharded optimizer).
+    ``rows``: rows of one schedule micro-batch; ``example`` (and ``target_example``): a
+    micro-batch to fit the boundaries to now (else :meth:`prepare` before the first run).
     """
 
     def __init__(self, schedule: Schedule, grid: ProcessGrid,
-                 stage_factory: Callable[[int], nn.Module], loss_fn, input_shape: tuple | None = None,
-                 input_dtype: torch.dtype | None = None, rows: int = 1, recompute: bool = False,
-                 autocast: torch.dtype | None = None, device: torch.device | None = None,
-                 comm_timeout: float = 300.0, example=None, target_example=None,
-                 wire_dtype: torch.dtype | None = None, shard_optimizer: bool = False,
-                 transport: Transport | None = None):
+                 stage_factory: Callable[[int], nn.Module], loss_fn, context: RunContext,
+                 options: ExecOptions = ExecOptions(), rows: int = 1, example=None,
+                 target_example=None):
         if not schedule.lowered:
             raise ScheduleError("the runtime needs a lowered schedule (chimera.passes.lower)")
         self.schedule, self.grid, self.loss_fn = schedule, grid, loss_fn
-        self.transport = transport if transport is not None else current()
+        self.context, self.options = context, options
+        self.transport, self.device = context.transport, context.device
         self.gathering: dict[tuple[int, int], tuple] = {}  # replica -> (all-gather work, source)
-        self.device = device or torch.device("cpu")
-        self.rows = rows  # rows of one schedule micro-batch
-        self.wire_dtype = wire_dtype  # floating boundary leaves travel in it (None: as computed)
+        self.rows = rows
+        self.wire_dtype = options.wire_dtype  # floating boundary leaves travel in it
         self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
         grid.build_groups(self.transport)
-        agree(self.transport)  # an emulation or plan set on one rank only would hang, not fail
-        # the device path's choices on CUDA (or forced on CPU), per process but alike on every
-        # rank; where a replica buckets is the plan's, per stage (CommPlan.early)
-        self.choices = comm_choices(self.device, self.transport.get_backend() == "nccl")
-        multiple = {key: len(grid.stage_ranks[key[1]]) if shard_optimizer else 1 for key in self.modules}
+        agree(self.transport, context.options)  # set on one rank only would hang, not fail
+        # the device path's choices on CUDA (or forced on CPU), alike on every rank; where a
+        # replica buckets is the plan's, per stage (CommPlan.early)
+        self.choices = comm_choices(self.device, self.transport.device_collectives,
+                                    context.options.device_plan)
+        shard = options.shard_optimizer
+        multiple = {key: len(grid.stage_ranks[key[1]]) if shard else 1 for key in self.modules}
         self.grads = {key: ReplicaGrads(m, self.device, multiple[key]) for key, m in self.modules.items()}
         self.trainable = self._trainable()
         self.plan = plan_comm(schedule)
         grid.warm_up(self.plan, self.device, self.transport)
         self._equalize_replicas()
-        self.shards = self._shards() if shard_optimizer else {}
+        self.shards = self._shards() if shard else {}
         # NCCL: no timed (CPU-blocking, polling) waits; its timeout and watchdog catch hangs
-        self.timeout = None if self.transport.get_backend() == "nccl" else comm_timeout
-        self.emulation = collectives_from_env(self.transport)  # None: no NCCL emulation
+        self.timeout = context.options.comm_timeout if self.transport.timed_waits else None
+        self.emulation = emulation(self.transport, context.options)  # None: no NCCL emulation
         self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout,
                              self.choices.bucket_bytes, self.emulation or self.transport,
                              self.shards)
-        self.executor = Executor(schedule, self.modules, loss_fn, None, self.sync,
-                                 recompute, autocast, self.device, early=self.plan.early[grid.d])
+        self.executor = Executor(schedule, self.modules, loss_fn, self.sync, options, self.device,
+                                 early=self.plan.early[grid.d])
         self.eval_schedule = forward_only(schedule)
         self.eval_plan = plan_comm(self.eval_schedule)
-        self.evaluator = Executor(self.eval_schedule, self.modules, loss_fn, None, self.sync,
-                                  False, autocast, self.device, forward_only=True)
+        self.evaluator = Executor(self.eval_schedule, self.modules, loss_fn, self.sync,
+                                  dataclasses.replace(options, recompute=False), self.device,
+                                  forward_only=True)
         if self.shards:  # a replica's first forward waits for its prefetched parameters
             self.executor.before_forward = self.evaluator.before_forward = self._gathered
         self.program = self.plan.steps[grid.d]
         self.signature: tuple | None = None  # of the micro-batch input the boundaries fit
         self._probed: dict[tuple, tuple] = {}  # signature -> (boundaries, mailbox, eval mailbox)
-        if example is None and input_shape is not None:
-            example = torch.zeros((rows,) + tuple(input_shape), dtype=input_dtype, device=self.device)
         if example is not None:
             self.prepare(example, target_example)
 
@@ -265,8 +265,8 @@ class PipelineRuntime:
             return
         if sig not in self._probed:
             bounds = [dataclasses.replace(b, wire=self.wire_dtype) for b in probe_boundaries(
-                self.grid, self.modules, example, self.loss_fn, target, self.device,
-                self.transport)]
+                self.grid, self.modules, example, self.transport, self.loss_fn, target,
+                self.device)]
             if len(self._probed) >= self.KEEP_SHAPES:
                 self._probed.pop(next(iter(self._probed)))
             self._probed[sig] = (bounds, self._mailbox(self.plan, bounds), None)
@@ -277,7 +277,7 @@ class PipelineRuntime:
     def _mailbox(self, plan, bounds: list) -> Mailbox:
         # the strictest emulation runs every operation of the rank on one stream: p2p too
         strict = self.emulation is not None and self.emulation.mode == "strict"
-        transport = self.emulation if strict else transport_from_env(self.transport)
+        transport = self.emulation if strict else p2p_transport(self.transport, self.context.options)
         return Mailbox(plan, self.grid, functools.partial(self._message_shape, bounds),
                        torch.uint8, self.device, self.timeout, transport)
 

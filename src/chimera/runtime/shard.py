@@ -15,7 +15,7 @@ On the CPU path (gloo, the virtual ranks; :func:`chimera.runtime.sync.comm_choic
 reduction is an allreduce of the whole flat gradient, whose owned slice is then copied out:
 gloo's reduce-scatter took more than its allreduce of the same buffer (two processes here,
 12.8 MB: 19 ms wall and 14 ms of CPU against 12 and 7), and with two replicas both add each
-element once, so the values are the same. The device path (NCCL, or ``CHIMERA_DEVICE_PLAN``
+element once, so the values are the same. The device path (NCCL, or the device plan forced
 on CPU) keeps the reduce-scatter, which moves half the bytes. A replica with nothing to
 train (frozen layers) has no shard: it keeps the one-element allreduce every replica of its
 stage issues alike, and no all-gather.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from chimera.runtime.transport import Transport, current
+from chimera.runtime.transport import Transport
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -77,12 +77,11 @@ class StageShard:
     params: list[nn.Parameter] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
-    transport: Transport = field(default_factory=current)  # the group's (blocking gathers)
+    transport: Transport | None = None  # the group's (blocking gathers); set by build
 
     @classmethod
     def build(cls, params: list[nn.Parameter], offsets: list[int], padded: int, ranks: list[int],
-              rank: int, group, scatter: bool = True,
-              transport: Transport | None = None) -> "StageShard":
+              rank: int, group, scatter: bool, transport: Transport) -> "StageShard":
         """``params`` must not be empty: a replica with nothing to train has no shard (its
         one-element buffer cannot be cut into n slices; it keeps its allreduce)."""
         n, k = len(ranks), ranks.index(rank)
@@ -93,7 +92,7 @@ class StageShard:
         flat = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
         shard = cls(flat, torch.zeros(size, dtype=ref.dtype, device=ref.device), k * size,
                     (k + 1) * size, group, scatter, list(params), list(offsets),
-                    transport=transport if transport is not None else current())
+                    transport=transport)
         for p, off in zip(params, offsets):
             view = flat[off:off + p.numel()]
             view.copy_(p.detach().reshape(-1))

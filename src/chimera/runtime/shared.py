@@ -45,7 +45,7 @@ class TieSync:
     def _plan(self, tie: Tie) -> tuple[list[int], object, bool]:
         grid = self.grid
         holders = sorted({r for s in tie.stage_set for r in grid.stage_ranks[s]})
-        held = {r: {s for _, s in grid.placement.held(r % grid.depth)} for r in holders}
+        held = {r: {s for _, s in grid.placement.held(grid.d_of(r))} for r in holders}
         local = all(set(tie.stage_set) <= held[r] for r in holders)
         group = None if local or len(holders) == 1 else self.runtime.transport.new_group(holders)
         return holders, group, local

@@ -20,18 +20,15 @@ it); that leaves mostly stage 0, whose last backward sends nothing.
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from chimera.errors import UserError
 from chimera.runtime.p2p import peers_text, wait_work
-from chimera.runtime.transport import Transport, current
+from chimera.runtime.transport import Transport
 
 BUCKET_BYTES = 4 * 2**20  # allreduce granularity inside the last backward (0: one allreduce at SYNC)
-DEVICE_PLAN_ENV = "CHIMERA_DEVICE_PLAN"
 
 
 @dataclass(frozen=True)
@@ -46,22 +43,20 @@ class CommChoices:
     reduce_scatter: bool
 
 
-def comm_choices(device: torch.device, nccl: bool = False) -> CommChoices:
-    """The device path's choices on CUDA or NCCL; the CPU path's elsewhere, where buckets
-    measured no faster (benchmarks/RESULTS.md, "Making the runtime fast") and gloo's
-    reduce-scatter is slower than its allreduce (:mod:`chimera.runtime.shard`).
+def comm_choices(device: torch.device, device_collectives: bool = False,
+                 device_plan: int = 0) -> CommChoices:
+    """The device path's choices on CUDA or where the transport's collectives run on the
+    device (NCCL); the CPU path's elsewhere, where buckets measured no faster
+    (benchmarks/RESULTS.md, "Making the runtime fast") and gloo's reduce-scatter is slower
+    than its allreduce (:mod:`chimera.runtime.shard`).
 
-    ``CHIMERA_DEVICE_PLAN=1`` makes a CPU run take the device path's choices, so CPU tests
-    issue exactly the collectives a GPU run issues; ``CHIMERA_DEVICE_PLAN=BYTES`` (an integer
-    above 1) also sets the bucket size, so a tiny test model is cut into several buckets.
-    Every rank must see the same value (:func:`chimera.runtime.nccl_emulation.agree`)."""
-    value = os.environ.get(DEVICE_PLAN_ENV, "").strip()
-    if value and not value.isdigit():
-        raise UserError(f"{DEVICE_PLAN_ENV}={value!r}: 1 (the device plan) or a bucket size in "
-                        "bytes (or leave it unset)")
-    if device.type == "cuda" or nccl or value:
-        size = int(value) if value and int(value) > 1 else BUCKET_BYTES
-        return CommChoices(size, True)
+    ``device_plan`` (:class:`chimera.runtime.context.RuntimeOptions`; ``--device-plan`` or
+    ``CHIMERA_DEVICE_PLAN``): 1 makes a CPU run take the device path's choices, so CPU tests
+    issue exactly the collectives a GPU run issues; above 1 it also sets the bucket size in
+    bytes, so a tiny test model is cut into several buckets. Every rank must have the same
+    (:func:`chimera.runtime.nccl_emulation.agree`)."""
+    if device.type == "cuda" or device_collectives or device_plan:
+        return CommChoices(device_plan if device_plan > 1 else BUCKET_BYTES, True)
     return CommChoices(0, False)
 
 
@@ -132,13 +127,13 @@ class GradSync:
     """
 
     def __init__(self, grads: dict[tuple[int, int], ReplicaGrads], groups: dict[int, object],
-                 rank: int, timeout_s: float | None, bucket_bytes: int = BUCKET_BYTES,
-                 transport: Transport | None = None, shards: dict | None = None):
+                 rank: int, timeout_s: float | None, bucket_bytes: int,
+                 transport: Transport, shards: dict | None = None):
         self.grads, self.groups, self.rank = grads, groups, rank
         self.shards = shards or {}  # (pipe, stage) -> StageShard: its slice of the group's sum (ZeRO-1)
         # the stage collectives' transport (the NCCL emulation's collective stream, under it);
         # held, not looked up: bucket hooks may run on autograd's device thread
-        self.transport = transport if transport is not None else current()
+        self.transport = transport
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.bucket_bytes = bucket_bytes
         self.inflight: list[tuple[object, tuple[int, int]]] = []

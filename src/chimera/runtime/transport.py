@@ -10,11 +10,13 @@ against ``dist``. The implementations:
   p2p and async collectives NCCL's rendezvous semantics.
 - :class:`chimera.runtime.virtual.VirtualRank`: one rank of an in-process world of threads.
 
-The runtime (``PipelineRuntime``, ``api.Pipeline``) takes ``transport=``; code far from it
-(the trainer's loss allreduce, fault reports) asks :func:`current`, which is
-:class:`TorchDist` unless :func:`using` (what ``run_virtual`` does per rank) says otherwise
-on this thread. Setting up and tearing down process groups (``init_process_group``) is the
-launchers' job, not the transport's (:mod:`chimera.runtime.workers`, ``train.launch``).
+A run is handed its transport in its :class:`~chimera.runtime.context.RunContext`, made once
+where the run starts and passed down (``api.Pipeline -> PipelineRuntime -> Executor``, the
+trainer, checkpoints, fault reports, the bench). :func:`current` and :func:`using` remain for
+the launchers only: ``run_virtual`` puts each virtual rank's transport in effect on its
+thread, and ``RunContext.here()`` reads it once, where a run in that thread starts. Setting
+up and tearing down process groups (``init_process_group``) is the launchers' job, not the
+transport's (:mod:`chimera.runtime.workers`, ``train.launch``).
 """
 
 from __future__ import annotations
@@ -54,11 +56,20 @@ class Transport:
     and arguments. ``group=None`` is every rank. Works (``async_op=True``, ``isend``) answer
     ``wait(timeout)`` (False on timeout) and ``is_completed()``.
 
-    ``matches_by_tag``: a receive may be posted ahead without holding up other operations
-    (gloo's tagged, buffered p2p), unlike NCCL's FIFO streams (``Mailbox.receive``).
+    Its traits, asked instead of the backend's name:
+
+    - ``matches_by_tag``: a receive may be posted ahead without holding up other operations
+      (gloo's tagged, buffered p2p), unlike NCCL's FIFO streams (``Mailbox.receive``);
+    - ``device_collectives``: tensors handed to it must live on the device (NCCL's), so the
+      runtime's small collectives (loss, norm, fingerprint) and its plan of buckets and
+      reduce-scatters are the device path's;
+    - ``timed_waits``: a wait blocks the host and takes ``--comm-timeout`` (gloo, virtual
+      ranks); NCCL's waits only order streams, its own timeout and watchdog catch hangs.
     """
 
     matches_by_tag = False
+    device_collectives = False
+    timed_waits = True
 
     # -- who am I ---------------------------------------------------------------------
     def is_initialized(self) -> bool:
@@ -139,6 +150,16 @@ class Wrapping(Transport):
     def __init__(self, inner):
         self.inner = inner
 
+    # a wrapper keeps what its transport needs of tensors and waits; it matches by tag only
+    # where it says so (the NCCL emulation, for one, does not)
+    @property
+    def device_collectives(self) -> bool:
+        return bool(getattr(self.inner, "device_collectives", False))
+
+    @property
+    def timed_waits(self) -> bool:
+        return bool(getattr(self.inner, "timed_waits", True))
+
     def is_initialized(self) -> bool:
         return self.inner.is_initialized()
 
@@ -209,9 +230,20 @@ class TorchDist(Wrapping):
     def is_initialized(self) -> bool:
         return dist.is_available() and dist.is_initialized()
 
+    def _backend(self) -> str | None:
+        return self.get_backend() if self.is_initialized() else None
+
     @property
     def matches_by_tag(self) -> bool:
-        return self.is_initialized() and self.get_backend() == "gloo"
+        return self._backend() == "gloo"
+
+    @property
+    def device_collectives(self) -> bool:
+        return self._backend() == "nccl"
+
+    @property
+    def timed_waits(self) -> bool:
+        return self._backend() != "nccl"
 
     # p2p in the default group (the mailbox's): the group's own send and receive, which is all
     # dist.isend/irecv do there for a plain tensor, without their argument handling (~4 of

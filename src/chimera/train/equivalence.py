@@ -17,11 +17,12 @@ import tempfile
 import torch
 
 from chimera.runtime import workers
-from chimera.runtime.transport import current
+from chimera.runtime.context import RunContext
+from chimera.runtime.transport import TorchDist
 from chimera.runtime.workers import gloo_group
 from chimera.train.config import TrainConfig
 from chimera.train.launch import free_port
-from chimera.train.loop import Trainer
+from chimera.train.loop import Trainer, run_context
 
 
 def _reference(cfg: TrainConfig) -> TrainConfig:
@@ -36,24 +37,26 @@ def _grads(trainer: Trainer) -> list[tuple[str, int, torch.Tensor]]:
     return [(n, pipe, p.grad.detach().clone()) for n, pipe, p in trainer.replica_parameters()]
 
 
-def _one(rank: int, cfg: TrainConfig, device: torch.device | None = None) -> dict | None:
-    trainer = Trainer(cfg, rank, device)
+def _one(context: RunContext, cfg: TrainConfig) -> dict | None:
+    """One rank of ``cfg`` in ``context``: its gradients and parameters, compared on rank 0."""
+    trainer = Trainer(cfg, context)
     box: dict = {}
     losses = [trainer.step(0, on_grads=lambda t: box.setdefault("g", _grads(t))).loss]
     losses += [trainer.step(s).loss for s in range(1, cfg.optim.steps)]
     mine = {"grads": box["g"], "params": [(n, pipe, p.detach().clone())
                                           for n, pipe, p in trainer.replica_parameters()]}
-    transport = current()
+    transport = context.transport
     gathered = [None] * transport.get_world_size()
     transport.all_gather_object(gathered, mine)
-    if rank != 0:
+    if context.rank != 0:
         return None
-    return _compare(cfg, gathered, losses, device)
+    return _compare(cfg, gathered, losses, context.device)
 
 
 def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float],
              device: torch.device | None = None) -> dict:
-    ref = Trainer(_reference(cfg), 0, device)
+    reference = _reference(cfg)
+    ref = Trainer(reference, run_context(reference, device))  # this process alone
     box: dict = {}
     ref_losses = [ref.step(0, on_grads=lambda t: box.setdefault("g", _grads(t))).loss]
     ref_losses += [ref.step(s).loss for s in range(1, cfg.optim.steps)]
@@ -85,7 +88,7 @@ def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float],
 
 def _worker(rank: int, world: int, configs: list[TrainConfig], port: int, out: str) -> None:
     with gloo_group(rank, world, port):
-        results = [_one(rank, cfg) for cfg in configs]
+        results = [_one(run_context(cfg, transport=TorchDist()), cfg) for cfg in configs]
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f)
@@ -121,7 +124,9 @@ def check_virtual(cfg: TrainConfig, device: torch.device | None = None,
 
     cfg.preflight()
     world = VirtualWorld(cfg.world, record=replay)
-    report = run_virtual(cfg.world, lambda rank: _one(rank, cfg, device), world)[0]
+    def rank_of(rank: int) -> dict | None:  # virtual rank ``rank``'s transport, handed down
+        return _one(run_context(cfg, device, world.rank(rank)), cfg)
+    report = run_virtual(cfg.world, rank_of, world)[0]
     if replay:
         report["replayed_calls"] = replay_recorded(world.recorded(), "strict")
     return report

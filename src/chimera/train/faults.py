@@ -6,8 +6,9 @@ schedule grid with this rank's position marked and, best effort, where every oth
 was: each failing rank posts its position to the rendezvous store and waits up to
 ``GRACE_S`` for the others' before it exits.
 
-**Drills.** ``CHIMERA_FAULT`` (comma-separated) makes a run fail the way real ones do, so
-tests (and a new cluster) can check that failures end runs promptly and restarts resume:
+**Drills.** ``--fault`` (``CHIMERA_FAULT``; the run context's ``RuntimeOptions.fault``;
+comma-separated) makes a run fail the way real ones do, so tests (and a new cluster) can
+check that failures end runs promptly and restarts resume:
 
 - ``kill:R:S``   global rank R kills itself with SIGKILL at the start of step S, on the
                  first attempt only (``TORCHELASTIC_RESTART_COUNT`` unset or 0)
@@ -27,7 +28,7 @@ from chimera.check.comm_plan import Message, Post
 from chimera.errors import UserError
 from chimera.ir import Action, Op, Schedule
 from chimera.runtime.p2p import CommTimeout, peers_text
-from chimera.runtime.transport import current
+from chimera.runtime.transport import Transport
 
 ENV = "CHIMERA_FAULT"
 GRACE_S = 1.5  # how long a failing rank waits for the others' positions
@@ -47,30 +48,31 @@ def parse(text: str | None) -> list[Fault]:
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         kind, *numbers = part.split(":")
         if kind not in _KINDS or len(numbers) != _KINDS[kind] or not all(n.isdigit() for n in numbers):
-            raise UserError(f"{ENV}={text!r}: expected kill:RANK:STEP, nan:RANK:STEP or "
+            raise UserError(f"--fault ({ENV}) {text!r}: expected kill:RANK:STEP, nan:RANK:STEP or "
                              f"deadlock:RANK (comma-separated), got {part!r}")
         faults.append(Fault(kind, *map(int, numbers)))
     return faults
 
 
-def active() -> list[Fault]:
-    return parse(os.environ.get(ENV))
+def active(spec: str) -> list[Fault]:
+    """The faults of a run's ``fault`` option."""
+    return parse(spec)
 
 
 def _first_attempt() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
-def before_step(rank: int, step: int) -> None:
+def before_step(rank: int, step: int, spec: str) -> None:
     """``kill``: die here, as a crashed worker does (no exception, no cleanup)."""
-    for f in active():
+    for f in active(spec):
         if f.kind == "kill" and (f.rank, f.step) == (rank, step) and _first_attempt():
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def grad_hook(rank: int, step: int):
+def grad_hook(rank: int, step: int, spec: str):
     """``nan``: an ``on_grads`` callback for ``Trainer.step`` that poisons the gradients."""
-    if not any(f.kind == "nan" and (f.rank, f.step) == (rank, step) for f in active()):
+    if not any(f.kind == "nan" and (f.rank, f.step) == (rank, step) for f in active(spec)):
         return None
 
     def poison(trainer) -> None:
@@ -80,10 +82,10 @@ def grad_hook(rank: int, step: int):
     return poison
 
 
-def program_for(program: tuple, schedule: Schedule, rank: int) -> tuple:
+def program_for(program: tuple, schedule: Schedule, rank: int, spec: str) -> tuple:
     """``deadlock``: rank ``rank``'s steps (a CommPlan's) with its last receive, posted and
     waited for, moved to the front: it waits for a message its peer sends only later."""
-    if not any(f.kind == "deadlock" and f.rank == rank for f in active()):
+    if not any(f.kind == "deadlock" and f.rank == rank for f in active(spec)):
         return program
     recvs = [i for i, a in enumerate(program) if isinstance(a, Action)
              and a.op in (Op.RECV_F, Op.RECV_B)]
@@ -96,22 +98,21 @@ def program_for(program: tuple, schedule: Schedule, rank: int) -> tuple:
 
 
 # -- explaining -------------------------------------------------------------------------
-def collective(what: str, fn, *args, **kwargs):
-    """Run a blocking collective; a failure or timeout becomes a CommTimeout naming ``what``
-    and the peers it waited on (any of them may be the one that died)."""
+def collective(transport: Transport, what: str, fn, *args, **kwargs):
+    """Run a blocking collective of ``transport``; a failure or timeout becomes a CommTimeout
+    naming ``what`` and the peers it waited on (any of them may be the one that died)."""
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:
-        transport = current()
         rank = transport.get_rank() if transport.is_initialized() else 0
-        raise CommTimeout(f"rank {rank}: {what} with {_peers(rank, kwargs.get('group'))} failed or "
+        peers = _peers(transport, rank, kwargs.get("group"))
+        raise CommTimeout(f"rank {rank}: {what} with {peers} failed or "
                           f"timed out: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
                           rank=rank, what=what) from exc
 
 
-def _peers(rank: int, group) -> str:
+def _peers(transport: Transport, rank: int, group) -> str:
     try:
-        transport = current()
         ranks = transport.get_process_group_ranks(group) if group is not None else \
             range(transport.get_world_size())
     except (RuntimeError, ValueError):  # the group is already gone
@@ -119,12 +120,13 @@ def _peers(rank: int, group) -> str:
     return peers_text(rank, ranks)
 
 
-def explain(exc: CommTimeout, schedule: Schedule, grid) -> CommTimeout:
-    """``exc`` with the grid of ``schedule`` and where each rank stood appended."""
+def explain(exc: CommTimeout, schedule: Schedule, grid, transport: Transport) -> CommTimeout:
+    """``exc`` with the grid of ``schedule`` and where each rank stood appended (posted to
+    ``transport``'s rendezvous store)."""
     program = schedule.programs[grid.d]
     index = _index_of(program, exc.action)
     here = str(program[index]) if exc.action is not None else f"{exc.what or 'a collective'} at STEP"
-    positions = _gather_positions(grid.rank, grid.world, f"#{index} {here}")
+    positions = _gather_positions(transport, grid.rank, grid.world, f"#{index} {here}")
     lines = [str(exc).splitlines()[0],
              f"schedule {schedule.name}, pipeline rank P{grid.d} (data replica {grid.w}); "
              "the grid shows program order, this rank's position marked:",
@@ -155,10 +157,10 @@ def _picture(schedule: Schedule, d: int, index: int) -> str:
         return f"(no picture: {err})"
 
 
-def _gather_positions(rank: int, world: int, mine: str) -> dict[int, str]:
+def _gather_positions(transport: Transport, rank: int, world: int, mine: str) -> dict[int, str]:
     """Post our position to the rendezvous store; read the others' (best effort, bounded)."""
     try:
-        store = current().store()
+        store = transport.store()
         store.set_timeout(datetime.timedelta(seconds=GRACE_S))
         store.set(f"chimera/position/{rank}", mine)
         keys = [f"chimera/position/{r}" for r in range(world)]

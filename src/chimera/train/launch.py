@@ -25,13 +25,15 @@ from chimera.errors import UserError
 from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.p2p import CommTimeout
-from chimera.runtime.transport import current
+from chimera.runtime.context import RunContext
+from chimera.runtime.transport import TorchDist
 from chimera.runtime.workers import end_group, free_port
 from chimera.train import build, checkpoint, faults
 from chimera.train.checkpoint import CheckpointManager
 from chimera.train.checkpoint.keeper import Keeper
 from chimera.train.config import TrainConfig
-from chimera.train.loop import NonFiniteLoss, StepLog, Trainer, log_line, peak_rss_mb
+from chimera.train.loop import (NonFiniteLoss, StepLog, Trainer, log_line, peak_rss_mb,
+                                run_context, runtime_options)
 from chimera.train.watch import Watch, model_flops_per_token, peak_flops_per_rank
 
 
@@ -68,14 +70,15 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
     """Body of one rank: init the group, train, gather results on rank 0. ``corpus``: the
     data the launcher opened (None: the rank reads --data)."""
     torch.set_num_threads(cfg.run.threads)
-    keep_freed_memory()
+    options = runtime_options(cfg)
+    keep_freed_memory(options.malloc)
     device, backend = pick_device(cfg)
     if cfg.reference:
-        trainer = Trainer(cfg, 0, device, corpus)
+        trainer = Trainer(cfg, run_context(cfg, device), corpus)
         return _train(trainer, cfg, result_path, hooks)
     _init_group(backend, rank, world, datetime.timedelta(seconds=cfg.run.comm_timeout), device)
     try:
-        trainer = Trainer(cfg, rank, device, corpus)
+        trainer = Trainer(cfg, RunContext(TorchDist(), device, options), corpus)
         result = _train(trainer, cfg, result_path, hooks)
     except FAILURES as exc:  # say why now: a launcher may SIGTERM us once any rank has exited
         if not getattr(exc, "reported", False):  # (set where another rank says why)
@@ -106,7 +109,8 @@ def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -
     # the directory's lease, before anything is read from it or written to it
     manager = None
     if cfg.ckpt.checkpoint_dir:
-        manager = CheckpointManager(cfg.ckpt.checkpoint_dir, cfg.ckpt.keep_checkpoints)
+        manager = CheckpointManager(cfg.ckpt.checkpoint_dir, cfg.ckpt.keep_checkpoints,
+                                    trainer.context.transport)
         manager.claim(cfg.ckpt.resume)
     try:
         return _train_owning(trainer, cfg, result_path, hooks, manager)
@@ -117,7 +121,7 @@ def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -
 
 def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks,
                   manager: CheckpointManager | None) -> dict | None:
-    rank = 0 if cfg.reference else current().get_rank()
+    rank, fault = trainer.rank, trainer.context.options.fault
     start = manager.restore(trainer) if cfg.ckpt.resume else 0
     trace_step = cfg.run.trace_step if cfg.run.trace_step is not None else cfg.optim.steps - 1
     bar = _progress(cfg, start) if rank == 0 else None
@@ -129,10 +133,10 @@ def _train_owning(trainer: Trainer, cfg: TrainConfig, result_path: str | None, h
     keeper = Keeper(cfg, trainer, manager, rank, start)
     try:
         for step in range(start, cfg.optim.steps):
-            faults.before_step(rank, step)
+            faults.before_step(rank, step, fault)
             try:
                 log = trainer.step(step, record if step == trace_step else None,
-                                   on_grads=faults.grad_hook(rank, step))
+                                   on_grads=faults.grad_hook(rank, step, fault))
             except NonFiniteLoss as exc:
                 keeper.stopped(step, exc)  # the checkpoint of these weights is in doubt
                 raise
@@ -235,10 +239,10 @@ def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> d
     if cfg.reference:
         gathered = [mine]
     else:
-        transport = current()
+        transport = trainer.context.transport
         gathered = [None] * transport.get_world_size()
-        faults.collective("gathering the results on rank 0", transport.all_gather_object,
-                          gathered, mine)
+        faults.collective(transport, "gathering the results on rank 0",
+                          transport.all_gather_object, gathered, mine)
         if transport.get_rank() != 0:
             return None
     result = {
@@ -303,7 +307,9 @@ def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     """
     cfg.preflight()  # data, model, schedule, checkpoints: refused before any process starts
     _announce(cfg)
-    faults.active()  # a malformed CHIMERA_FAULT fails here, before any process starts
+    # the runtime's switches (a malformed --fault or CHIMERA_* variable) refused here, before
+    # any process starts
+    faults.active(runtime_options(cfg).fault)
     _say_what_resume_skips(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.reference:
         world = int(os.environ["WORLD_SIZE"])

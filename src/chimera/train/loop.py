@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chimera.api import Pipeline, micro_count
+from chimera.api import ExecOptions, LossOptions, ModelOptions, Pipeline, micro_count
 from chimera.check.validate import validate
 from chimera.data import VAL_FRACTION, Corpus, get_batch, split_corpus
 from chimera.data.formats import open_data
@@ -26,6 +26,7 @@ from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.pipeline import PipelineRuntime
 from chimera.runtime.shared import TieSync
+from chimera.runtime.context import RunContext, RuntimeOptions
 from chimera.runtime.transport import OneRank, Transport
 from chimera.schedules import build
 from chimera.train import faults
@@ -93,11 +94,23 @@ def layout(cfg: TrainConfig) -> Schedule:
     return validate(lower(build("1f1b", 1, 1), cfg.pipeline.sync))
 
 
-def transport_of(cfg: TrainConfig) -> Transport | None:
-    """How a run's ranks talk: a run of one rank (the single-process reference) in this
-    process with nobody (:class:`OneRank`, no process group); else the transport in effect
-    (``torch.distributed``, or a virtual rank's)."""
-    return OneRank() if cfg.world == 1 else None
+def runtime_options(cfg: TrainConfig, environ=None) -> RuntimeOptions:
+    """The runtime's switches of a run: its config's, each unset one from its ``CHIMERA_*``
+    variable (:meth:`RuntimeOptions.from_env`)."""
+    run = cfg.run
+    return RuntimeOptions.from_env(environ, comm_timeout=run.comm_timeout,
+                                   device_plan=run.device_plan, emulate_nccl=run.emulate_nccl,
+                                   malloc=run.malloc, fault=run.fault)
+
+
+def run_context(cfg: TrainConfig, device: torch.device | None = None,
+                transport: Transport | None = None) -> RunContext:
+    """The context a rank of ``cfg`` runs in: the single-process reference in this process
+    with nobody (:class:`OneRank`, no process group), else ``transport`` (default the one in
+    effect: ``torch.distributed``, or a virtual rank's); ``device`` (default the CPU)."""
+    if transport is None and cfg.world == 1:
+        transport = OneRank()
+    return RunContext.here(transport, device or torch.device("cpu"), runtime_options(cfg))
 
 
 def _layer(source, seed: int, dtype: torch.dtype, index: int) -> torch.nn.Module:
@@ -111,16 +124,19 @@ class Trainer:
     single-process reference is a one-stage pipeline on a world of one rank (:func:`layout`).
     """
 
-    def __init__(self, cfg: TrainConfig, rank: int = 0, device: torch.device | None = None,
+    def __init__(self, cfg: TrainConfig, context: RunContext | None = None,
                  corpus: Corpus | None = None):
-        """``corpus``: cfg's data as the launcher opened it (``launch``), else read here."""
-        self.cfg, self.rank = cfg, rank
-        self.device = device or torch.device("cpu")
+        """``context``: the rank's transport, device and runtime options (default
+        :func:`run_context`); ``corpus``: cfg's data as the launcher opened it (``launch``),
+        else read here."""
+        self.cfg = cfg
+        self.context = context if context is not None else run_context(cfg)
+        self.rank, self.device = self.context.rank, self.context.device
         self.source = model_source(cfg)  # the model, its vocabulary the data's (train/sources.py)
         # rank 0 reads every id of a token file through (the others trust its check: one
         # scan of a 2 GiB file took 2.2 s, once per rank before)
         self.corpus = corpus if corpus is not None else open_data(
-            data_spec(cfg), seq_len=self.source.seq_len, scan=rank == 0)
+            data_spec(cfg), seq_len=self.source.seq_len, scan=self.rank == 0)
         if cfg.run.eval_every:
             check_heldout(self.corpus, self.source.kind, self.source.seq_len)
         self.dtype = DTYPE[cfg.net.dtype]
@@ -137,19 +153,24 @@ class Trainer:
         n = micro_count(schedule)
         # every rank makes the same batches (get_batch) and the sources hold no running
         # statistics: no batch check and no buffer sync (collectives a step need not make)
+        wire = cfg.net.wire_dtype
         self.pipe = Pipeline(
             functools.partial(_layer, source, cfg.optim.seed, self.dtype), source.loss_fn, schedule,
             micro_batches=n, micro_batch_size=cfg.global_batch // (cfg.pipeline.data_parallel * n),
-            example_input=torch.zeros((1, source.seq_len), dtype=torch.long),
-            data_parallel=cfg.pipeline.data_parallel, partition=stage_ranges(cfg, source, schedule.stages),
-            seed=cfg.optim.seed, recompute=cfg.pipeline.recompute, comm_timeout=cfg.run.comm_timeout,
-            num_layers=source.num_layers, ties=source.ties,
-            loss_reduction="token_mean" if source.sums else "mean", token_count=source.token_count,
-            autocast=self.autocast, compile=cfg.run.compile, device=self.device, sync_buffers=False,
-            wire_dtype=getattr(torch, WIRE_DTYPES[cfg.net.wire_dtype]) if cfg.net.wire_dtype else None,
-            check_batch=False, shard_optimizer=cfg.pipeline.shard_optimizer, transport=transport_of(cfg))
+            data_parallel=cfg.pipeline.data_parallel,
+            model=ModelOptions(num_layers=source.num_layers, seed=cfg.optim.seed, ties=source.ties,
+                               partition=stage_ranges(cfg, source, schedule.stages),
+                               compile=cfg.run.compile),
+            loss=LossOptions("token_mean" if source.sums else "mean",
+                             token_count=source.token_count),
+            options=ExecOptions(recompute=cfg.pipeline.recompute, autocast=self.autocast,
+                                wire_dtype=getattr(torch, WIRE_DTYPES[wire]) if wire else None,
+                                shard_optimizer=cfg.pipeline.shard_optimizer,
+                                sync_buffers=False, check_batch=False),
+            example_input=torch.zeros((1, source.seq_len), dtype=torch.long), context=self.context)
         # unchanged unless a drill
-        self.runtime.program = faults.program_for(self.runtime.program, schedule, self.rank)
+        self.runtime.program = faults.program_for(self.runtime.program, schedule, self.rank,
+                                                  self.context.options.fault)
         tensors = self.runtime.optimizer_parameters()
         self._make_optimizer([t for t, _ in tensors], [m for _, m in tensors])
 
@@ -212,7 +233,7 @@ class Trainer:
                 on_grads(self)
             norm = float(self.pipe.clip_grad_norm_(self.cfg.optim.clip or None, parameters=self.params))
         except CommTimeout as exc:  # a hang or a dead peer: say where every rank was
-            raise faults.explain(exc, self.schedule, self.grid) from exc
+            raise faults.explain(exc, self.schedule, self.grid, self.context.transport) from exc
         lr = lr_at(self.cfg, step)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         overflow = skipped and self.scaler is not None and math.isfinite(loss)
@@ -289,7 +310,7 @@ class Trainer:
             try:
                 return sum(self.pipe.eval_step(x, t, **weights) for x, t in parts)
             except CommTimeout as exc:
-                raise faults.explain(exc, schedule, self.grid) from exc
+                raise faults.explain(exc, schedule, self.grid, self.context.transport) from exc
 
     @contextlib.contextmanager
     def _eval_mode(self):

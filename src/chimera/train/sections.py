@@ -289,6 +289,22 @@ class Run:
                          "checkpoints unchanged; the first steps compile)")
     comm_timeout: float = knob(300.0, "seconds before a p2p or collective wait becomes an error "
                                "naming the rank, action and peer")
+    emulate_nccl: Literal["pair", "rank", "strict"] | None = knob(
+        None, "emulate NCCL's p2p and collective semantics on gloo: pair (a stream per pair of "
+        "ranks), rank (one p2p stream per rank) or strict (one stream per rank for p2p and "
+        "collectives): an order that would hang on GPUs ends in a timeout naming the rank",
+        metavar="MODE", default_text="$CHIMERA_EMULATE_NCCL, else off")
+    device_plan: int | None = knob(
+        None, "1: take the device path's gradient buckets and reduce-scatters on the CPU too, "
+        "so a CPU run issues the collectives a GPU run issues; BYTES > 1: that, with buckets of "
+        "BYTES; 0: by the device", metavar="BYTES", default_text="$CHIMERA_DEVICE_PLAN, else 0")
+    malloc: Literal["keep", "default"] | None = knob(
+        None, "keep: tune glibc's malloc to keep freed memory in each rank (a step reallocates "
+        "the same buffers); default: leave it alone", default_text="$CHIMERA_MALLOC, else keep")
+    fault: str | None = knob(
+        None, "inject faults on purpose (drills), comma-separated: kill:RANK:STEP (SIGKILL at the "
+        "step's start, first attempt only), nan:RANK:STEP (NaN gradients), deadlock:RANK (waits "
+        "for its last receive first)", metavar="SPEC", default_text="$CHIMERA_FAULT, else none")
     tensorboard: str | None = knob(None, "write TensorBoard event files into DIR (needs the "
                                    "tensorboard package): loss, lr, gradient norm, held-out loss and "
                                    "perplexity, per stage compute and communication time, peak memory "
@@ -328,6 +344,11 @@ class Run:
         if not MIN_COMM_TIMEOUT_S <= self.comm_timeout <= MAX_COMM_TIMEOUT_S:
             raise ConfigError(f"--comm-timeout must be between {MIN_COMM_TIMEOUT_S:g} and "
                               f"{MAX_COMM_TIMEOUT_S:g} seconds, got {self.comm_timeout!r}")
+        _whole(self, "device_plan", low=0, optional=True)
+        for name, choices in (("emulate_nccl", ("pair", "rank", "strict")),
+                              ("malloc", ("keep", "default"))):
+            if getattr(self, name) is not None:
+                _choice(self, name, choices)
         _real(self, "peak_flops", 0.0, open_low=True, optional=True)
         _whole(self, "trace_step", low=0, optional=True)
         k = self.skip_limit

@@ -26,7 +26,6 @@ import math
 import torch
 
 from chimera.plan.hardware import get_hardware
-from chimera.runtime.grid import collective_device
 from chimera.train import faults
 from chimera.train.loop import peak_rss_mb
 from chimera.train.report import perplexity
@@ -97,11 +96,11 @@ class Watch:
     def _gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
         if self.ranks == 1:
             return [mine]
-        transport = self.trainer.pipe.transport
-        device = collective_device(transport)
+        context = self.trainer.context
+        device, transport = context.collective_device, context.transport
         rows = [torch.empty_like(mine, device=device) for _ in range(self.ranks)]
-        faults.collective("gathering the step's times for --tensorboard", transport.all_gather,
-                          rows, mine.to(device))
+        faults.collective(transport, "gathering the step's times for --tensorboard",
+                          transport.all_gather, rows, mine.to(device))
         return [r.cpu() for r in rows]
 
     def _write(self, log, rows: list[torch.Tensor]) -> None:

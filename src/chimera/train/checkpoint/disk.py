@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from chimera.errors import UserError
-from chimera.runtime.grid import collective_device
-from chimera.runtime.transport import current
+from chimera.runtime.context import collective_device
+from chimera.runtime.transport import Transport
 from chimera.train.faults import collective
 
 FORMAT = "chimera-checkpoint/1"
@@ -45,8 +45,9 @@ class CheckpointIOError(RuntimeError):
     """Writing or reading a checkpoint failed on some rank (disk, permissions, a dead peer)."""
 
 
-def dcp_call(what: str, fn, *args, **kwargs) -> None:
-    """Run DCP's save or load; its failures (a BaseException there) become CheckpointIOError."""
+def dcp_call(rank: int, what: str, fn, *args, **kwargs) -> None:
+    """Run DCP's save or load on ``rank``; its failures (a BaseException there) become
+    CheckpointIOError naming the rank."""
     from torch.distributed.checkpoint.api import CheckpointException  # DCP: start-up time
 
     try:
@@ -54,7 +55,7 @@ def dcp_call(what: str, fn, *args, **kwargs) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             fn(*args, **kwargs)
     except (CheckpointException, RuntimeError, OSError) as exc:
-        raise CheckpointIOError(f"rank {rank_world()[0]}: {what} failed: {_cause(exc)}") from exc
+        raise CheckpointIOError(f"rank {rank}: {what} failed: {_cause(exc)}") from exc
 
 
 def _cause(exc: BaseException) -> str:
@@ -157,24 +158,25 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def rank_world() -> tuple[int, int]:
-    transport = current()
+def rank_world(transport: Transport) -> tuple[int, int]:
+    """This rank and the world size of ``transport`` ((0, 1) before a process group exists)."""
     if transport.is_initialized():
         return transport.get_rank(), transport.get_world_size()
     return 0, 1
 
 
-def barrier(what: str) -> None:
-    if rank_world()[1] > 1:
-        collective(what, current().barrier)
+def barrier(transport: Transport, what: str) -> None:
+    if rank_world(transport)[1] > 1:
+        collective(transport, what, transport.barrier)
 
 
-def agree(error: str | None, what: str, kind: type[Exception] = CheckpointIOError) -> None:
-    """Every rank raises ``kind`` when any had ``error`` (the ranks without one quietly: the
-    rank that failed says why)."""
-    flag = torch.tensor([0.0 if error is None else 1.0], device=collective_device())
-    if rank_world()[1] > 1:
-        collective(f"checkpoint: {what}", current().all_reduce, flag)
+def agree(transport: Transport, error: str | None, what: str,
+          kind: type[Exception] = CheckpointIOError) -> None:
+    """Every rank of ``transport`` raises ``kind`` when any had ``error`` (the ranks without
+    one quietly: the rank that failed says why)."""
+    flag = torch.tensor([0.0 if error is None else 1.0], device=collective_device(transport))
+    if rank_world(transport)[1] > 1:
+        collective(transport, f"checkpoint: {what}", transport.all_reduce, flag)
     if flag.item():
         exc = kind(error or f"{what} failed on another rank")
         exc.reported = error is None  # chimera train prints each rank's own message

@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from chimera.runtime.transport import current
-from chimera.train.checkpoint.disk import CheckpointError, agree, latest, published
+from chimera.runtime.transport import Transport
+from chimera.train.checkpoint.disk import CheckpointError, agree, latest, published, rank_world
 from chimera.train.checkpoint.record import newest_healthy, owner
 
 LOCK = ".lock"
@@ -107,16 +107,16 @@ def foreign_message(directory, newest: Path) -> str:
             "add --resume to continue that run, or choose an empty directory")
 
 
-def claim_all(directory: str | os.PathLike, resume: bool) -> Lease:
-    """Collective :func:`claim`: rank 0 gets the lease (the others a token), every rank raises
-    if it was refused."""
+def claim_all(transport: Transport, directory: str | os.PathLike, resume: bool) -> Lease:
+    """Collective :func:`claim` over the ranks of ``transport``: rank 0 gets the lease (the
+    others a token), every rank raises if it was refused."""
     lease, error = None, None
-    if not current().is_initialized() or current().get_rank() == 0:
+    if rank_world(transport)[0] == 0:
         try:
             lease = claim(directory, resume)
         except CheckpointError as exc:
             error = str(exc)
-    agree(error, f"claiming {directory}", CheckpointError)
+    agree(transport, error, f"claiming {directory}", CheckpointError)
     return lease or Lease(Path(directory), "")
 
 

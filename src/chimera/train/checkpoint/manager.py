@@ -1,7 +1,7 @@
 """One run's checkpoint folder, owned by one object: the lease, publishing, pruning, the
 verdict on each checkpoint, and restoring.
 
-    manager = CheckpointManager(folder, keep=3)
+    manager = CheckpointManager(folder, keep=3, transport=trainer.context.transport)
     manager.claim(resume=True)              # refused while another live run holds the folder
     start = manager.restore(trainer)        # the newest checkpoint not in doubt (0: none)
     manager.save(trainer, step, health)     # whole or absent; the last good one is never lost
@@ -10,7 +10,9 @@ verdict on each checkpoint, and restoring.
 
 Every method but ``last_good`` and ``resumable`` is collective: every rank calls it in the
 same order. Rank 0 holds the lease and does the file system's part; the others learn of a
-failure through ``agree`` and raise too, so none of them hangs.
+failure through ``agree`` and raise too, so none of them hangs. The ranks are those of the
+manager's transport (the run's, handed down); without one, a process with no peers
+(``OneRank``: ``chimera generate``, a launcher's checks before any process group exists).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from chimera.runtime.grid import collective_device
-from chimera.runtime.transport import current
+from chimera.runtime.context import collective_device
+from chimera.runtime.transport import OneRank, Transport
 from chimera.train.checkpoint import state
 from chimera.train.checkpoint.disk import (CheckpointError, agree, barrier, publish, published,
                                            rank_world, step_dir)
@@ -35,20 +37,24 @@ from chimera.train.faults import collective
 
 class CheckpointManager:
     """The checkpoints of one run in ``directory``: keeps the newest ``keep`` of them (and
-    the newest healthy one, whatever ``keep`` says). ``lease``: a lease claimed already
-    (``claim`` otherwise; without either, each save claims the folder for itself alone)."""
+    the newest healthy one, whatever ``keep`` says). ``transport``: the run's ranks, every
+    one of which calls the collective methods (None: this process alone, ``OneRank``).
+    ``lease``: a lease claimed already (``claim`` otherwise; without either, each save
+    claims the folder for itself alone)."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 3, lease: Lease | None = None):
+    def __init__(self, directory: str | os.PathLike, keep: int = 3,
+                 transport: Transport | None = None, *, lease: Lease | None = None):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, not {keep}")
         self.directory, self.keep, self.lease = Path(directory), keep, lease
+        self.transport = transport if transport is not None else OneRank()
 
     # -- the lease -------------------------------------------------------------------------
     def claim(self, resume: bool) -> Lease:
         """Rank 0 takes the folder's lease for the run (the others a token). Refused
         (CheckpointError, on every rank) while another live run holds it, and, unless
         ``resume``, when it holds checkpoints already; resuming continues their run id."""
-        self.lease = claim_all(self.directory, resume)
+        self.lease = claim_all(self.transport, self.directory, resume)
         return self.lease
 
     def release(self) -> None:
@@ -73,7 +79,7 @@ class CheckpointManager:
         none, read as healthy).
         """
         tensors = state.gather(trainer, step)
-        own = self.lease or claim_all(self.directory, resume=True)
+        own = self.lease or claim_all(self.transport, self.directory, resume=True)
         try:
             return self._publish(trainer, tensors, step, own.run_id, health)
         finally:
@@ -82,15 +88,15 @@ class CheckpointManager:
 
     def _publish(self, trainer, tensors: dict, step: int, run_id: str,
                  health: dict | None) -> Path:
-        rank, world = rank_world()
+        rank, world = rank_world(self.transport)
         final = step_dir(self.directory, step)
         tmp = final.with_name(f".tmp-{final.name}")
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        barrier("checkpoint: creating the folder")
+        barrier(self.transport, "checkpoint: creating the folder")
         start = time.perf_counter()
-        state.write(tensors, tmp, final.name)
+        state.write(self.transport, tensors, tmp, final.name)
         error = None
         if rank == 0:
             try:
@@ -100,13 +106,13 @@ class CheckpointManager:
             except OSError as exc:  # a full or read-only disk: every rank must hear of it
                 error = (f"rank 0: publishing {final.name} failed: {exc.strerror or exc} "
                          f"({exc.filename or tmp})")
-        agree(error, f"publishing {final.name}")
+        agree(self.transport, error, f"publishing {final.name}")
         return final
 
     def prune(self) -> None:
         """Keep the run's newest ``keep`` checkpoints and its newest healthy one; another
         run's are never touched (rank 0, holding the lease)."""
-        if rank_world()[0] == 0 and self.lease is not None:
+        if rank_world(self.transport)[0] == 0 and self.lease is not None:
             prune(self.directory, self.keep, self.lease.run_id)
 
     # -- judging ---------------------------------------------------------------------------
@@ -115,7 +121,7 @@ class CheckpointManager:
         or in doubt, ``why``. A healthy verdict lets the older one kept back go (prune).
         ``judged_by``: what judged it (``by``, ``loss``, ``grad_norm``), kept in meta.json."""
         error = None
-        if rank_world()[0] == 0:
+        if rank_world(self.transport)[0] == 0:
             try:  # (any failure on rank 0 must reach the others through agree, not hang them)
                 record = health_of(read_meta(path))
                 record.update(status=IN_DOUBT if why else HEALTHY, judged_by=judged_by)
@@ -127,7 +133,7 @@ class CheckpointManager:
             except (OSError, CheckpointError) as exc:
                 why_not = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 error = f"rank 0: recording the health of {path.name} failed: {why_not}"
-        agree(error, f"recording the health of {path.name}")
+        agree(self.transport, error, f"recording the health of {path.name}")
 
     def last_good(self) -> Path | None:
         """The newest healthy checkpoint: the one to go back to when the run diverges."""
@@ -147,19 +153,23 @@ class CheckpointManager:
     def _agree_on_resumable(self) -> Path | None:
         found, _ = self.resumable()  # rank 0's choice is everyone's (broadcast)
         step = torch.tensor([-1 if found is None else int(found.name[len("step-"):])],
-                            device=collective_device())
-        if rank_world()[1] > 1:
-            collective("checkpoint: choosing the one to resume from", current().broadcast, step, 0)
+                            device=collective_device(self.transport))
+        if rank_world(self.transport)[1] > 1:
+            collective(self.transport, "checkpoint: choosing the one to resume from",
+                       self.transport.broadcast, step, 0)
         return None if step.item() < 0 else step_dir(self.directory, int(step.item()))
 
 
 def save(trainer, directory: str | os.PathLike, step: int, keep: int, lease: Lease | None = None,
          health: dict | None = None) -> Path:
-    """``CheckpointManager(directory, keep, lease).save(trainer, step, health)``: without a
-    lease, rank 0 claims the folder for this save alone, continuing its newest checkpoint's run."""
-    return CheckpointManager(directory, keep, lease).save(trainer, step, health)
+    """``CheckpointManager(directory, keep, transport, lease=lease).save(trainer, step,
+    health)`` over the trainer's ranks: without a lease, rank 0 claims the folder for this
+    save alone, continuing its newest checkpoint's run."""
+    manager = CheckpointManager(directory, keep, trainer.context.transport, lease=lease)
+    return manager.save(trainer, step, health)
 
 
 def restore(trainer, directory: str | os.PathLike) -> int:
-    """``CheckpointManager(directory).restore(trainer)``."""
-    return CheckpointManager(directory).restore(trainer)
+    """``CheckpointManager(directory, transport=...).restore(trainer)`` over the trainer's
+    ranks."""
+    return CheckpointManager(directory, transport=trainer.context.transport).restore(trainer)

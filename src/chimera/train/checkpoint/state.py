@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from chimera.runtime.grid import collective_device
-from chimera.runtime.transport import current
+from chimera.runtime.context import collective_device
+from chimera.runtime.transport import Transport
 from chimera.train.checkpoint.disk import (CheckpointError, NonFiniteCheckpoint, dcp_call,
                                            rank_world, read_index, safe_reader)
 from chimera.train.checkpoint.record import read_meta
@@ -57,30 +57,34 @@ def _first_nonfinite(state: dict[str, torch.Tensor]) -> str | None:
 
 
 def gather(trainer, step: int) -> dict[str, torch.Tensor]:
-    """This rank's share of the checkpoint after ``step`` optimizer steps (collective).
-    Raises NonFiniteCheckpoint on every rank when some parameter or optimizer state is NaN
-    or infinite on any."""
-    rank, world = rank_world()
+    """This rank's share of the checkpoint after ``step`` optimizer steps (collective over
+    the trainer's ranks). Raises NonFiniteCheckpoint on every rank when some parameter or
+    optimizer state is NaN or infinite on any."""
+    transport = trainer.context.transport
+    rank, _ = rank_world(transport)
     whole = trainer.whole_optimizer_state()  # sharded: gathered over each group (collective)
     state = _tensors(trainer.optimizer, trainer.checkpoint_parameters(), whole)
     state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
-    _refuse_nonfinite(state, step, world)
+    _refuse_nonfinite(transport, state, step)
     return state
 
 
-def write(state: dict[str, torch.Tensor], folder: Path, what: str) -> None:
-    """Every rank writes its ``state`` into ``folder`` (collective; fsynced)."""
+def write(transport: Transport, state: dict[str, torch.Tensor], folder: Path, what: str) -> None:
+    """Every rank of ``transport`` writes its ``state`` into ``folder`` (collective; fsynced).
+    A world of one writes alone, whatever process group this process is in."""
     import torch.distributed.checkpoint as dcp  # loaded when a checkpoint is used: start-up time
 
-    dcp_call(f"writing {what}", dcp.save, state,
-             storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+    rank, world = rank_world(transport)
+    dcp_call(rank, f"writing {what}", dcp.save, state,
+             storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=world == 1)
 
 
-def _refuse_nonfinite(state: dict, step: int, world: int) -> None:
+def _refuse_nonfinite(transport: Transport, state: dict, step: int) -> None:
     bad = _first_nonfinite(state)
-    flag = torch.tensor([0.0 if bad is None else 1.0], device=collective_device())
-    if world > 1:
-        collective("checkpoint: agreeing that the state is finite", current().all_reduce, flag)
+    flag = torch.tensor([0.0 if bad is None else 1.0], device=collective_device(transport))
+    if rank_world(transport)[1] > 1:
+        collective(transport, "checkpoint: agreeing that the state is finite",
+                   transport.all_reduce, flag)
     if flag.item():
         where = f" ({bad} on this rank)" if bad else " (on another rank)"
         raise NonFiniteCheckpoint(f"refusing to write the checkpoint of step {step}: the state "
@@ -96,7 +100,7 @@ def load(trainer, path: Path) -> int:
     """
     import torch.distributed.checkpoint as dcp  # loaded when a checkpoint is used: start-up time
 
-    rank, world = rank_world()
+    rank, world = rank_world(trainer.context.transport)
     meta = read_meta(path)
     index = read_index(path)
     replicas = _replicas_by_name(trainer)
@@ -106,7 +110,8 @@ def load(trainer, path: Path) -> int:
     if meta["layout"]["world"] == world and rng_key in index:
         state[rng_key] = torch.empty_like(torch.get_rng_state())
     _check_against_index(state, index, path)
-    dcp_call(f"reading {path}", dcp.load, state, storage_reader=safe_reader(path), no_dist=world == 1)
+    dcp_call(rank, f"reading {path}", dcp.load, state, storage_reader=safe_reader(path),
+             no_dist=world == 1)
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
     trainer.load_whole_optimizer_state(whole)
@@ -168,5 +173,5 @@ def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     index = read_index(path)
     state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in index.items()
              if key.startswith("model.")}
-    dcp_call(f"reading {path}", dcp.load, state, storage_reader=safe_reader(path), no_dist=True)
+    dcp_call(0, f"reading {path}", dcp.load, state, storage_reader=safe_reader(path), no_dist=True)
     return {key[len("model."):]: value for key, value in state.items()}
