@@ -23,7 +23,8 @@ from torch import nn
 
 from chimera.errors import UserError
 from chimera.models import emulated
-from chimera.models.emulated import EmulatedCost, EmulatedLayer, emulated_batch, emulated_layers
+from chimera.models.emulated import (EmulatedCost, EmulatedLayer, emulated_batch, emulated_layers,
+                                     emulated_stages)
 from chimera.runtime.split_backward import backward_input, backward_weight
 
 
@@ -179,6 +180,32 @@ def test_activation_is_kept_until_backward():
 def test_a_cut_must_be_equal():
     with pytest.raises(UserError):
         emulated_layers(COST, stages=3, layers=4)
+    with pytest.raises(UserError):
+        emulated_stages(COST, stages=2, layers=4, pieces=3)
+
+
+def test_a_fused_layer_computes_and_waits_what_its_layers_do(waits):
+    """The floor's stage: layers 2 and 3 of a 4-layer, 2-stage model fused into one layer."""
+    make, fused = emulated_layers(COST, 2, 4, seed=5), emulated_stages(COST, 2, 4, 2, seed=5)(1)
+    pair = nn.Sequential(make(2), make(3))
+    assert fused.bias.shape == (2, COST.width) and fused.share == pytest.approx(1.0)
+    assert torch.equal(fused.bias, torch.stack([pair[0].bias, pair[1].bias]))
+    x = torch.randn(4, COST.width, requires_grad=True)
+    xf = x.detach().clone().requires_grad_()
+    y = pair(x)
+    waits.clear()
+    yf = fused(xf)
+    assert waits == pytest.approx([0.003])  # one wait: the stage's whole F
+    assert torch.allclose(yf, y, atol=1e-7)
+    waits.clear()
+    dx, pending = backward_input(yf, xf, torch.ones_like(yf), [fused.bias])
+    assert waits == pytest.approx([0.005])
+    waits.clear()
+    backward_weight(pending)
+    assert waits == pytest.approx([0.007])
+    y.backward(torch.ones_like(y))
+    assert torch.equal(dx, x.grad)
+    assert all(torch.equal(fused.bias.grad[k], pair[k].bias.grad) for k in range(2))
 
 
 SCHEDULES = ("chimera", "zb-v", "1f1b", "dualpipev")

@@ -46,7 +46,7 @@ from chimera.errors import UserError
 from chimera.sim.cost import parse_times
 
 __all__ = ["EmulatedCost", "EmulatedLayer", "WaitLog", "emulated_batch", "emulated_layers",
-           "sleep_device", "tighten_timer_slack"]
+           "emulated_stages", "sleep_device", "tighten_timer_slack"]
 
 
 @dataclass(frozen=True)
@@ -205,15 +205,17 @@ class _InputPath(torch.autograd.Function):
 
 
 class _WeightPath(torch.autograd.Function):
-    """The bias broadcast over the rows; keeps the activation buffer; backward queues W (after
-    whatever this layer queued before, I included) and waits for it."""
+    """The bias broadcast over the rows (a fused layer's biases summed first); keeps the
+    activation buffer; backward queues W (after whatever this layer queued before, I
+    included) and waits for it."""
 
     @staticmethod
     def forward(ctx, bias, rows, device, weight_s, saved_bytes, label):
-        ctx.device, ctx.weight_s, ctx.label = device, weight_s, label
+        ctx.device, ctx.weight_s, ctx.label, ctx.shape = device, weight_s, label, bias.shape
         # the activation a real layer would keep for its backward: freed with this node
         ctx.save_for_backward(torch.empty(saved_bytes, dtype=torch.uint8, device=bias.device))
-        return bias.unsqueeze(0).expand(rows, -1).clone()
+        b = bias if bias.dim() == 1 else bias.sum(0)  # (fuse, width) -> (width,)
+        return b.unsqueeze(0).expand(rows, -1).clone()
 
     @staticmethod
     def backward(ctx, grad):
@@ -221,20 +223,33 @@ class _WeightPath(torch.autograd.Function):
         d = ctx.device
         begin, due = d.launch(ctx.weight_s)
         bias_grad = grad.sum(0)  # host code, inside the wait
+        if len(ctx.shape) > 1:  # a fused layer: each of its biases gets the same gradient
+            bias_grad = bias_grad.expand(ctx.shape)
         d.wait(begin, due, ctx.weight_s, f"W {ctx.label}")
         return bias_grad, None, None, None, None, None
 
 
+def _initial_bias(width: int, seed: int, index: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1_000_003 * seed + index)
+    return torch.randn(width, generator=g) * 0.01
+
+
 class EmulatedLayer(nn.Module):
-    """One layer of an emulated model; ``share`` is its part of a D-th of the model."""
+    """One layer of an emulated model; ``share`` is its part of a D-th of the model.
+
+    ``fuse`` > 1: the layer stands for layers ``index .. index + fuse - 1`` fused (the bench's
+    floor rows, one layer per stage): their initial biases as the rows of one ``(fuse,
+    width)`` parameter, summed on the weight path, so it computes what they compute, and
+    ``share`` is theirs together, so each wait is all of theirs at once."""
 
     def __init__(self, cost: EmulatedCost, share: float, seed: int = 0, index: int = 0,
-                 log: WaitLog | None = None):
+                 log: WaitLog | None = None, fuse: int = 1):
         super().__init__()
-        self.cost, self.share, self.index, self.log = cost, share, index, log
+        self.cost, self.share, self.index, self.log, self.fuse = cost, share, index, log, fuse
         self.device = _Device(log, cost.spin)
-        g = torch.Generator().manual_seed(1_000_003 * seed + index)
-        self.bias = nn.Parameter(torch.randn(cost.width, generator=g) * 0.01)
+        biases = [_initial_bias(cost.width, seed, i) for i in range(index, index + fuse)]
+        self.bias = nn.Parameter(biases[0] if fuse == 1 else torch.stack(biases))
+        self.label = f"L{index}" if fuse == 1 else f"L{index}-{index + fuse - 1}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (rows, width) -> (rows, width)
         begin = time.perf_counter()  # the layer's work is queued as the host enters it
@@ -244,7 +259,7 @@ class EmulatedLayer(nn.Module):
         # queued when the host entered the layer, committed to the device once the layer got
         # to its end: a recomputation that stops early (checkpointing) queues nothing
         start, due = self.device.slot(f, at=begin)
-        label = f"L{self.index}"
+        label = self.label
         # no gradient to the input: no input path to split off, the weight path pays it all
         has_input_grad = x.requires_grad
         h = _InputPath.apply(x, self.device, i, label)
@@ -259,17 +274,33 @@ class EmulatedLayer(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"{self.cost.text} ms x {self.share:g}, width={self.cost.width}"
+        fused = f", fuse={self.fuse}" if self.fuse > 1 else ""
+        return f"{self.cost.text} ms x {self.share:g}, width={self.cost.width}{fused}"
 
 
 def emulated_layers(cost: EmulatedCost, stages: int, layers: int, seed: int = 0,
                     log: WaitLog | None = None) -> Callable[[int], EmulatedLayer]:
     """``make_layer(i)`` for a model of ``layers`` layers whose D = ``stages`` equal cuts each
     cost ``cost`` (``layers`` must be a multiple of ``stages``)."""
-    if layers % stages:
-        raise UserError(f"{layers} emulated layers cannot be cut into {stages} equal stages")
+    _check_cut(layers, stages)
     share = stages / layers
     return lambda i: EmulatedLayer(cost, share, seed, i, log)
+
+
+def emulated_stages(cost: EmulatedCost, stages: int, layers: int, pieces: int, seed: int = 0,
+                    log: WaitLog | None = None) -> Callable[[int], EmulatedLayer]:
+    """``make_stage(s)`` for the model of :func:`emulated_layers` cut into ``pieces`` equal
+    pieces: piece ``s`` as one layer that fuses its layers (same biases, same sum), so each
+    action of it is one wait of the piece's whole cost, as the simulator prices it."""
+    _check_cut(layers, stages)
+    _check_cut(layers, pieces)
+    fuse = layers // pieces
+    return lambda s: EmulatedLayer(cost, fuse * stages / layers, seed, s * fuse, log, fuse)
+
+
+def _check_cut(layers: int, stages: int) -> None:
+    if layers % stages:
+        raise UserError(f"{layers} emulated layers cannot be cut into {stages} equal stages")
 
 
 def emulated_batch(cost: EmulatedCost, rows: int, step: int, seed: int = 0):
