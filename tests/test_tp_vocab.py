@@ -1,11 +1,12 @@
-"""A whole tiny Llama under TP=2 (chimera.tp): a vocab-parallel embedding and a
-column-parallel head with a vocabulary T does not divide (37, padded to 38), two sharded
-decoder layers, equal to one process; the norm shares summed over the TP group give the
-unsharded gradient norm; gathered parameters strip the padding.
+"""A whole tiny Llama under TP=2 (chimera.tp): a vocab-parallel embedding and a gathered head
+with a vocabulary T does not divide (37, padded to 38), two sharded decoder layers, equal to
+one process; the norm shares summed over the TP group give the unsharded gradient norm; the
+whole state dict gathered strips the padding; full_tensor undoes local_slice for every kind
+of Shard (plain on either dim, fused q/k/v, padded).
 
-Two gloo processes, float64. The embedding has a padding row, once in each rank's shard:
-DTensor hands padding_idx to the local lookup unchanged, so a global index would freeze
-another token's row on the other rank (token 20 is local row 1 there, like token 1 here).
+Virtual ranks, float64. The embedding has a padding row, once in each rank's slice: a global
+index would freeze another token's row on the other rank (token 20 is local row 1 there,
+like token 1 here).
 """
 
 from __future__ import annotations
@@ -15,35 +16,40 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from chimera import tp
 from ranks import run_ranks
-from test_tp_blocks import TOL, _diff, _randomized, same_layout
+from test_tp_blocks import TOL, diff, randomized, tp_group
 
 B, S = 2, 8
 
 
 def _model(padding_idx: int) -> nn.Sequential:
     import hf_models as hm
+    from chimera import rng
     from chimera.hf.layers import LlamaBlock, LlamaEmbed, LlamaHead
     from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
                                                           LlamaRotaryEmbedding)
     config = hm.config("llama", "eager")
     C = config.hidden_size
-    blocks = [LlamaBlock(config, layer=LlamaDecoderLayer(config, k), rotary_emb=LlamaRotaryEmbedding(config))
-              for k in range(2)]
-    return nn.Sequential(LlamaEmbed(config, embed_tokens=nn.Embedding(hm.V, C, padding_idx=padding_idx)),
-                         *blocks, LlamaHead(config, norm=LlamaRMSNorm(C), lm_head=nn.Linear(C, hm.V, bias=False)))
+    with rng.seeded(0):
+        blocks = [LlamaBlock(config, layer=LlamaDecoderLayer(config, k), rotary_emb=LlamaRotaryEmbedding(config))
+                  for k in range(2)]
+        model = nn.Sequential(LlamaEmbed(config, embed_tokens=nn.Embedding(hm.V, C, padding_idx=padding_idx)),
+                              *blocks, LlamaHead(config, norm=LlamaRMSNorm(C), lm_head=nn.Linear(C, hm.V, bias=True)))
+    model = randomized(model, seed=5)
+    with torch.no_grad():
+        model[0].embed_tokens.weight[padding_idx] = 0  # as nn.Embedding makes it
+    return model
 
 
-def _shard(model: nn.Sequential, mesh) -> nn.Sequential:
-    tp.parallelize(model[0], tp.embedding_plan("embed_tokens"), mesh)
+def _shard(model: nn.Sequential, group: tp.TPGroup) -> nn.Sequential:
+    tp.parallelize(model[0], tp.embedding_plan("embed_tokens"), group)
     for block in model[1:-1]:
-        tp.parallelize(block, tp.prefixed(tp.llama_decoder_plan(), "layer."), mesh)
-    tp.parallelize(model[-1], tp.head_plan("lm_head"), mesh)
+        tp.parallelize(block, tp.prefixed(tp.llama_decoder_plan(), "layer."), group)
+    tp.parallelize(model[-1], tp.head_plan("lm_head"), group)
     return model
 
 
@@ -62,49 +68,117 @@ def _ids(padding_idx: int) -> torch.Tensor:
     return ids
 
 
-def _one(padding_idx: int, mesh) -> dict:
-    torch.manual_seed(0)
-    ref = _randomized(_model(padding_idx), seed=5)
-    with torch.no_grad():
-        ref[0].embed_tokens.weight[padding_idx] = 0  # as nn.Embedding makes it
-    sharded = _shard(copy.deepcopy(ref), mesh)
+def _one(model: nn.Sequential, padding_idx: int, group: tp.TPGroup) -> dict:
+    ref, sharded = copy.deepcopy(model), _shard(copy.deepcopy(model), group)
     ids = _ids(padding_idx)
     (lr, yr), (ls, ys) = _loss(ref, ids), _loss(sharded, ids)
     lr.backward()
     ls.backward()
-    grads = {n: _diff(p.grad, tp.full_grad(q)) for (n, p), q in
-             zip(ref.named_parameters(), sharded.parameters())}
-    assert all(same_layout(q) for q in sharded.parameters())
-    whole = tp.full_state_dict(sharded)  # what an export writes
+    mine = dict(sharded.named_parameters())
+    grads = {n: diff(p.grad, tp.full_grad(mine[n], group)) for n, p in ref.named_parameters()}
+    whole = tp.full_state_dict(sharded, group)  # what an export writes
     assert whole.keys() == ref.state_dict().keys()
-    weights = {n: _diff(t, whole[n]) for n, t in ref.state_dict().items()}
-    share = tp.squared_norm_share(sharded.parameters(), mesh)
-    naive = sum(tp.local_tensor(q.grad).pow(2).sum() for q in sharded.parameters())
+    weights = {n: diff(t, whole[n]) for n, t in ref.state_dict().items()}
+    share = tp.squared_norm_share(sharded.parameters(), group)
+    naive = sum(q.grad.pow(2).sum() for q in sharded.parameters())
     for t in (share, naive):
-        dist.all_reduce(t)
+        group.all_reduce(t)
     full = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm()
-    return {"loss": abs(lr.item() - ls.item()), "logits": _diff(yr, ys), "grads": grads,
+    embed, head = sharded[0].embed_tokens, sharded[-1].lm_head
+    return {"loss": abs(lr.item() - ls.item()), "logits": diff(yr, ys), "grads": grads,
             "weights": weights, "norm": abs(share.sqrt().item() - full.item()) / full.item(),
             "naive": abs(naive.sqrt().item() - full.item()) / full.item(),
-            "pad_grad": tp.full_grad(sharded[0].embed_tokens.weight)[padding_idx].abs().max().item(),
-            "local_rows": tuple(tp.local_tensor(sharded[0].embed_tokens.weight).shape)}
+            "pad_grad": tp.full_grad(embed.weight, group)[padding_idx].abs().max().item(),
+            "padding_rows": (embed.weight.grad[18:].abs().sum().item() if group.rank else 0.0)
+            + (head.weight.grad[18:].abs().sum().item() + head.bias.grad[18:].abs().sum().item()
+               if group.rank else 0.0),
+            "local_rows": (tuple(embed.weight.shape), tuple(head.weight.shape)),
+            "types": (type(embed).__name__, type(head).__name__)}
 
 
-def _worker(rank: int, world: int) -> dict:
-    mesh = tp.tp_mesh(dist.group.WORLD)
-    return {pad: _one(pad, mesh) for pad in (1, 20)}  # a padding row in each rank's shard
+def _worker(rank: int, world: int, models: dict) -> dict:
+    group = tp_group(rank, world)
+    return {pad: _one(model, pad, group) for pad, model in models.items()}
 
 
-@pytest.mark.slow
 def test_a_tp2_llama_with_an_odd_vocabulary_equals_one_process():
-    for rank, by_pad in enumerate(run_ranks(_worker, 2, processes=True, timeout_s=120)):
+    models = {pad: _model(pad) for pad in (1, 20)}  # a padding row in each rank's slice
+    for rank, by_pad in enumerate(run_ranks(functools.partial(_worker, models=models), 2)):
         for pad, r in by_pad.items():
             where = f"rank {rank}, padding_idx {pad}"
-            assert r["local_rows"] == (19, 16), where  # 37 padded to 38, 19 rows each
+            assert r["types"] == ("VocabEmbedding", "GatheredHead"), where
+            assert r["local_rows"] == ((19, 16), (19, 16)), where  # 37 padded to 38, 19 rows each
             assert r["loss"] <= TOL and r["logits"] <= TOL, (where, r["loss"], r["logits"])
             bad = {f"{what} {n}": d for what in ("grads", "weights") for n, d in r[what].items()
                    if not d <= TOL}
             assert not bad, (where, bad)
-            assert r["pad_grad"] == 0.0, where
+            assert r["pad_grad"] == 0.0 and r["padding_rows"] == 0.0, where
             assert r["norm"] <= 1e-12, (where, r["norm"])
-            assert r["naive"] > 1e-6, where  # every rank's squares: norms counted twice
+            assert r["naive"] > 1e-6, where  # every rank's squares: replicated ones counted twice
+
+
+# -- full_tensor(local_slice(x)) == x --------------------------------------------------------
+SHARDS = {  # name -> (whole shape, Shard)
+    "rows": ((12, 5), tp.Shard(0, 1, (12, 5), 12)),
+    "columns": ((5, 12), tp.Shard(1, 1, (5, 12), 12)),
+    "fused rows (Linear qkv)": ((36, 4), tp.Shard(0, 3, (36, 4), 36)),
+    "fused columns (Conv1D c_attn)": ((4, 36), tp.Shard(1, 3, (4, 36), 36)),
+    "fused bias": ((36,), tp.Shard(0, 3, (36,), 36)),
+    "padded vocabulary": ((37, 4), tp.Shard(0, 1, (37, 4), None)),
+}
+
+
+def _roundtrip_worker(rank: int, world: int) -> dict:
+    group = tp_group(rank, world)
+    out = {}
+    for name, (shape, shard) in SHARDS.items():
+        if shard.padded is None:
+            shard = tp.Shard(shard.dim, 1, shape, tp.padded_size(shape[0], world))
+        whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape)
+        local = tp.local_slice(whole, shard, group)
+        out[name] = (torch.equal(tp.full_tensor(local, shard, group), whole), tuple(local.shape), local)
+    return out
+
+
+@pytest.mark.parametrize("t", [2, 3, 4])
+def test_full_tensor_undoes_local_slice_for_every_kind_of_shard(t):
+    results = run_ranks(_roundtrip_worker, t)
+    for rank, by_kind in enumerate(results):
+        for name, (equal, shape, _) in by_kind.items():
+            assert equal, (t, rank, name)
+            whole, shard = SHARDS[name]
+            expected = list(whole)
+            expected[shard.dim] = -(-whole[shard.dim] // t)
+            assert shape == tuple(expected), (t, rank, name, shape)
+    # the fused weight's slice t is head block t of each of q, k and v
+    q_k_v = torch.arange(36 * 4, dtype=torch.float64).reshape(36, 4).chunk(3)
+    for rank, by_kind in enumerate(results):
+        local = by_kind["fused rows (Linear qkv)"][2]
+        assert torch.equal(local, torch.cat([part.chunk(t)[rank] for part in q_k_v])), (t, rank)
+
+
+def test_a_replicated_tensor_is_its_own_slice_and_whole():
+    group = tp.TPGroup(None, None, 0, 2)  # no collective may run: the transport is None
+    x = torch.randn(3, 4)
+    assert tp.local_slice(x, None, group) is x and tp.full_tensor(x, None, group) is x
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    params[1]._tp_shard = tp.Shard(0, 1, (4,), 4)
+    assert tp.replicated_mask(params) == [True, False]
+    assert tp.shard_of(params[1]) == tp.Shard(0, 1, (4,), 4)
+
+
+def test_the_squared_norm_counts_shards_on_every_rank_and_replicated_parameters_once():
+    """The rule on its own: shares of sharded and replicated parameters, summed over T ranks."""
+    sharded, replicated = torch.tensor([3.0, 4.0]), torch.tensor([12.0])
+
+    def params(rank: int) -> list[nn.Parameter]:
+        shard = nn.Parameter(torch.zeros(1))
+        shard.grad, shard._tp_shard = sharded[rank:rank + 1].clone(), tp.Shard(0, 1, (2,), 2)
+        whole = nn.Parameter(torch.zeros(1))
+        whole.grad = replicated.clone()
+        return [shard, whole, nn.Parameter(torch.zeros(1))]  # the last has no gradient
+
+    shares = [tp.squared_norm_share(params(r), tp.TPGroup(None, None, r, 2)) for r in range(2)]
+    assert [s.item() for s in shares] == [9.0 + 144.0, 16.0]
+    assert sum(shares).sqrt().item() == 13.0  # sqrt(9 + 16 + 144)
+    assert all(s.dtype == torch.float64 for s in shares)

@@ -2,9 +2,13 @@
 
 Every check runs before the first parameter is touched: a plan that fails leaves the layer
 as it was, and says why in one line (``UserError``): a pattern that matches nothing, a
-submodule two patterns claim, a style for a module it cannot shard, and T not dividing
-what it must split (heads, key/value heads, an MLP or projection width). A vocabulary is
-padded instead (``vocab``).
+submodule two patterns claim, an entry for a module it cannot shard, T not dividing what it
+must split (heads, key/value heads, an MLP or projection width), and dropout under T > 1
+(each rank would draw its own masks: not the one process's arithmetic). A vocabulary is
+padded instead.
+
+Sharding needs no communication: every rank of the TP group built the same whole layer
+(from the same seed), and each keeps its slice of every sharded parameter.
 """
 
 from __future__ import annotations
@@ -12,29 +16,24 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
-                                               parallelize_module)
 
 from chimera.errors import UserError
-from chimera.tp.plans import Plan, styles
-from chimera.tp.styles import Colwise, LocalHeads, Replicated, Rowwise, is_conv1d, widths
-from chimera.tp.vocab import VocabEmbedding, VocabHead
+from chimera.tp.group import TPGroup
+from chimera.tp.layers import TPModule
+from chimera.tp.plans import Entry, Plan, styles
+from chimera.tp.styles import Colwise, EmbeddingRowwise, Rowwise, SharedInput, VocabHead
+
+SHARDING = (Colwise, Rowwise, EmbeddingRowwise, VocabHead)  # entries that replace the module
+
+DROPOUT_ATTRIBUTES = "drop"  # a float attribute whose name holds this is a dropout rate
 
 
-def tp_mesh(group, device_type: str = "cpu") -> DeviceMesh:
-    """The 1-D mesh of an existing TP process group (``"cpu"`` on gloo, ``"cuda"`` on NCCL):
-    the runtime creates every group in one global order, so the mesh must not make its own."""
-    return DeviceMesh.from_group(group, device_type)
-
-
-def resolve(layer: nn.Module, plan: Plan, tp: int) -> dict[str, tuple[ParallelStyle, ...]]:
-    """Submodule name -> its styles, every entry checked for ``tp`` ranks; raises UserError."""
-    if not isinstance(tp, int) or tp < 1:
+def resolve(layer: nn.Module, plan: Plan, tp: int) -> dict[str, tuple[Entry, ...]]:
+    """Submodule name -> its entries, every entry checked for ``tp`` ranks; raises UserError."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise UserError(f"tensor parallel: T must be a positive integer, got {tp!r}")
     names = [name for name, _ in layer.named_modules() if name]
-    chosen: dict[str, tuple[str, tuple[ParallelStyle, ...]]] = {}
+    chosen: dict[str, tuple[str, tuple[Entry, ...]]] = {}
     for pattern, value in plan.items():
         matched = [n for n in names if fnmatchcase(n, pattern)]
         if not matched:
@@ -48,50 +47,68 @@ def resolve(layer: nn.Module, plan: Plan, tp: int) -> dict[str, tuple[ParallelSt
             chosen[name] = (pattern, styles(value))
     modules = dict(layer.named_modules())
     for name, (_, entries) in chosen.items():
-        for problem in filter(None, (_problem(modules[name], e, tp) for e in entries)):
+        for problem in filter(None, (_problem(modules[name], entries, e, tp) for e in entries)):
             raise UserError(f"tensor parallel: {name} ({type(modules[name]).__name__}): {problem}")
+    _refuse_ties(layer, [n for n, (_, entries) in chosen.items() if any(isinstance(e, SHARDING) for e in entries)])
+    if tp > 1:
+        _refuse_dropout(layer, tp)
     return {name: entries for name, (_, entries) in chosen.items()}
 
 
-def _problem(module: nn.Module, entry: ParallelStyle, tp: int) -> str | None:
-    """Why ``entry`` cannot shard ``module`` over ``tp`` ranks, or None."""
-    if any(isinstance(p, DTensor) for p in module.parameters()):
+def _problem(module: nn.Module, entries: tuple, entry: Entry, tp: int) -> str | None:
+    """Why ``entry`` (one of ``entries``) cannot shard ``module`` over ``tp`` ranks, or None."""
+    if isinstance(module, TPModule):
         return "already sharded (parallelize a layer once)"
-    if isinstance(entry, (LocalHeads, Replicated, VocabEmbedding, VocabHead)):
-        return entry.problem(module, tp)
-    if isinstance(entry, (ColwiseParallel, RowwiseParallel)):
-        return _width_problem(module, entry, tp)
-    return None  # a style of the user's own: torch's parallelize_module applies it as it is
+    if sum(isinstance(e, SHARDING) for e in entries) > 1:
+        return f"sharded twice ({', '.join(map(repr, entries))})"
+    return entry.problem(module, tp)
 
 
-def _width_problem(module: nn.Module, entry: ParallelStyle, tp: int) -> str | None:
-    colwise = isinstance(entry, ColwiseParallel)
-    if isinstance(module, nn.Embedding):
-        size, what = (module.embedding_dim, "embedding width") if colwise else \
-            (module.num_embeddings, "vocabulary (use VocabEmbedding, which pads it)")
-        return None if size % tp == 0 else f"T={tp} does not divide the {what} {size}"
-    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
-        return "column/row-wise styles take an nn.Linear, nn.Embedding or HF Conv1D"
-    if is_conv1d(module) and not isinstance(entry, (Colwise, Rowwise)):
-        return "torch's styles do not take HF's Conv1D: use 'colwise' / 'rowwise' (tp.Colwise, tp.Rowwise)"
-    n_in, n_out = widths(module)
-    parts = getattr(entry, "parts", 1) if colwise else 1
-    size, what = (n_out, "output width") if colwise else (n_in, "input width")
-    if size % (tp * parts):
-        split = f" in {parts} parts" if parts > 1 else ""
-        return f"T={tp} does not divide the {what} {size}{split}"
-    return None
+def _refuse_ties(layer: nn.Module, sharded: list[str]) -> None:
+    """A Parameter of a sharded module that another module of the layer holds too (a tie):
+    each would get a slice of its own, and the tie would be cut without a word."""
+    owners: dict[int, list[str]] = {}
+    for name, p in layer.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for name in sharded:
+        for p in layer.get_submodule(name).parameters():
+            if len(owners[id(p)]) > 1:
+                raise UserError(f"tensor parallel: {' and '.join(owners[id(p)])} are one Parameter "
+                                f"(tied within one layer), which TP cannot shard; hold them in two layers")
 
 
-def parallelize(layer: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
-    """Shard ``layer`` in place over the 1-D ``mesh`` as ``plan`` says; returns it.
+def _refuse_dropout(layer: nn.Module, tp: int) -> None:
+    for name, module in layer.named_modules():
+        rates = {key: value for key, value in vars(module).items()
+                 if DROPOUT_ATTRIBUTES in key.lower() and isinstance(value, float) and value > 0}
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            rates["p"] = module.p
+        for key, value in rates.items():
+            where = f"{name}.{key}" if name else key
+            raise UserError(f"tensor parallel: T={tp} with dropout in {type(layer).__name__} "
+                            f"({where}={value}): each rank would draw its own masks; set dropout to 0")
 
-    Its input must be replicated over the mesh and its output is replicated and plain where
-    the plan pairs every column-parallel projection with a row-parallel one (the built-in
-    plans do). Parameters the plan does not name stay plain and replicated."""
-    if mesh.ndim != 1:
-        raise UserError(f"tensor parallel: the mesh must be 1-D (one TP group), got {mesh.ndim}-D")
-    for name, entries in resolve(layer, plan, mesh.size()).items():
-        for entry in entries:
-            parallelize_module(layer.get_submodule(name), mesh, entry)
+
+def parallelize(layer: nn.Module, plan: Plan, tp: TPGroup) -> nn.Module:
+    """Shard ``layer`` in place over the TP group ``tp`` as ``plan`` says; returns it.
+
+    Each matched projection, embedding or head is replaced by its sharded module
+    (``layers``), holding this rank's slices as plain Parameters; attention modules get their
+    local head counts. Its input must be replicated over the group, and its output is
+    replicated and plain where the plan pairs every column-parallel projection with a
+    row-parallel one (the built-in plans do). Parameters the plan does not name stay whole.
+    At T = 1 the plan is checked and the layer returned unchanged."""
+    resolved = resolve(layer, plan, tp.size)
+    if tp.size == 1:
+        return layer
+    shared = [name for name, entries in resolved.items()
+              if any(isinstance(e, SharedInput) for e in entries)]
+    # deepest first: an entry on a parent (LocalHeads' forward) then sees its sharded children
+    for name in sorted(resolved, key=lambda n: -n.count(".")):
+        module = layer.get_submodule(name)
+        below_shared = any(name.startswith(s + ".") for s in shared)
+        for entry in resolved[name]:
+            module = entry.apply(module, tp, below_shared)
+        parent, _, child = name.rpartition(".")
+        setattr(layer.get_submodule(parent), child, module)
     return layer

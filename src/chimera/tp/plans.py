@@ -1,11 +1,13 @@
 """Plans: which submodule of a layer is sharded how, written as torch and HF write them.
 
 A plan maps a submodule name pattern (``fnmatch``, relative to one layer: ``"attn.qkv"``,
-``"self_attn.q_proj"``, ``"*.c_fc"``) to a torch ``ParallelStyle`` or one of HF's
-``base_model_tp_plan`` strings. Every built-in plan pairs a column-parallel projection with
-a row-parallel one, so a transformer block takes its input replicated and returns its output
-replicated, as a plain tensor: one allreduce per sub-block (attention, MLP), and a pipeline
-stage boundary is the same tensor it is without TP.
+``"self_attn.q_proj"``, ``"*.c_fc"``) to an entry of ours (``styles``), one of HF's
+``base_model_tp_plan`` strings, or a torch ``ParallelStyle``: ``ColwiseParallel()`` and
+``RowwiseParallel()`` with their default layouts, and ``PrepareModuleInput`` that keeps a
+sub-block's input replicated (read as a shared input). Every built-in plan pairs a
+column-parallel projection with a row-parallel one, so a transformer block takes its input
+replicated and returns its output replicated, as a plain tensor: one allreduce per sub-block
+(attention, MLP) each way, and a pipeline stage boundary is the same tensor it is without TP.
 
 The built-in plans name the submodules of chimera's GPT-2 block, HF's GPT-2 block and HF's
 Llama decoder layer by strings only: those model packages sit above tp in the layers.
@@ -17,58 +19,82 @@ from typing import Mapping, Union
 
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               RowwiseParallel)
 
 from chimera.errors import UserError
-from chimera.tp.styles import Colwise, LocalHeads, Replicated, Rowwise
-from chimera.tp.vocab import VocabEmbedding, VocabHead
+from chimera.tp.styles import (Colwise, EmbeddingRowwise, LocalHeads, Replicated, Rowwise,
+                               SharedInput, VocabHead)
 
-Entry = Union[ParallelStyle, str]
-# A value may also be a tuple of styles, applied in order (torch takes one per module; an
-# attention module may need a shared input and its local head count both).
-Plan = Mapping[str, Union[Entry, tuple]]
+Entry = Union[Colwise, Rowwise, EmbeddingRowwise, VocabHead, Replicated, LocalHeads, SharedInput]
+# A value may also be a tuple of entries, applied in order (an attention module may need a
+# shared input and its local head count both).
+Plan = Mapping[str, Union[Entry, ParallelStyle, str, tuple]]
+ENTRIES = (Colwise, Rowwise, EmbeddingRowwise, VocabHead, Replicated, LocalHeads, SharedInput)
 
 # HF's strings (transformers.distributed.tensor_parallel) that keep a block's boundary plain,
-# as styles of ours (which also take HF's Conv1D). Others (sequence_parallel, moe_*, ...)
-# are refused.
+# as entries of ours. Others (sequence_parallel, moe_*, ...) are refused.
 HF_STYLES = {
     "colwise": lambda: Colwise(),
     "rowwise": lambda: Rowwise(),
-    "colwise_rep": lambda: Colwise(output_layouts=Replicate()),
-    "colwise_gather_output": lambda: Colwise(output_layouts=Replicate()),
-    "rowwise_rep": lambda: Rowwise(input_layouts=Replicate()),
-    "rowwise_split_input": lambda: Rowwise(input_layouts=Replicate()),
+    "colwise_rep": lambda: Colwise(gather_output=True),
+    "colwise_gather_output": lambda: Colwise(gather_output=True),
+    "rowwise_rep": lambda: Rowwise(split_input=True),
+    "rowwise_split_input": lambda: Rowwise(split_input=True),
     "packed_colwise": lambda: Colwise(parts=2),
-    "embedding_rowwise": lambda: VocabEmbedding(),
+    "embedding_rowwise": lambda: EmbeddingRowwise(),
     "replicate": lambda: Replicated(),
 }
 
 
-def styles(value) -> tuple[ParallelStyle, ...]:
-    """A plan's value as the styles it applies, in order."""
+def styles(value) -> tuple[Entry, ...]:
+    """A plan's value as the entries it applies, in order."""
     return tuple(style(v) for v in value) if isinstance(value, tuple) else (style(value),)
 
 
-def style(value) -> ParallelStyle:
-    """One plan value as a ParallelStyle (an HF string mapped, a style as it is)."""
-    if isinstance(value, ParallelStyle):
+def style(value) -> Entry:
+    """One plan value as an entry of ours (an HF string or a torch style read, ours as it is)."""
+    if isinstance(value, ENTRIES):
         return value
     if isinstance(value, str) and value in HF_STYLES:
         return HF_STYLES[value]()
+    if isinstance(value, ParallelStyle):
+        return _from_torch(value)
     raise UserError(f"tensor parallel: unsupported plan entry {value!r}; use a torch ParallelStyle "
                     f"or one of {', '.join(sorted(HF_STYLES))}")
 
 
-def shared_input(kwarg: str | None = None) -> PrepareModuleInput:
+def _from_torch(value: ParallelStyle) -> Entry:
+    """torch's style as ours, where ours does the same: the default column-/row-wise layouts,
+    a replicated sub-block input. DTensor layouts ours do not keep are refused."""
+    kind = type(value)
+    if kind in (ColwiseParallel, RowwiseParallel):
+        default = kind()
+        if all(getattr(value, a) == getattr(default, a)
+               for a in ("input_layouts", "output_layouts", "use_local_output")):
+            return Colwise() if kind is ColwiseParallel else Rowwise()
+        raise UserError(f"tensor parallel: {kind.__name__} with other than its default layouts is not "
+                        f"supported (a block's input and output stay replicated and plain)")
+    if kind is PrepareModuleInput and _replicated(value):
+        kwargs = list(value.input_kwarg_layouts)
+        return SharedInput(kwargs[0] if kwargs else None)
+    raise UserError(f"tensor parallel: unsupported torch style {kind.__name__}; use ColwiseParallel(), "
+                    f"RowwiseParallel(), a replicated PrepareModuleInput or one of {', '.join(sorted(HF_STYLES))}")
+
+
+def _replicated(value: PrepareModuleInput) -> bool:
+    """One input, replicated before and after (positional or one keyword)."""
+    layouts = [*(value.input_layouts or ()), *(value.desired_input_layouts or ()),
+               *value.input_kwarg_layouts.values(), *value.desired_input_kwarg_layouts.values()]
+    inputs = len(value.input_layouts or ()) + len(value.input_kwarg_layouts)
+    return inputs == 1 and all(isinstance(p, Replicate) for p in layouts)
+
+
+def shared_input(kwarg: str | None = None) -> SharedInput:
     """On a sub-block (attention, MLP) whose input feeds several column-parallel projections
-    (q, k, v; gate, up): the replicated input becomes one DTensor at the sub-block's entry,
-    so the projections' input gradients add up locally and are allreduced once (per
-    projection otherwise: 5 allreduces in a Llama layer's backward instead of 2).
+    (q, k, v; gate, up): one allreduce of that input's gradient for them all (``SharedInput``).
     ``kwarg``: the input's keyword where the caller passes it by name."""
-    if kwarg is None:
-        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
-    return PrepareModuleInput(input_kwarg_layouts={kwarg: Replicate()},
-                              desired_input_kwarg_layouts={kwarg: Replicate()})
+    return SharedInput(kwarg)
 
 
 def from_hf(hf_plan: Mapping[str, str], prefix: str) -> dict[str, str]:
@@ -142,7 +168,7 @@ def hf_gpt2_block_plan() -> dict:
 def embedding_plan(name: str) -> dict:
     """The token embedding ``name`` (``"tok"``: chimera GPT-2; ``"wte"``: HF GPT-2;
     ``"embed_tokens"``: HF Llama) sharded by vocabulary."""
-    return {name: VocabEmbedding()}
+    return {name: EmbeddingRowwise()}
 
 
 def head_plan(name: str = "lm_head") -> dict:

@@ -1,125 +1,118 @@
-"""The parallel styles torch lacks: HF's Conv1D, fused projections, local head counts.
+"""The plan entries: how one submodule is sharded.
 
-torch's ``ColwiseParallel`` / ``RowwiseParallel`` take ``nn.Linear`` and ``nn.Embedding``
-only. ``Colwise`` and ``Rowwise`` are the same styles (same input and output layouts, the
-same DTensor parameters) that also take HF's ``Conv1D``, whose weight is ``(in, out)``, the
-transpose of a Linear's, so the dimension sharded is the other one. ``Colwise(parts=k)``
-shards a fused projection (GPT-2's ``qkv`` / ``c_attn``: k = 3) part by part, so each rank
-holds whole heads of each of q, k and v: the weight is a ``_StridedShard`` (the placement
-torch's FSDP2 + TP and HF's own ``packed_colwise`` use), so ``full_tensor()`` gives the
-weight in its original order and DCP reshards it to another T correctly, whereas a
-permuted ``Shard`` would give a T-dependent order.
+Each entry says why it cannot shard a module over T ranks (``problem``: one line, or None)
+and shards it (``apply``: the module to put in its place, :mod:`chimera.tp.layers`). A plan
+written with torch's ``ParallelStyle``s or HF's strings is read into these (``plans``).
 
-``LocalHeads`` goes on the attention module itself: after q, k, v are sharded a rank sees
-n_head / T heads, and a module that stores its head count must be told so.
+- ``Colwise``: an ``nn.Linear`` or HF ``Conv1D`` column-parallel; ``parts`` > 1 a fused
+  projection (GPT-2's q/k/v: 3) split part by part, so each rank holds whole heads of each;
+  ``gather_output``: its output gathered whole (HF's ``colwise_rep``);
+- ``Rowwise``: row-parallel (on an ``nn.Embedding``: ``EmbeddingRowwise``); ``split_input``:
+  given the whole input (HF's ``rowwise_rep``);
+- ``EmbeddingRowwise``, ``VocabHead``: the vocabulary sharded, padded to a multiple of T;
+- ``Replicated``: left whole on every rank (HF's ``replicate``);
+- ``LocalHeads``: on an attention module, its head counts divided by T;
+- ``SharedInput``: on a sub-block (attention, MLP) whose input feeds several column-parallel
+  projections (q, k, v; gate, up): one allreduce of that input's gradient at the sub-block's
+  entry, where each projection would otherwise allreduce its own (5 allreduces in a Llama
+  layer's backward instead of 2). Every column-parallel projection below it must take that
+  input (or a replicated function of it).
 """
 
 from __future__ import annotations
 
 import types
-from functools import partial
+from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from chimera.tp.group import TPGroup, copy_to_tp
+from chimera.tp.layers import (ColumnParallel, GatheredHead, RowParallel, VocabEmbedding, is_conv1d,
+                               widths)
+from chimera.tp.shard import padded_size
 
 
-def is_conv1d(module: nn.Module) -> bool:
-    """HF's Conv1D (GPT-2), known by name: tp imports no transformers (a layer above it)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+def _width_problem(module: nn.Module, size_of: Callable, what: str, tp: int, parts: int = 1) -> str | None:
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        return "column/row-wise entries take an nn.Linear or HF Conv1D (rowwise: an nn.Embedding too)"
+    size = size_of(module)
+    if size % (tp * parts):
+        split = f" in {parts} parts" if parts > 1 else ""
+        return f"T={tp} does not divide the {what} {size}{split}"
+    return None
 
 
-def out_dim(module: nn.Module) -> int:
-    """The weight dimension that indexes output features: 0 for Linear, 1 for Conv1D."""
-    return 1 if is_conv1d(module) else 0
+@dataclass(frozen=True)
+class Colwise:
+    parts: int = 1
+    gather_output: bool = False
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        if isinstance(module, nn.Embedding):
+            return "a column-wise embedding (its output sharded) is not supported: use embedding_rowwise"
+        if self.gather_output and self.parts > 1:
+            return "a fused projection's output cannot be gathered in its original order"
+        return _width_problem(module, lambda m: widths(m)[1], "output width", tp, self.parts)
+
+    def apply(self, module: nn.Module, tp: TPGroup, shared: bool) -> nn.Module:
+        return ColumnParallel(module, tp, parts=self.parts, copy_input=not shared,
+                              gather=self.gather_output)
 
 
-def widths(module: nn.Module) -> tuple[int, int]:
-    """(input features, output features) of a Linear or a Conv1D."""
-    if is_conv1d(module):
-        return module.nx, module.nf
-    return module.in_features, module.out_features
+@dataclass(frozen=True)
+class Rowwise:
+    split_input: bool = False
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        if isinstance(module, nn.Embedding):
+            return EmbeddingRowwise().problem(module, tp)
+        return _width_problem(module, lambda m: widths(m)[0], "input width", tp)
+
+    def apply(self, module: nn.Module, tp: TPGroup, shared: bool) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            return EmbeddingRowwise().apply(module, tp, shared)
+        return RowParallel(module, tp, split_input=self.split_input)
 
 
-def distribute_params(module: nn.Module, mesh, placements: dict[str, object],
-                      src_data_rank: int | None = 0) -> None:
-    """Each named parameter of ``module`` becomes a DTensor parameter with its placement,
-    its values from rank ``src_data_rank`` of the mesh (None: each rank's own, no collective)."""
-    for name, param in list(module.named_parameters(recurse=False)):
-        dist_param = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
-        module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+@dataclass(frozen=True)
+class EmbeddingRowwise:
+    """An ``nn.Embedding`` sharded by vocabulary (``VocabEmbedding``)."""
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        if not isinstance(module, nn.Embedding):
+            return "embedding_rowwise takes an nn.Embedding"
+        if module.scale_grad_by_freq or module.sparse or module.max_norm is not None:
+            # each counts or renormalizes rows of the local lookup, where other ranks'
+            # tokens stand in as row 0
+            return "embedding_rowwise does not take max_norm, scale_grad_by_freq or sparse embeddings"
+        return None
+
+    def apply(self, module: nn.Module, tp: TPGroup, shared: bool) -> nn.Module:
+        return VocabEmbedding(module, tp, padded=padded_size(module.num_embeddings, tp.size))
 
 
-class Colwise(ColwiseParallel):
-    """``ColwiseParallel`` for Linear and Conv1D; ``parts`` > 1: a fused projection whose
-    output is ``parts`` blocks (q, k, v), each sharded over the ranks on its own."""
+@dataclass(frozen=True)
+class VocabHead:
+    """An ``nn.Linear`` LM head column-parallel over the vocabulary, logits gathered
+    (``GatheredHead``)."""
 
-    def __init__(self, *, parts: int = 1, input_layouts=None, output_layouts=None,
-                 use_local_output: bool = True):
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
-                         use_local_output=use_local_output)
-        self.parts = parts
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        return None if isinstance(module, nn.Linear) else "VocabHead takes an nn.Linear"
 
-    def placement(self, dim: int):
-        return Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)
-
-    def _partition(self, name, module, mesh):
-        distribute_params(module, mesh, {"weight": self.placement(out_dim(module)),
-                                         "bias": self.placement(0)}, self.src_data_rank)
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, mesh):
-        # Shard(-1) asked: the local block (plain or strided) is this rank's output already;
-        # torch's own fn would redistribute a strided one to a plain Shard (a collective).
-        # Otherwise gathered, and waited for (see Rowwise).
-        if not isinstance(output_layouts[0], Shard):
-            outputs = outputs.redistribute(placements=output_layouts)
-        return outputs.to_local() if use_local_output else outputs
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if isinstance(module, nn.Embedding) and self.parts == 1:
-            return super()._apply(module, device_mesh)
-        return distribute_module(
-            module, device_mesh, self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+    def apply(self, module: nn.Module, tp: TPGroup, shared: bool) -> nn.Module:
+        return GatheredHead(module, tp, copy_input=not shared,
+                            padded=padded_size(module.out_features, tp.size))
 
 
-class Rowwise(RowwiseParallel):
-    """``RowwiseParallel`` for Linear, Embedding and Conv1D (weight sharded on its input
-    dimension, bias replicated; the partial outputs are summed by one allreduce, waited for:
-    torch's asynchronous one returns an ``AsyncCollectiveTensor``, a wrapper that waits at
-    its first use, and such a tensor must not be what a layer hands the pipeline)."""
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if outputs.placements != output_layouts:
-            outputs = outputs.redistribute(placements=output_layouts)
-        return outputs.to_local() if use_local_output else outputs
-
-    def _partition(self, name, module, mesh):
-        distribute_params(module, mesh, {"weight": Shard(1 - out_dim(module)), "bias": Replicate()},
-                          self.src_data_rank)
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if not is_conv1d(module):
-            return super()._apply(module, device_mesh)
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module, device_mesh, self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
-
-
-class Replicated(ParallelStyle):
-    """HF's ``replicate``: every rank keeps the whole module (its parameters stay plain)."""
+@dataclass(frozen=True)
+class Replicated:
+    """HF's ``replicate``: every rank keeps the whole module."""
 
     def problem(self, module: nn.Module, tp: int) -> str | None:
         return None
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def apply(self, module: nn.Module, tp: TPGroup, shared: bool) -> nn.Module:
         return module
 
 
@@ -139,7 +132,8 @@ def _has(module: nn.Module, path: str) -> bool:
     return True
 
 
-class LocalHeads(ParallelStyle):
+@dataclass(frozen=True)
+class LocalHeads:
     """On an attention module: its heads are split over the T ranks.
 
     ``heads`` / ``kv_heads``: where the module keeps its (key/value) head count, as an
@@ -148,13 +142,12 @@ class LocalHeads(ParallelStyle):
     width), set to value / T. ``forward``: a replacement forward, for a module whose own one
     takes a width from its input, which stays full-width under TP."""
 
-    def __init__(self, heads: str, kv_heads: str | None = None, divide: tuple[str, ...] = (),
-                 forward: Callable | None = None):
-        super().__init__()
-        self.heads, self.kv_heads, self.divide, self.forward = heads, kv_heads, divide, forward
+    heads: str
+    kv_heads: str | None = None
+    divide: tuple[str, ...] = ()
+    forward: Callable | None = None
 
     def problem(self, module: nn.Module, tp: int) -> str | None:
-        """Why ``tp`` ranks cannot split this module's heads, or None."""
         paths = [p for p in (self.heads, self.kv_heads, *self.divide) if p is not None]
         missing = [p for p in paths if not _has(module, p)]
         if missing:
@@ -165,13 +158,40 @@ class LocalHeads(ParallelStyle):
                 return f"T={tp} does not divide the {count} {what} ({path})"
         return None
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        tp = device_mesh.size()
+    def apply(self, module: nn.Module, tp: TPGroup, shared: bool) -> nn.Module:
         for name in self.divide:
-            setattr(module, name, getattr(module, name) // tp)
+            setattr(module, name, getattr(module, name) // tp.size)
         if self.forward is not None:
             module.forward = types.MethodType(self.forward, module)
         return module
 
-    def __repr__(self) -> str:
-        return f"LocalHeads(heads={self.heads!r}, kv_heads={self.kv_heads!r}, divide={self.divide!r})"
+
+@dataclass(frozen=True)
+class SharedInput:
+    """One copy-to-TP of a sub-block's input: ``kwarg`` names it where the caller passes it
+    by keyword, else it is the first positional argument."""
+
+    kwarg: str | None = None
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        return None
+
+    def apply(self, module: nn.Module, tp: TPGroup, shared: bool) -> nn.Module:
+        module.register_forward_pre_hook(_SharedCopy(self.kwarg, tp), with_kwargs=True)
+        return module
+
+
+class _SharedCopy:
+    """The pre-hook of a ``SharedInput``: its input through ``copy_to_tp`` (a class, not a
+    closure: a deep copy of the layer copies it)."""
+
+    def __init__(self, kwarg: str | None, tp: TPGroup):
+        self.kwarg, self.tp = kwarg, tp
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.kwarg is not None and self.kwarg in kwargs:
+            return args, {**kwargs, self.kwarg: copy_to_tp(kwargs[self.kwarg], self.tp)}
+        if not args:
+            raise TypeError(f"tensor parallel: {type(module).__name__} was called without its shared "
+                            f"input ({self.kwarg or 'first positional argument'})")
+        return (copy_to_tp(args[0], self.tp), *args[1:]), kwargs
