@@ -2,7 +2,8 @@
 with a vocabulary T does not divide (37, padded to 38), two sharded decoder layers, equal to
 one process; the norm shares summed over the TP group give the unsharded gradient norm; the
 whole state dict gathered strips the padding; full_tensor undoes local_slice for every kind
-of Shard (plain on either dim, fused q/k/v, padded).
+of Shard (plain on either dim, fused q/k/v, padded); chimera's GPT-2 with its head tied to
+its embedding, retied after sharding, equals one process too.
 
 Virtual ranks, float64. The embedding has a padding row, once in each rank's slice: a global
 index would freeze another token's row on the other rank (token 20 is local row 1 there,
@@ -182,3 +183,45 @@ def test_the_squared_norm_counts_shards_on_every_rank_and_replicated_parameters_
     assert [s.item() for s in shares] == [9.0 + 144.0, 16.0]
     assert sum(shares).sqrt().item() == 13.0  # sqrt(9 + 16 + 144)
     assert all(s.dtype == torch.float64 for s in shares)
+
+
+# -- chimera's GPT-2, its embedding and head tied -----------------------------------------------
+def _gpt2(vocab: int) -> nn.Sequential:
+    from chimera.models.gpt2 import GPT2_LAYERS, ModelConfig, make_layer
+    cfg = ModelConfig("gpt2", n_layer=2, d_model=16, n_head=4, seq_len=S, vocab_size=vocab)
+    embed, block, head = GPT2_LAYERS
+    model = nn.Sequential(*(make_layer(cls, cfg, seed=0, index=i)
+                            for i, cls in enumerate((embed, block, block, head))))
+    model = randomized(model, seed=9)
+    model[-1].lm_head.weight = model[0].tok.weight  # one Parameter, as a stage holds a tie
+    return model
+
+
+def _gpt2_worker(rank: int, world: int, model: nn.Sequential) -> dict:
+    group = tp_group(rank, world)
+    ref, sharded = copy.deepcopy(model), copy.deepcopy(model)
+    tp.parallelize(sharded[0], tp.embedding_plan("tok"), group)
+    for block in sharded[1:-1]:
+        tp.parallelize(block, tp.gpt2_block_plan(), group)
+    tp.parallelize(sharded[-1], tp.head_plan("lm_head"), group)
+    sharded[-1].lm_head.weight = sharded[0].tok.weight  # retied after sharding, as the stages do
+    ids = torch.randint(0, model[0].tok.num_embeddings, (B, S), generator=torch.Generator().manual_seed(2))
+    losses = []
+    for m in (ref, sharded):
+        logits = m(ids)
+        losses.append(F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()))
+        losses[-1].backward()
+    mine = dict(sharded.named_parameters())
+    return {"loss": abs(losses[0].item() - losses[1].item()),
+            "grads": {n: diff(p.grad, tp.full_grad(mine[n], group)) for n, p in ref.named_parameters()},
+            "tied": sharded[-1].lm_head.weight is sharded[0].tok.weight}
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_chimera_gpt2_with_a_tied_head_and_an_odd_vocabulary_equals_one_process(t):
+    """The vocab-parallel embedding and the gathered head slice a (V, C) weight alike
+    (padded, dim 0), so a tie made again after sharding sums both uses' gradients locally."""
+    for r in run_ranks(functools.partial(_gpt2_worker, model=_gpt2(vocab=37)), t):
+        assert r["tied"] and r["loss"] <= TOL, r["loss"]
+        bad = {n: d for n, d in r["grads"].items() if not d <= TOL}
+        assert not bad, bad
