@@ -7,9 +7,11 @@
   time after the host entered the layer), the code before it does not;
 - the layers give the gradients of the same model without waits, through the pipeline
   (gloo, 2 ranks, split and unsplit schedules), and a plain y = x + bias in one process;
-- the bench's emulated rows run (tiny waits, D=2), floor rows too (the program with only
-  waits and messages), and report what the issue asks, with peak
-  activations measured where the simulator counts them (no time is asserted).
+- a fused layer (the floor's stage) computes what its layers compute and waits what they
+  wait, once per action; the floor runs our row's program through the same runtime, one wait
+  per action at its simulated cost, with the same message and gradient bytes;
+- the bench's emulated rows run (tiny waits, D=2), floor rows too, and report what the issue
+  asks, with peak activations measured where the simulator counts them (no time is asserted).
 """
 
 import dataclasses
@@ -208,6 +210,62 @@ def test_a_fused_layer_computes_and_waits_what_its_layers_do(waits):
     assert all(torch.equal(fused.bias.grad[k], pair[k].bias.grad) for k in range(2))
 
 
+FLOOR_CFG = dict(emulate="1:2:3", stages=2, micro_batches=4, micro_batch_size=2,
+                 activation_mb=0.01)
+
+
+def _floor_worker(rank, world) -> dict:
+    from chimera.bench.emulated import EmulatedFloor, EmulatedOurs, stage_costs
+    from chimera.bench.rows import BenchConfig, Row
+    from chimera.check.comm_plan import Message
+    from chimera.ir import Op
+    from chimera.runtime.context import RunContext
+
+    cfg, context, out = BenchConfig(**FLOOR_CFG), RunContext.here(), {}
+    for schedule in ("zb-v", "1f1b", "chimera"):
+        ours = EmulatedOurs(cfg, Row("chimera", schedule), context)
+        floor = EmulatedFloor(cfg, Row("floor", schedule), context)
+        first = ours.step(0)
+        o, f = ours.pipe.runtime, floor.runtime
+        sends = [a for a in f.program if getattr(a, "op", None) in (Op.SEND_F, Op.SEND_B)]
+        s = floor.schedule
+        costs = stage_costs(s, 1e-3, 2e-3, 3e-3)
+        asked = {"F": 0.0, "I": 0.0, "W": 0.0}
+        for a in f.program:  # what the simulator prices each compute action at, by kind
+            if getattr(a, "op", None) in (Op.F, Op.B, Op.I, Op.W):
+                asked["F"] += costs.f[a.stage] if a.op is Op.F else 0.0
+                asked["I"] += costs.i[a.stage] if a.op in (Op.B, Op.I) else 0.0
+                asked["W"] += costs.w[a.stage] if a.op in (Op.B, Op.W) else 0.0
+        floor.log.totals.clear()
+        built = floor.step(1)  # the loss of the step run when the row was built
+        waited = {k: v[1] for k, v in floor.log.totals.items()}
+        out[schedule] = {
+            "same_program": f.program == o.program and s == ours.schedule,
+            "same_messages": [f.message_shape(Message.of(a, s.stages)) ==
+                              o.message_shape(Message.of(a, s.stages)) for a in sends],
+            "same_grad_floats": {k: g.flat.numel() for k, g in f.grads.items()} ==
+                                {k: g.flat.numel() for k, g in o.grads.items()},
+            "floor_modules": [len(list(m.children())) for m in f.modules.values()],
+            "losses": (built, first, floor.step(2)), "asked": asked, "waited": waited,
+        }
+    return out
+
+
+def test_the_floor_runs_our_program_through_the_runtime_at_the_simulated_costs():
+    from ranks import run_ranks
+
+    for rank in run_ranks(_floor_worker, 2):
+        for schedule, got in rank.items():
+            assert got["same_program"] and all(got["same_messages"]) and got["same_messages"]
+            assert got["same_grad_floats"], schedule
+            assert set(got["floor_modules"]) == {1}, schedule  # one (fused) layer a stage
+            built, first, later = got["losses"]
+            assert built == pytest.approx(first, rel=1e-6) and later is None
+            # every wait asked exactly what the simulator prices its action at
+            asked = {k: v for k, v in got["asked"].items() if v}
+            assert got["waited"] == pytest.approx(asked), schedule
+
+
 SCHEDULES = ("chimera", "zb-v", "1f1b", "dualpipev")
 
 
@@ -267,10 +325,10 @@ def test_bench_emulate_rows(run_cli, tmp_path):
         assert floor["simulated_step_s"] == pytest.approx(got[("chimera", key[1])]["simulated_step_s"], rel=1e-9)
         mine = got[("chimera", key[1])]
         assert mine["realized_vs_floor"] == pytest.approx(mine["median_step_s"] / floor["median_step_s"])
-        # its first step is our row's own (it fits the boundaries): the same first loss
+        # its first step (an API step, run when it was built) is the fused model's: our row's loss
         assert floor["first_loss"] == pytest.approx(mine["first_loss"])
-    assert set(got[("floor", "zb-v")]["wait_stretch"]) == {"F", "I", "W"}
-    assert set(got[("floor", "1f1b")]["wait_stretch"]) == {"F", "B"}  # one wait per full backward
+    for key in (("floor", "zb-v"), ("floor", "1f1b")):  # a full backward waits I, then W
+        assert set(got[key]["wait_stretch"]) == {"F", "I", "W"}
     assert got[("chimera", "chimera")]["realized_vs_floor"] is None  # no floor row was asked for
     assert data["summary"]["floor"]["floor_vs_simulated"][0] > 0
     for x in data["results"]:

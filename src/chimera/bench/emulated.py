@@ -8,15 +8,28 @@ mini-batch's forwards, backwards and gradient sync (no optimizer step: the simul
 is compared with prices none). Each row is also simulated (:func:`simulated`) at the same
 costs: ours from the lowered schedule the runtime runs, torch's from the order its schedule
 object executes (``pipeline_order``), so realized / simulated is the runtime's own cost.
-Floor rows (:class:`EmulatedFloor`) run our programs with nothing but their waits and
-messages: floor / simulated is the machine's share of that cost, ours / floor the runtime's.
+
+Floor rows (:class:`EmulatedFloor`) run each of our schedules through the same runtime
+(``PipelineRuntime``: the CommPlan, Executor, Mailbox and GradSync our rows use; no second
+interpreter of a rank's program) on null-compute stages: one layer per stage that waits once
+per action, exactly its simulated cost, keeps no activation and computes only what the
+boundaries need (its input plus a bias), so that it sends and reduces the bytes ours does.
+So the floor holds the machine (sleeping, waking, gloo: D ranks on its cores) and, since the
+runtime runs it, the executor's own host code per action (its handlers, boundary packing and
+unpacking, the autograd engine's calls on a one-layer stage, the loss, the mailbox and
+gradient sync calls). Floor / simulated is the machine and the executor; ours / floor
+isolates the model-side host work around them: the API's step (splitting the mini-batch, the
+batch check, the loss allreduce and read), the model's own layers (two a stage where D stages
+cut it: twice the waits, wake-ups and autograd nodes) and the activations they keep. (Until
+issue 34 the floor walked the CommPlan's steps itself with bare waits, the executor's code in
+ours alone: figures measured then are not comparable with these.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
-import time
 
 import torch
 from torch import nn
@@ -27,10 +40,9 @@ from chimera.bench.rows import BenchConfig, Row
 from chimera.bench.profiler import allreduce_time, ping
 from chimera.bench.start import start_together
 from chimera.bench.torchpp import TorchPipeline
-from chimera.check.comm_plan import Launch, Message, Post
 from chimera.ir import Action, Op, Placement, Schedule
 from chimera.models.emulated import (EmulatedCost, WaitLog, emulated_batch, emulated_layers,
-                                     sleep_device)
+                                     emulated_stages)
 from chimera.passes import lower
 from chimera.runtime.context import RunContext
 from chimera.runtime.transport import ReduceOp, Transport
@@ -86,53 +98,34 @@ class EmulatedOurs:
 
 
 class EmulatedFloor:
-    """The floor under our rows: the same rank program (the lowered schedule and its comm
-    plan, as our row runs it) with nothing else. Each compute action is one wait of exactly
-    its simulated cost, from when the host reached it; each message is the runtime's own
-    bytes through the same Mailbox, each gradient collective the replica's flat buffer
-    through the same GradSync. No modules, autograd, boundary packing or API step: what is
-    left over simulated is what this machine charges for sleeping, waking and passing
-    messages (8 ranks on 2 cores included), and ours over floor is what the runtime around
-    the schedule costs."""
+    """The floor under our rows (see the module's docstring for what it holds): the row's
+    schedule in a :class:`chimera.api.Pipeline` whose stages are one fused emulated layer
+    each (:func:`chimera.models.emulated.emulated_stages`; no activation kept). A step is the
+    runtime's own iteration, ``zero_grad`` and ``run`` on the micro-batch split made when
+    the row was built, not the API's step."""
 
     def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
-        self.ours = EmulatedOurs(cfg, row, context)  # the same program, grid, groups and buffers
-        self.cfg, self.schedule, self.log, self.params = cfg, self.ours.schedule, WaitLog(), []
-        self.transport = context.transport
-        # one step of our row fits the boundaries and allocates the mailbox (every rank builds
-        # its rows in one order, so its collectives meet); its loss is the row's first loss
-        self.loss = self.ours.step(0)
-        rt = self.runtime = self.ours.pipe.runtime
-        s, cost = self.schedule, cost_of(cfg)
-        model = stage_costs(s, cost.forward_s, cost.input_grad_s, cost.weight_grad_s)
-        self.cost = {a: model.compute(a.op, a.stage, s.stages, s.ranks, s.micro_scale)
-                     for a in rt.program if isinstance(a, Action) and a.op.is_compute}
-        self.sent = {a: torch.zeros(rt.message_shape(Message.of(a, s.stages)), dtype=torch.uint8)
-                     for a in rt.program
-                     if isinstance(a, Action) and a.op in (Op.SEND_F, Op.SEND_B)}
+        self.cfg, self.log, self.transport = cfg, WaitLog(), context.transport
+        cost = dataclasses.replace(cost_of(cfg), activation_bytes=0)  # null compute keeps none
+        plan = build(row.schedule, cfg.stages, cfg.micro_batches, **row.scheme_options)
+        self.pipe = Pipeline(
+            emulated_stages(cost, cfg.stages, layer_count(cfg), plan.stages, cfg.seed, self.log),
+            nn.functional.mse_loss, schedule=plan, micro_batches=cfg.micro_batches,
+            micro_batch_size=cfg.micro_batch_size, model=ModelOptions(num_layers=plan.stages),
+            options=ExecOptions(check_batch=False), context=context)
+        self.runtime, self.schedule = self.pipe.runtime, self.pipe.schedule
+        self.params = self.pipe.parameters()
+        # one API step fits the boundaries and allocates the mailbox (every rank builds its
+        # rows in one order, so its collectives meet): so every timed step is a floor step,
+        # and its loss, that of our row's first step, says the floor computes our model
+        x, y = emulated_batch(cost, cfg.global_batch, 0, cfg.seed)
+        self.loss: float | None = self.pipe.step(x, y)
+        self.data, _ = self.pipe._micro_data(x, y, 1.0)  # the API's own split, made once
 
-    def step(self, i: int) -> float:
-        rt = self.runtime
-        box, sync, device = rt.executor.mailbox, rt.sync, sleep_device(self.log, self.cfg.spin)
-        box.begin_iteration()
-        for step in rt.program:
-            if isinstance(step, Post):
-                box.post(step.message)
-            elif isinstance(step, Launch):
-                sync.start(step.pipe, step.stage)
-            elif step.op.is_compute:
-                if step.op is Op.B and step in rt.executor.arm:  # the buckets, as the executor
-                    sync.arm(step.pipe, step.stage)
-                begin, due = device.launch(self.cost[step])
-                device.wait(begin, due, self.cost[step], f"{step.op.name}{step.stage}.{step.micro}")
-            elif step.op in (Op.SEND_F, Op.SEND_B):
-                box.send(step, self.sent[step])
-            elif step.op in (Op.RECV_F, Op.RECV_B):
-                box.receive(step)
-            elif step.op is Op.STEP:
-                box.finish_iteration()
-                sync.wait_all()
-        loss, self.loss = self.loss, float("nan")  # no model: only our row's step has a loss
+    def step(self, i: int) -> float | None:
+        self.runtime.zero_grad()
+        self.runtime.run(self.data)
+        loss, self.loss = self.loss, None  # a floor step reads no loss: the build's step had one
         return loss
 
     def order(self) -> Schedule:
@@ -232,8 +225,7 @@ def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None,
     priced = simulate(lowered, stage_costs(lowered, **times, **links))
     out["simulated_step_s"], out["timeline"] = priced.makespan, priced
     if stretch:
-        # a floor row waits once per full backward (B): that stretch stands for its I and W
-        at = {k: v * stretch.get(k.upper(), stretch.get("B", 1.0)) for k, v in times.items()}
+        at = {k: v * stretch.get(k.upper(), 1.0) for k, v in times.items()}
         out["simulated_measured_waits_s"] = simulate(lowered, stage_costs(lowered, **at, **links)).makespan
     return out
 

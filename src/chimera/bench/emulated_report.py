@@ -126,7 +126,7 @@ def _acts(values) -> str:
 
 
 def _stretch(values) -> str:
-    return "-" if not values else "/".join(f"{values[k]:.3f}" for k in "FIWB" if k in values)
+    return "-" if not values else "/".join(f"{values[k]:.3f}" for k in "FIW" if k in values)
 
 
 def markdown(data: dict) -> str:
@@ -137,7 +137,7 @@ def markdown(data: dict) -> str:
              f"D={c['stages']}, N={c['micro_batches']}; measured p2p {1e3 * lat.get('p2p_s', 0):.2f} ms, "
              f"allreduce {1e3 * lat.get('allreduce_s', 0):.2f} ms ({lat.get('how', '')}).", "",
              "| impl | schedule | median step (s) | min .. max (s) | simulated (s) | free p2p (s) "
-             "| realized / simulated | waits took (F/I/W, B) | realized / simulated at those "
+             "| realized / simulated | waits took (F/I/W) | realized / simulated at those "
              "| ours / floor | peak activations / rank, measured (Ma) | simulated (Ma) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res:
@@ -152,11 +152,14 @@ def markdown(data: dict) -> str:
               "how much longer each kind of wait ran than asked (sleep overshoot, an artifact of "
               "the emulation, larger on a loaded machine; over all of the row's steps); realized / simulated at those: the "
               "simulation redone with those wait times, so what is left is the runtime's own cost. "
-              "Floor rows: our row's program again with only its waits (one per action, exactly "
-              "its simulated cost) and its messages and gradient collectives through the same "
-              "mailbox; no modules, autograd or API step. Floor over simulated is what this "
-              "machine charges for sleeping, waking and messaging (D ranks on its cores); ours "
-              "/ floor is what the runtime around the schedule costs."]
+              "Floor rows: our row's schedule through the same runtime (executor, mailbox, "
+              "gradient sync) on null-compute stages: one wait per action, exactly its "
+              "simulated cost, the same message and gradient bytes, no activation kept, the "
+              "runtime's iteration without the API's step. Floor over simulated is what this "
+              "machine charges for sleeping, waking and messaging (D ranks on its cores) plus "
+              "the executor's own host code per action; ours / floor is the model-side host "
+              "work around it (the API's step, the model's layers and autograd nodes, the "
+              "activations kept)."]
     s = data["summary"]
     met = {k: "met" if v else "missed" if v is not None else "n/a" for k, v in s["met"].items()}
     over = ", ".join(f"{k} {_fmt(v, 2, 'x')}" for k, v in s["ours_over_1.05x_simulated"].items())
@@ -171,7 +174,8 @@ def markdown(data: dict) -> str:
     floor = s.get("floor")
     if floor:
         lo, hi = floor["floor_vs_simulated"]
-        lines.append(f"- the floor (the same programs with waits and messages only) realizes "
+        lines.append(f"- the floor (the same programs through the runtime on null-compute "
+                     f"stages) realizes "
                      f"{lo:.2f}x .. {hi:.2f}x of simulated"
                      + (f"; ours is {floor['ours_vs_floor'][0]:.2f}x .. "
                         f"{floor['ours_vs_floor'][1]:.2f}x its floor" if floor["ours_vs_floor"] else ""))

@@ -46,7 +46,7 @@ from chimera.errors import UserError
 from chimera.sim.cost import parse_times
 
 __all__ = ["EmulatedCost", "EmulatedLayer", "WaitLog", "emulated_batch", "emulated_layers",
-           "emulated_stages", "sleep_device", "tighten_timer_slack"]
+           "emulated_stages", "tighten_timer_slack"]
 
 
 @dataclass(frozen=True)
@@ -165,12 +165,6 @@ class _Device:
         total[1] += asked
         if self.log.on:
             self.log.events.append((label, begin, end, asked))
-
-
-def sleep_device(log: WaitLog | None = None, spin: bool = False) -> _Device:
-    """An emulated device outside any layer, with the layers' launch/wait (the bench's floor
-    rows queue each whole action on one)."""
-    return _Device(log, spin)
 
 
 class _Span(torch.autograd.Function):
