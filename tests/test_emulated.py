@@ -318,7 +318,7 @@ def test_bench_emulate_rows(run_cli, tmp_path):
     assert set(got) == {("chimera", "chimera"), ("chimera", "zb-v"), ("chimera", "1f1b"),
                         ("torch", "1f1b"), ("torch", "zbv"), ("torch", "dualpipev"),
                         ("floor", "zb-v"), ("floor", "1f1b")}
-    for key in (("floor", "zb-v"), ("floor", "1f1b")):  # the program with only waits and messages
+    for key in (("floor", "zb-v"), ("floor", "1f1b")):  # our program on null-compute stages
         floor = got[key]
         assert floor["peak_activations"] is None and floor["realized_vs_simulated"] > 0
         # it runs our row's lowered program: the same order is simulated for both

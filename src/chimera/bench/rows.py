@@ -33,7 +33,7 @@ IMPLS = ("single", "chimera", "torch")
 
 @dataclass(frozen=True)
 class Row:
-    impl: str  # single | chimera | torch | floor (our program with only waits and messages)
+    impl: str  # single | chimera | torch | floor (our program on null-compute stages)
     schedule: str  # "none" for single
     options: tuple[tuple[str, object], ...] = ()  # e.g. (("chunks", 2),) or (("threads", 2),)
 
@@ -129,7 +129,7 @@ def all_rows(cfg: BenchConfig) -> list[Row]:
     """Every row the benchmark knows, before filtering."""
     if cfg.emulate:  # no host compute to compare with, no optimizer to shard
         ours = [r for name in our_schemes() for r in scheme_rows(name)]
-        # each scheme's program again with only waits and messages (bench.emulated.EmulatedFloor)
+        # each scheme's program again on null-compute stages (bench.emulated.EmulatedFloor)
         floors = [Row("floor", name, scheme_rows(name)[0].options) for name in our_schemes()]
         return ours + [Row("torch", name) for name in TORCH_SCHEDULES] + floors
     rows = [Row("single", "none", (("threads", 1),)), Row("single", "none", (("threads", 2),)),

@@ -42,8 +42,9 @@ def add_parsers(sub) -> None:
                         "waits F, I and W milliseconds per micro-batch (or F:B, B split evenly) "
                         "as a host waits for a GPU, and carries small real tensors; every row is "
                         "printed beside its simulated step time, and floor rows (each of our "
-                        "programs with only its waits and messages: what the machine costs, "
-                        "without a runtime) beside ours. Writes bench-emulated-D*-N*.* "
+                        "programs through the same runtime on null-compute stages, one wait per "
+                        "action: what the machine and the executor cost, without the model or "
+                        "the API's step) beside ours. Writes bench-emulated-D*-N*.* "
                         "and one Perfetto trace per row. Measures the schedule and the runtime "
                         "around it, not kernels or memory bandwidth")
     p.add_argument("--activation-mb", type=float, default=1.0, metavar="MB",
