@@ -8,8 +8,8 @@ every parameter gradient (gathered with full_tensor) agree within 1e-12; the out
 plain tensor after one allreduce per sub-block (attention, MLP) forward and one backward,
 all through the transport (counted by a Wrapping transport, seen by the NCCL emulation and
 by a recorded world's strict replay). Split backward (input gradient first, weights later:
-chimera.runtime.split_backward) gives the same, W without a collective. One test runs a
-Llama block on two gloo processes.
+chimera.runtime.split_backward) gives the same, W without a collective, and so does
+recomputation (activation checkpointing). One test runs a Llama block on two gloo processes.
 """
 
 from __future__ import annotations
@@ -271,7 +271,8 @@ def _emulated_worker(rank: int, world: int, block, plan) -> dict:
 
 def test_tp_collectives_run_under_the_nccl_emulation_and_replay_strictly():
     """Under the strict emulation (one stream per rank) the block is exact and the emulation
-    gated its four allreduces (and full_grad's all-gathers); a recorded world holds them and replays under NCCL's rules."""
+    gated its four allreduces (and full_grad's all-gathers); a recorded world holds them and
+    replays under NCCL's rules."""
     from chimera.check.rendezvous import replay_recorded
     from chimera.runtime.virtual import VirtualWorld, run_virtual
     block, plan = built("llama", "eager")
@@ -288,9 +289,9 @@ def test_tp_collectives_run_under_the_nccl_emulation_and_replay_strictly():
 
 
 # -- split backward ----------------------------------------------------------------------------
-def _split_worker(rank: int, world: int, blocks: dict) -> dict:
-    """Each block: I (input gradient only), then W; the collectives each issued."""
-    from chimera.runtime.split_backward import backward_input, backward_weight
+def each_block(rank: int, world: int, blocks: dict, backward) -> dict:
+    """Per block: ``backward(sharded, x, mask, g, group)`` (a dict) on the sharded block, with
+    the input gradient and every gathered gradient against one process's full backward."""
     group = tp_group(rank, world)
     out = {}
     for name, (block, plan) in blocks.items():
@@ -298,17 +299,24 @@ def _split_worker(rank: int, world: int, blocks: dict) -> dict:
         x, mask, g = inputs(seed=5)
         xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
         call(ref, xr, mask).backward(g)
-        ys = call(sharded, xs, mask)
         group.transport.taken()
-        dx, pending = backward_input(ys, xs, g, list(sharded.parameters()))
-        comm_i = group.transport.taken()
-        no_grads_yet = all(p.grad is None for p in sharded.parameters())
-        split = bool(pending.boundaries) and pending.output is None  # not a plain W fallback
-        backward_weight(pending)
-        comm_w = group.transport.taken()
-        out[name] = {"dx": diff(xr.grad, dx), "grads": grad_report(ref, sharded, group),
-                     "split": split, "no_grads_after_i": no_grads_yet, "comm": (len(comm_i), len(comm_w))}
+        r = backward(sharded, xs, mask, g, group)
+        out[name] = {**r, "dx": diff(xr.grad, r.pop("dx")), "grads": grad_report(ref, sharded, group)}
     return out
+
+
+def _split(sharded, xs, mask, g, group) -> dict:
+    """I (input gradient only), then W; the collectives each issued."""
+    from chimera.runtime.split_backward import backward_input, backward_weight
+    ys = call(sharded, xs, mask)
+    group.transport.taken()
+    dx, pending = backward_input(ys, xs, g, list(sharded.parameters()))
+    comm_i = group.transport.taken()
+    no_grads_yet = all(p.grad is None for p in sharded.parameters())
+    split = bool(pending.boundaries) and pending.output is None  # not a plain W fallback
+    backward_weight(pending)
+    return {"dx": dx, "split": split, "no_grads_after_i": no_grads_yet,
+            "comm": (len(comm_i), len(group.transport.taken()))}
 
 
 def test_split_backward_on_sharded_blocks():
@@ -316,13 +324,34 @@ def test_split_backward_on_sharded_blocks():
     the weight gradients, all equal to one process's full backward. I holds the block's
     allreduces (one per sub-block: its input gradient's); W issues no collective."""
     blocks = {name: built(name, attn) for name, attn in (("llama", "sdpa"), ("hf-gpt2", "eager"), ("gpt2", ""))}
-    for rank, by_block in enumerate(run_ranks(functools.partial(_split_worker, blocks=blocks), 2)):
+    for rank, by_block in enumerate(run_ranks(functools.partial(each_block, blocks=blocks, backward=_split), 2)):
         for name, r in by_block.items():
             assert r["dx"] <= TOL, (rank, name, r["dx"])
             assert r["no_grads_after_i"] and r["split"], (rank, name)
             bad = {n: d for n, d in r["grads"].items() if not d <= TOL}
             assert not bad, (rank, name, bad)
             assert r["comm"] == (2, 0), (rank, name, r["comm"])
+
+
+# -- recomputation -----------------------------------------------------------------------------
+def _recompute(sharded, xs, mask, g, group) -> dict:
+    from torch.utils.checkpoint import checkpoint
+    ys = checkpoint(call, sharded, xs, mask, use_reentrant=False)  # as the executor recomputes
+    forward = group.transport.taken()
+    ys.backward(g)
+    return {"dx": xs.grad, "comm": (len(forward), len(group.transport.taken()))}
+
+
+def test_recomputed_sharded_blocks_equal_one_process():
+    """Activation checkpointing (non-reentrant, the executor's) reruns the forward in the
+    backward, collectives included, and stops once the saved tensors are back: the block's
+    last allreduce (the MLP's output) is not redone. 2 forward, 2 + 1 backward, every rank
+    alike; the gradients are exact."""
+    blocks = {name: built(name, attn) for name, attn in (("llama", "eager"), ("hf-gpt2", "sdpa"), ("gpt2", ""))}
+    for rank, by_block in enumerate(run_ranks(functools.partial(each_block, blocks=blocks, backward=_recompute), 2)):
+        for name, r in by_block.items():
+            assert r["dx"] <= TOL and max(r["grads"].values()) <= TOL, (rank, name, r)
+            assert r["comm"] == (2, 3), (rank, name, r["comm"])
 
 
 # -- real processes ----------------------------------------------------------------------------
