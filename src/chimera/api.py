@@ -57,7 +57,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from fnmatch import fnmatchcase
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -79,6 +80,7 @@ from chimera.runtime.pipeline import PipelineRuntime, ProbeError
 from chimera.runtime.shared import TieSync, counters, sync_buffers
 from chimera.runtime.transport import ReduceOp, Transport
 from chimera.schedules import build, default_micro_batches, require_runnable
+from chimera.tp import TPGroup, full_tensor, local_slice, parallelize, shard_of
 from chimera.check.validate import validate
 
 __all__ = ["ExecOptions", "LossOptions", "ModelOptions", "Pipeline", "ProbeError", "RunContext",
@@ -102,7 +104,12 @@ class ModelOptions:
     balanced by parameter count); ``seed``: what ``make_layers`` is called with (the caller's
     RNG untouched); ``ties``: shared Parameters by name, beside those found by identity;
     ``init(module)``: initializes a layer built on the meta device; ``compile``:
-    ``torch.compile`` every stage module (True, or its keyword arguments as a dict)."""
+    ``torch.compile`` every stage module (True, or its keyword arguments as a dict);
+    ``tp_plan``: how each layer is sharded over ``tensor_parallel`` ranks, as torch and HF
+    write it: a mapping of model-wide submodule name patterns (``"*.attn.qkv"``: the layer
+    index first, as in ``nn.Sequential(*layers)``) to torch ``ParallelStyle``s or HF
+    ``base_model_tp_plan`` strings, or ``tp_plan(index, layer)`` returning one layer's plan
+    (patterns relative to the layer) or None (see :mod:`chimera.tp` for the built-in plans)."""
 
     num_layers: int | None = None
     partition: Sequence | None = None
@@ -110,6 +117,7 @@ class ModelOptions:
     ties: Sequence[Sequence[str]] | None = None
     init: Callable[[nn.Module], None] | None = None
     compile: bool | dict = False
+    tp_plan: Mapping | Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -128,10 +136,11 @@ class LossOptions:
             raise UserError(f"loss reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
 
 
-def _check_sizes(micro_batch_size, micro_batches) -> None:
+def _check_sizes(micro_batch_size, micro_batches, tensor_parallel) -> None:
     """Sizes refused in one line here rather than as a ZeroDivisionError deep in the runtime."""
     for name, value, optional in (("micro_batch_size", micro_batch_size, False),
-                                  ("micro_batches", micro_batches, True)):
+                                  ("micro_batches", micro_batches, True),
+                                  ("tensor_parallel", tensor_parallel, False)):
         if optional and value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -224,8 +233,44 @@ def _lowered(schedule: str | Schedule, stages: int, n: int, options: dict | None
     return validate(lower(build(schedule, stages, n, **(options or {})), sync))
 
 
-def _build_stage(source: LayerSource, ranges: list[range], ties, device, compile_opts, stage: int):
-    return source.stage(ranges[stage], ties, device, compile_opts)
+def _build_stage(source: LayerSource, ranges: list[range], ties, device, compile_opts, shard,
+                 stage: int):
+    return source.stage(ranges[stage], ties, device, compile_opts, shard)
+
+
+def layer_plan(plan, index: int, layer: nn.Module):
+    """Layer ``index``'s own plan (patterns relative to it) from a model-wide ``plan``: the
+    entries whose first name part matches the index and whose rest names a submodule of the
+    layer; or what ``plan(index, layer)`` returns. None: the layer stays whole."""
+    if plan is None:
+        return None
+    if callable(plan) and not isinstance(plan, Mapping):
+        return plan(index, layer)
+    names = [n for n, _ in layer.named_modules() if n]
+    out = {}
+    for pattern, style in plan.items():
+        first, _, rest = pattern.partition(".")
+        if fnmatchcase(str(index), first) and rest and any(fnmatchcase(n, rest) for n in names):
+            out[rest] = style
+    return out or None
+
+
+def _check_plan(plan, num_layers: int) -> None:
+    """A model-wide pattern whose layer part matches no layer index is refused (a typo
+    would otherwise leave every layer whole without a word)."""
+    if plan is None or (callable(plan) and not isinstance(plan, Mapping)):
+        return
+    for pattern in plan:
+        first = pattern.partition(".")[0]
+        if not any(fnmatchcase(str(i), first) for i in range(num_layers)):
+            raise UserError(f"tp_plan pattern {pattern!r} names no layer: model-wide patterns "
+                            f"start with a layer index (0-{num_layers - 1}) or a wildcard, "
+                            f"as in '*.attn.qkv'")
+
+
+def _shard(plan, tp: TPGroup, index: int, layer: nn.Module) -> nn.Module:
+    sub = layer_plan(plan, index, layer)
+    return layer if not sub else parallelize(layer, sub, tp)
 
 
 def _join(column: list):
@@ -260,52 +305,73 @@ class Pipeline:
 
     def __init__(self, layers, loss_fn: Callable, schedule: str | Schedule = "chimera",
                  stages: int = 2, micro_batches: int | None = None, micro_batch_size: int = 1,
-                 data_parallel: int = 1, *, model: ModelOptions | None = None,
+                 data_parallel: int = 1, *, tensor_parallel: int = 1,
+                 model: ModelOptions | None = None,
                  loss: LossOptions | None = None, options: ExecOptions | None = None,
                  example_input=None, example_target=None, context: RunContext | None = None):
         self.context = context if context is not None else RunContext.here()
         self.transport = self.context.transport
         model, self.loss = model or ModelOptions(), loss or LossOptions()
         self.options = options = options or ExecOptions()
-        _check_sizes(micro_batch_size=micro_batch_size, micro_batches=micro_batches)
+        _check_sizes(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+                     tensor_parallel=tensor_parallel)
         if isinstance(schedule, Schedule):  # built already (chimera train's config builds it)
             stages, n = schedule.placement.ranks, micro_batches or micro_count(schedule)
         else:
             n = micro_batches or default_micro_batches(stages, schedule)
-        self._check_args(self.transport, stages, data_parallel)
+        self._check_args(self.transport, stages, data_parallel, tensor_parallel)
         keep_freed_memory(self.context.options.malloc)  # this process trains (torchrun too)
         self.schedule = _lowered(schedule, stages, n, options.schedule_options, options.sync)
         self._prefetching = False  # the caller gathers after each optimizer step
-        self.grid = ProcessGrid(self.schedule.placement, data_parallel, self.transport.get_rank())
+        self.grid = ProcessGrid(self.schedule.placement, data_parallel, self.transport.get_rank(),
+                                tensor_parallel)
         self.batch_rows = micro_batch_size * n * data_parallel
         self.rows = int(micro_batch_size * self.schedule.micro_scale)
         if self.rows * self.schedule.micro_batches * data_parallel != self.batch_rows:
             raise UserError(f"micro_batch_size {micro_batch_size} cannot be halved for {schedule}")
         source = LayerSource(layers, model.num_layers, model.seed, model.ties, model.init)
         self.ranges = self._partition(source, model.partition)
+        self.tp, shard = self._tensor_parallel(model.tp_plan, source.num_layers)
         self.ties = source.ties(self.ranges)
         refuse_sharded_ties([t.names[0] for t in self.ties] if options.shard_optimizer else [])
         device = self.context.device
         if device.type == "cuda":  # NCCL's object collectives (probe, state_dict) use it
             torch.cuda.set_device(device)
         opts = None if not model.compile else ({} if model.compile is True else dict(model.compile))
-        stage_of = functools.partial(_build_stage, source, self.ranges, self.ties, device, opts)
+        stage_of = functools.partial(_build_stage, source, self.ranges, self.ties, device, opts,
+                                     shard)
         self.runtime = PipelineRuntime(
             self.schedule, self.grid, stage_of, loss_fn, self.context, options, rows=self.rows,
             example=self._example(example_input, device),
             target_example=self._example(example_target, device))
         del source, stage_of  # the layers a rank does not hold are garbage now
+        if self.tp is not None:  # a replicated parameter counts once in a norm: at t = 0
+            self.runtime.set_norm_counted(lambda p: self.grid.t == 0 or shard_of(p) is not None)
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
 
+    def _tensor_parallel(self, plan, num_layers: int):
+        """(the TP group, the per-layer sharding for the stage builder), or (None, None) at
+        T = 1. The groups are created here, before the stages: a stage's TP layers hold theirs."""
+        if self.grid.tensor_parallel == 1:
+            return None, None
+        if plan is None:
+            raise UserError(f"tensor_parallel={self.grid.tensor_parallel} needs a tp_plan "
+                            "(ModelOptions(tp_plan=...)): which submodules are sharded how")
+        _check_plan(plan, num_layers)
+        self.grid.build_groups(self.transport)
+        tp = TPGroup(self.transport, self.grid.tp_group, self.grid.t, self.grid.tensor_parallel)
+        return tp, functools.partial(_shard, plan, tp)
+
     @staticmethod
-    def _check_args(transport: Transport, stages: int, data_parallel: int) -> None:
+    def _check_args(transport: Transport, stages: int, data_parallel: int, tp: int) -> None:
         if not transport.is_initialized():
             raise RuntimeError("chimera.api.Pipeline needs torch.distributed initialized "
                                "(use chimera.api.spawn or torchrun)")
         world = transport.get_world_size()
-        if world != stages * data_parallel:
-            raise ScheduleError(f"world size {world} != stages x data_parallel = {stages * data_parallel}")
+        if world != stages * data_parallel * tp:
+            raise ScheduleError(f"world size {world} != stages x data_parallel x tensor_parallel "
+                                f"= {stages * data_parallel * tp}")
 
     def _partition(self, source: LayerSource, partition) -> list[range]:
         name, pieces, ranks = self.schedule.name, self.schedule.stages, self.schedule.placement.ranks
@@ -458,6 +524,13 @@ class Pipeline:
             sync_buffers(self.runtime, counts)
         for t, k in zip(self.runtime.grad_tensors(), kept or []):
             t += k
+        return self._total(loss)
+
+    def _total(self, loss: torch.Tensor) -> float:
+        """The step's loss: the sum of every rank's share, each TP group's counted once (its
+        T ranks computed the same value)."""
+        if self.grid.t != 0:
+            loss.zero_()
         self.runtime.all_reduce(loss)
         return float(loss)
 
@@ -504,8 +577,8 @@ class Pipeline:
         loss = self._checked(self.runtime.run_forward, data, check)
         if check is not None:
             check.wait()
-        self.runtime.all_reduce(loss)
-        loss = None if targets is None else float(loss)
+        loss = self._total(loss)
+        loss = None if targets is None else loss
         if not return_outputs:
             return loss
         return loss, self._gather_outputs(data.outputs)
@@ -545,12 +618,24 @@ class Pipeline:
                 continue
             seen.add(stage)
             for p in module.parameters():
+                if self.tp is not None and self.grid.t != 0 and shard_of(p) is None:
+                    continue  # replicated over TP: counted at t = 0 only
                 if id(p) in elsewhere and p.grad is not None:
                     total += p.grad.detach().double().pow(2).sum()
         return total
 
     def _owner(self, stage: int) -> int:
         return self.grid.global_rank(self.grid.placement.rank_of(0, stage), 0)
+
+    def _whole_state(self, module: nn.Module) -> dict:
+        """``module.state_dict()`` with every tensor whole (a TP shard gathered over the TP
+        group: every TP rank calls it), on the CPU."""
+        if self.tp is None:
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        params = dict(module.named_parameters(remove_duplicate=False))
+        return {k: full_tensor(v.detach(), shard_of(params[k]) if k in params else None,
+                               self.tp).cpu().clone()
+                for k, v in module.state_dict().items()}
 
     def state_dict(self, all_ranks: bool = False) -> dict:
         """The whole model's state dict, named as ``nn.Sequential(*layers)``'s, gathered on
@@ -560,7 +645,9 @@ class Pipeline:
         part = {}
         for (pipe, stage), module in sorted(self.runtime.modules.items()):
             if pipe == 0 and self.grid.rank == self._owner(stage):
-                part.update({k: v.detach().cpu().clone() for k, v in module.state_dict().items()})
+                whole = self._whole_state(module)  # (collective over TP: every t calls it)
+                if self.grid.t == 0:
+                    part.update(whole)
         parts: list = [None] * self.transport.get_world_size()
         if all_ranks:
             self.transport.all_gather_object(parts, part)
@@ -574,6 +661,12 @@ class Pipeline:
                 merged[name] = merged[tie.names[0]]
         order = {k: i for i, k in enumerate(self._all_keys(parts))}
         return dict(sorted(merged.items(), key=lambda kv: order[kv[0]]))
+
+    def _local(self, value: torch.Tensor, param) -> torch.Tensor:
+        """This rank's part of a whole tensor (its TP slice of a sharded parameter)."""
+        if self.tp is None or param is None:
+            return value
+        return local_slice(value, shard_of(param), self.tp)
 
     @staticmethod
     def _all_keys(parts) -> list[str]:
@@ -607,5 +700,7 @@ class Pipeline:
                            f"{unexpected[:8]}")
         for module in self.runtime.modules.values():
             own = module.state_dict().keys()
-            module.load_state_dict({k: state[k] for k in own if k in state}, strict=False)
+            params = dict(module.named_parameters(remove_duplicate=False))
+            module.load_state_dict({k: self._local(state[k], params.get(k)) for k in own
+                                    if k in state}, strict=False)
         self.tie_sync.equalize()

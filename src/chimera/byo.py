@@ -151,7 +151,11 @@ class LayerSource:
             out.append(Tie(tuple(names), tuple(stage_of[int(n.split(".", 1)[0])] for n in names)))
         return out
 
-    def stage(self, indices: range, ties: list[Tie], device: torch.device, compile_opts) -> Stage:
+    def stage(self, indices: range, ties: list[Tie], device: torch.device, compile_opts,
+              shard: Callable[[int, nn.Module], nn.Module] | None = None) -> Stage:
+        """The layers ``indices`` as one Stage: built (or copied), materialized, each sharded
+        by ``shard(index, layer)`` (tensor parallelism: whole layers in, this rank's shards
+        out, before ties are made one Parameter again and before compiling), tied, compiled."""
         if self.layers is not None:
             layers = copy.deepcopy([self.layers[i] for i in indices])  # one memo: ties inside survive
             for i, layer in zip(indices, layers):
@@ -161,6 +165,8 @@ class LayerSource:
         for i, layer in zip(indices, layers):
             if _is_meta(layer):
                 _materialize(layer, i, device, self.init, layer_seed(self.seed, i))
+        if shard is not None:
+            layers = [shard(i, layer) for i, layer in zip(indices, layers)]
         stage = Stage(dict(zip(indices, layers)))
         retie(stage, ties)
         if compile_opts is not None:

@@ -38,3 +38,23 @@ def seeded(seed: int):
     with forked():
         torch.manual_seed(seed)
         yield
+
+
+@contextlib.contextmanager
+def kept(device: torch.device | None = None):
+    """The global RNG as it was before, afterwards, holding :data:`LOCK` only to take and to
+    put back the state: for local work that waits on other ranks in between (a probe of
+    tensor-parallel layers, whose collectives need the other threads to reach theirs). The
+    work must draw nothing from the global RNG (tensor-parallel layers refuse dropout): a
+    draw would land in another virtual rank's seeded build."""
+    devices = _devices(device)
+    with LOCK:
+        cpu = torch.get_rng_state()
+        cuda = [torch.cuda.get_rng_state(d) for d in devices]
+    try:
+        yield
+    finally:
+        with LOCK:
+            torch.set_rng_state(cpu)
+            for d, state in zip(devices, cuda):
+                torch.cuda.set_rng_state(state, d)

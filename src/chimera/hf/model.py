@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from chimera import tp
 from chimera.api import ExecOptions, LossOptions, ModelOptions, Pipeline
 from chimera.byo import build_layers
 from chimera.errors import UserError
@@ -31,6 +32,17 @@ ARCHS = {
     "BertForMaskedLM": ("bert", L.bert_plan, False),
 }
 SUPPORTED = ", ".join(ARCHS)
+# the tensor-parallel plan of each pipeline layer class (chimera.tp's, at the layer's own
+# names: HF's block sits in chimera.hf's GPT2Block as `block`, its decoder layer in
+# LlamaBlock as `layer`); BERT has none yet
+TP_PLANS = {
+    L.GPT2Embed: lambda: tp.embedding_plan("wte"),
+    L.GPT2Block: lambda: tp.prefixed(tp.hf_gpt2_block_plan(), "block."),
+    L.GPT2Head: lambda: tp.head_plan("lm_head"),
+    L.LlamaEmbed: lambda: tp.embedding_plan("embed_tokens"),
+    L.LlamaBlock: lambda: tp.prefixed(tp.llama_decoder_plan(), "layer."),
+    L.LlamaHead: lambda: tp.head_plan("lm_head"),
+}
 ATTENTION = ("eager", "sdpa")
 
 
@@ -163,14 +175,25 @@ class HFModel:
             setattr(out[int(i)].get_submodule(owner), attr, out[int(j)].get_parameter(src))
         return out
 
+    def tp_plan(self, index: int, layer: nn.Module) -> dict:
+        """Layer ``index``'s tensor-parallel plan (``ModelOptions.tp_plan``): the embedding
+        by vocabulary, each block Megatron-style, the head column-parallel, logits gathered."""
+        make = TP_PLANS.get(type(layer))
+        if make is None:
+            raise UserError(f"tensor parallel: {self.arch} has no tensor-parallel plan yet; "
+                            f"{', '.join(a for a in ARCHS if a != 'BertForMaskedLM')} have one")
+        return make()
+
     def pipeline_kwargs(self, model: ModelOptions | None = None,
                         options: ExecOptions | None = None) -> dict:
-        """What ``Pipeline`` needs for this model (its layers, ties, loss and token count; no
-        buffers to sync); add the schedule and sizes. ``model`` and ``options``: the caller's,
-        with this model's parts set in them."""
+        """What ``Pipeline`` needs for this model (its layers, ties, loss and token count, its
+        tensor-parallel plan; no buffers to sync); add the schedule and sizes. ``model`` and
+        ``options``: the caller's, with this model's parts set in them (a plan given keeps)."""
+        model = model or ModelOptions()
         return dict(layers=self.make_layer, loss_fn=self.loss_fn,
-                    model=dataclasses.replace(model or ModelOptions(), num_layers=self.num_layers,
-                                              ties=self.ties or None),
+                    model=dataclasses.replace(model, num_layers=self.num_layers,
+                                              ties=self.ties or None,
+                                              tp_plan=model.tp_plan or self.tp_plan),
                     loss=LossOptions("token_mean", token_count=self.token_count),
                     options=dataclasses.replace(options or ExecOptions(), sync_buffers=False))
 

@@ -143,6 +143,12 @@ class HFSource(ModelSource):
     def loss_fn(self, output, targets):
         return self.model.loss_fn(output, targets)
 
+    def tp_plan(self):
+        if self.kind == "bert":
+            raise UserError(f"--tensor-parallel: {self.name} (BERT) has no tensor-parallel plan "
+                            "yet; GPT-2 presets, hf-llama-* and hf-gpt2-* models have one")
+        return self.model.tp_plan
+
     def global_name(self, name: str) -> str:
         return self.model.hf_name(name)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from chimera.byo import retie
 from chimera.data import IGNORE_INDEX
+from chimera.errors import UserError
 from chimera.runtime.boundary import Stage
 from chimera.runtime.shared import Tie
 
@@ -58,6 +59,11 @@ class ModelSource:
     def fingerprint(self) -> dict:
         """The whole config, JSON: ``meta.json``'s ``model_config``."""
         raise NotImplementedError
+
+    def tp_plan(self):
+        """The tensor-parallel plan of this model's layers (``ModelOptions.tp_plan``: a
+        function of the layer index and the layer), or a UserError naming why there is none."""
+        raise UserError(f"--tensor-parallel: {self.name} has no tensor-parallel plan")
 
     # -- shared -------------------------------------------------------------------------
     def key(self, name: str) -> str:

@@ -58,6 +58,7 @@ class ProcessGrid:
     stage_ranks: dict[int, list[int]] = field(default_factory=dict)
     tp_group: object = None
     tp_ranks: list[int] = field(default_factory=list)
+    built: bool = False  # build_groups ran (the groups exist; it runs once)
 
     @property
     def depth(self) -> int:
@@ -86,6 +87,11 @@ class ProcessGrid:
         t = self.t if t is None else t
         return (w * self.depth + d) * self.tensor_parallel + t
 
+    def stage_ranks_at(self, stage: int, t: int) -> list[int]:
+        """The ranks of every replica of ``stage`` at TP position ``t``, ascending."""
+        return sorted(self.global_rank(d, w, t) for w in range(self.data_parallel)
+                      for d in set(self.placement.replicas(stage)))
+
     def d_of(self, rank: int) -> int:
         """The pipeline rank of global rank ``rank``."""
         return (rank // self.tensor_parallel) % self.depth
@@ -99,7 +105,12 @@ class ProcessGrid:
 
     def build_groups(self, transport: Transport) -> None:
         """Create every group of :func:`group_order`; every rank calls new_group for each
-        group of more than one rank, in that order, and keeps its own."""
+        group of more than one rank, in that order, and keeps its own. Once: the API builds
+        the groups before the stages (a stage's TP layers need their group), the runtime
+        after them."""
+        if self.built:
+            return
+        self.built = True
         for kind, a, b, ranks in group_order(self.placement, self.data_parallel,
                                              self.tensor_parallel):
             group = transport.new_group(ranks) if len(ranks) > 1 else None

@@ -42,10 +42,13 @@ def _layers(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
 
 
 @contextlib.contextmanager
-def _restored(module: nn.Module, device: torch.device):
-    """The probe leaves no trace: buffers (BatchNorm statistics) and the RNG come back."""
+def _restored(module: nn.Module, device: torch.device, waits: bool = False):
+    """The probe leaves no trace: buffers (BatchNorm statistics) and the RNG come back.
+    ``waits``: the stage's layers wait on other ranks (tensor parallelism), so the RNG's lock
+    is held only to save and restore it (:func:`chimera.rng.kept`)."""
     saved = {k: b.detach().clone() for k, b in module.named_buffers()}
-    with rng.forked(device):  # local work only: another virtual rank may be building
+    # local work only (another virtual rank may be building), unless the layers wait
+    with (rng.kept(device) if waits else rng.forked(device)):
         try:
             yield
         finally:
@@ -54,9 +57,10 @@ def _restored(module: nn.Module, device: torch.device):
                     module.get_buffer(k).copy_(b)
 
 
-def _probe_stage(module: nn.Module, stage: int, x, last: bool, loss_fn, target, device) -> tuple:
+def _probe_stage(module: nn.Module, stage: int, x, last: bool, loss_fn, target, device,
+                 waits: bool = False) -> tuple:
     """("ok", BoundarySpec of the output) or ("error", message naming the failing layer)."""
-    with _restored(module, device), torch.enable_grad():
+    with _restored(module, device, waits), torch.enable_grad():
         for name, layer, spread in _layers(module):
             try:
                 x = call_layer(layer, x) if spread else layer(x)
@@ -80,20 +84,22 @@ def probe_boundaries(grid: ProcessGrid, modules: dict, example, transport: Trans
     """Per stage, the BoundarySpec of its output for one micro-batch ``example``, agreed on by
     every rank; a failure raises ProbeError on every rank (not only the failing one).
 
-    Stage s is probed by the rank holding its pipe-0 replica in data replica 0, on zeros of
-    the previous stage's output spec, and broadcasts the result. A real forward (with grad,
+    Stage s is probed by the rank holding its pipe-0 replica in data replica 0 (by all T of
+    its ranks under tensor parallelism: its layers' collectives need them all), on zeros of
+    the previous stage's output spec, and TP position 0 broadcasts the result. A real forward (with grad,
     to learn which outputs carry gradients) rather than the meta device: meta's first use
     imports torch's compiler stack (seconds per process).
     """
     out: list[BoundarySpec] = []
     stages = grid.placement.stages
     for stage in range(stages):
-        owner = grid.global_rank(grid.placement.rank_of(0, stage), 0)
+        d = grid.placement.rank_of(0, stage)
+        owner = grid.global_rank(d, 0, 0)
         box: list = [None]
-        if grid.rank == owner:
+        if (grid.d, grid.w) == (d, 0):
             x = example if stage == 0 else out[-1].example(device)
             box = [_probe_stage(modules[(0, stage)], stage, x, stage == stages - 1, loss_fn,
-                                target, device)]
+                                target, device, grid.tensor_parallel > 1)]
         with warnings.catch_warnings():  # unpickling a TreeSpec warns about an internal isinstance
             warnings.simplefilter("ignore", FutureWarning)
             transport.broadcast_object_list(box, src=owner)
@@ -141,8 +147,8 @@ class PipelineRuntime:
         self.gathering: dict[tuple[int, int], tuple] = {}  # replica -> (all-gather work, source)
         self.rows = rows
         self.wire_dtype = options.wire_dtype  # floating boundary leaves travel in it
+        grid.build_groups(self.transport)  # (done already where the stages' TP layers need it)
         self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
-        grid.build_groups(self.transport)
         agree(self.transport, context.options)  # set on one rank only would hang, not fail
         # the device path's choices on CUDA (or forced on CPU), alike on every rank; where a
         # replica buckets is the plan's, per stage (CommPlan.early)
@@ -172,6 +178,8 @@ class PipelineRuntime:
         if self.shards:  # a replica's first forward waits for its prefetched parameters
             self.executor.before_forward = self.evaluator.before_forward = self._gathered
         self.program = self.plan.steps[grid.d]
+        # per replica, where a gradient norm counts its flat buffer (set_norm_counted): all of it
+        self.norm_masks: dict[tuple[int, int], torch.Tensor] = {}
         self.signature: tuple | None = None  # of the micro-batch input the boundaries fit
         self._probed: dict[tuple, tuple] = {}  # signature -> (boundaries, mailbox, eval mailbox)
         if example is not None:
@@ -352,6 +360,21 @@ class PipelineRuntime:
         with torch.no_grad():
             return self.evaluator.run(self.eval_plan.steps[self.grid.d], data)
 
+    def set_norm_counted(self, counted) -> None:
+        """``counted(param) -> bool``: whether this rank counts a parameter's gradient in the
+        global norm (tensor parallelism: a replicated parameter on one TP position only, a
+        shard on every one); the rest of the flat buffer counts zero in :meth:`owned_sq_norm`."""
+        self.norm_masks = {}
+        for key, g in self.grads.items():
+            flags = [bool(counted(p)) for p in g.params]
+            if all(flags):
+                continue
+            mask = torch.ones_like(g.flat)
+            for p, off, keep in zip(g.params, g.offsets, flags):
+                if not keep:
+                    mask[off:off + p.numel()] = 0
+            self.norm_masks[key] = mask
+
     def owned_sq_norm(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (float64 scalar).
 
@@ -362,13 +385,17 @@ class PipelineRuntime:
         """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for (p, s), g in self.grads.items():
+            mask = self.norm_masks.get((p, s))
             if min(q for q, t in self.grads if t == s) != p:
                 continue  # a second replica of the same stage on this rank
             ranks = self.grid.stage_ranks[s]
             k, n = ranks.index(self.grid.rank), len(ranks)
             size = -(-g.flat.numel() // n)
             shard = self.shards.get((p, s))  # sharded: only the owned slice was reduced
-            part = shard.grad if shard is not None else g.flat[k * size:(k + 1) * size]
+            lo, hi = (shard.lo, shard.hi) if shard is not None else (k * size, (k + 1) * size)
+            part = shard.grad if shard is not None else g.flat[lo:hi]
+            if mask is not None:  # replicated over TP: counted at t = 0 only
+                part = part * mask[lo:hi]
             if part.numel():
                 total += torch.linalg.vector_norm(part).double() ** 2
         return total

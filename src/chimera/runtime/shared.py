@@ -43,12 +43,18 @@ class TieSync:
         self.plans = [self._plan(t) for t in self.ties]  # new_group on every rank, in tie order
 
     def _plan(self, tie: Tie) -> tuple[list[int], object, bool]:
-        grid = self.grid
-        holders = sorted({r for s in tie.stage_set for r in grid.stage_ranks[s]})
-        held = {r: {s for _, s in grid.placement.held(grid.d_of(r))} for r in holders}
-        local = all(set(tie.stage_set) <= held[r] for r in holders)
-        group = None if local or len(holders) == 1 else self.runtime.transport.new_group(holders)
-        return holders, group, local
+        """(holders at our TP position, their group, whether every holder holds every tied
+        stage). With tensor parallelism each TP position sums its own shards: a group per t,
+        every one created by every rank, t in order."""
+        grid, mine = self.grid, None
+        for t in range(grid.tensor_parallel):
+            holders = sorted({r for s in tie.stage_set for r in grid.stage_ranks_at(s, t)})
+            held = {r: {s for _, s in grid.placement.held(grid.d_of(r))} for r in holders}
+            local = all(set(tie.stage_set) <= held[r] for r in holders)
+            group = None if local or len(holders) == 1 else self.runtime.transport.new_group(holders)
+            if t == grid.t:
+                mine = holders, group, local
+        return mine
 
     def copies(self, tie: Tie) -> dict[int, list[torch.nn.Parameter]]:
         """stage -> this rank's copies of the tied parameter in that stage (all replicas)."""

@@ -139,6 +139,7 @@ def _preflight(cfg):
         _check_data_path(cfg.corpus.data)
     data_info(cfg)
     _check_model(cfg)
+    _check_tensor_parallel(cfg)
     _check_gpus(cfg)
     if not cfg.pipeline.reference:
         schedule(cfg)
@@ -157,6 +158,34 @@ def _check_data_path(data: str) -> None:
     kind = special_kind(Path(data))
     if kind:
         raise ConfigError(f"--data {data} is {kind}: give a regular text file or a directory of them")
+
+
+def _check_tensor_parallel(cfg) -> None:
+    """--tensor-parallel T: the model has a plan and T divides what it shards (heads,
+    key/value heads, MLP and projection widths), checked on one layer of each kind built on
+    the meta device (nothing allocated), so a bad T is one line before any process starts."""
+    t = cfg.pipeline.tensor_parallel
+    if t == 1:
+        return
+    import torch  # lazy: the config checks run before torch loads
+
+    from chimera.tp import resolve  # lazy: imports torch
+
+    source = model_source(cfg)
+    plan, seen = source.tp_plan(), set()
+    with torch.device("meta"):
+        for index in range(source.num_layers):
+            layer = source.build_layer(index, cfg.optim.seed)
+            if type(layer) in seen:
+                continue
+            seen.add(type(layer))
+            sub = plan(index, layer)
+            try:
+                if sub:
+                    resolve(layer, sub, t)
+            except UserError as exc:
+                raise ConfigError(f"--tensor-parallel {t}: layer {index} "
+                                  f"({type(layer).__name__}): {exc}") from None
 
 
 def _check_model(cfg) -> None:

@@ -20,6 +20,7 @@ from chimera.runtime import workers
 from chimera.runtime.context import RunContext
 from chimera.runtime.transport import TorchDist
 from chimera.runtime.workers import gloo_group
+from chimera.tp import full_tensor
 from chimera.train.config import TrainConfig
 from chimera.train.launch import free_port
 from chimera.train.loop import Trainer, run_context
@@ -27,23 +28,33 @@ from chimera.train.loop import Trainer, run_context
 
 def _reference(cfg: TrainConfig) -> TrainConfig:
     no_options = dict.fromkeys(TrainConfig.option_fields())
-    return dataclasses.replace(cfg, schedule="none", stages=1, data_parallel=1, options=None,
+    return dataclasses.replace(cfg, schedule="none", stages=1, data_parallel=1, tensor_parallel=1,
+                               options=None,
                                **no_options, micro_batches=1, micro_batch_size=cfg.global_batch,
                                recompute=False, partition=None)
 
 
+def _whole(trainer: Trainer, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (``p`` or its gradient) whole: a tensor-parallel shard gathered over its TP
+    group (every TP rank calls it, parameters in one order)."""
+    shard = trainer.tp_shards().get(id(p))
+    return value if shard is None else full_tensor(value, shard, trainer.pipe.tp)
+
+
 def _grads(trainer: Trainer) -> list[tuple[str, int, torch.Tensor]]:
     trainer.runtime.gather_gradients()  # a sharded optimizer reduced only its slice
-    return [(n, pipe, p.grad.detach().clone()) for n, pipe, p in trainer.replica_parameters()]
+    return [(n, pipe, _whole(trainer, p, p.grad.detach()).clone())
+            for n, pipe, p in trainer.replica_parameters()]
 
 
 def _one(context: RunContext, cfg: TrainConfig) -> dict | None:
     """One rank of ``cfg`` in ``context``: its gradients and parameters, compared on rank 0."""
     trainer = Trainer(cfg, context)
     box: dict = {}
-    losses = [trainer.step(0, on_grads=lambda t: box.setdefault("g", _grads(t))).loss]
-    losses += [trainer.step(s).loss for s in range(1, cfg.optim.steps)]
-    mine = {"grads": box["g"], "params": [(n, pipe, p.detach().clone())
+    logs = [trainer.step(0, on_grads=lambda t: box.setdefault("g", _grads(t)))]
+    logs += [trainer.step(s) for s in range(1, cfg.optim.steps)]
+    losses = [(log.loss, log.grad_norm) for log in logs]
+    mine = {"grads": box["g"], "params": [(n, pipe, _whole(trainer, p, p.detach()).clone())
                                           for n, pipe, p in trainer.replica_parameters()]}
     transport = context.transport
     gathered = [None] * transport.get_world_size()
@@ -53,13 +64,15 @@ def _one(context: RunContext, cfg: TrainConfig) -> dict | None:
     return _compare(cfg, gathered, losses, context.device)
 
 
-def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float],
+def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[tuple[float, float]],
              device: torch.device | None = None) -> dict:
     reference = _reference(cfg)
     ref = Trainer(reference, run_context(reference, device))  # this process alone
     box: dict = {}
-    ref_losses = [ref.step(0, on_grads=lambda t: box.setdefault("g", _grads(t))).loss]
-    ref_losses += [ref.step(s).loss for s in range(1, cfg.optim.steps)]
+    ref_logs = [ref.step(0, on_grads=lambda t: box.setdefault("g", _grads(t)))]
+    ref_logs += [ref.step(s) for s in range(1, cfg.optim.steps)]
+    norms, ref_norms = [n for _, n in losses], [log.grad_norm for log in ref_logs]
+    losses, ref_losses = [l for l, _ in losses], [log.loss for log in ref_logs]
     ref_grad = {n: g for n, _, g in box["g"]}
     worst, seen = 0.0, set()
     ref_grad = {n: g.cpu() for n, g in ref_grad.items()}
@@ -79,10 +92,12 @@ def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[float],
     param_abs = max(float((ps[0] - ref_params[n]).abs().max()) for n, ps in params.items())
     replicas = {n: len(ps) for n, ps in params.items()}
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    norm_err = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(norms, ref_norms))
     return {"config": cfg.to_dict(), "max_grad_rel_err": worst, "missing": sorted(set(ref_grad) - seen),
             "replicas_identical": identical, "min_replicas": min(replicas.values()),
             "max_replicas": max(replicas.values()), "losses": losses, "ref_losses": ref_losses,
             "max_loss_rel_err": loss_err, "max_param_rel_err": param_err,
+            "grad_norms": norms, "ref_grad_norms": ref_norms, "max_norm_rel_err": norm_err,
             "max_param_abs_err": param_abs}
 
 

@@ -314,8 +314,9 @@ def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.reference:
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world:
+            p = cfg.pipeline
             raise UserError(f"torchrun started {world} processes but the layout needs "
-                             f"W·D = {cfg.pipeline.data_parallel}·{cfg.pipeline.stages} = "
+                             f"W·D·T = {p.data_parallel}·{p.stages}·{p.tensor_parallel} = "
                              f"{cfg.world}")
         if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: die with it
             workers.bind_to_parent(os.getppid(), ignore_sigint=False)

@@ -29,6 +29,7 @@ from chimera.runtime.shared import TieSync
 from chimera.runtime.context import RunContext, RuntimeOptions
 from chimera.runtime.transport import OneRank, Transport
 from chimera.schedules import build
+from chimera.tp import shard_of
 from chimera.train import faults
 from chimera.train.build import data_spec, model_source
 from chimera.train.config import WIRE_DTYPES, TrainConfig
@@ -157,10 +158,11 @@ class Trainer:
         self.pipe = Pipeline(
             functools.partial(_layer, source, cfg.optim.seed, self.dtype), source.loss_fn, schedule,
             micro_batches=n, micro_batch_size=cfg.global_batch // (cfg.pipeline.data_parallel * n),
-            data_parallel=cfg.pipeline.data_parallel,
+            data_parallel=cfg.pipeline.data_parallel, tensor_parallel=cfg.pipeline.tensor_parallel,
             model=ModelOptions(num_layers=source.num_layers, seed=cfg.optim.seed, ties=source.ties,
                                partition=stage_ranges(cfg, source, schedule.stages),
-                               compile=cfg.run.compile),
+                               compile=cfg.run.compile,
+                               tp_plan=source.tp_plan() if cfg.pipeline.tensor_parallel > 1 else None),
             loss=LossOptions("token_mean" if source.sums else "mean",
                              token_count=source.token_count),
             options=ExecOptions(recompute=cfg.pipeline.recompute, autocast=self.autocast,
@@ -379,6 +381,14 @@ class Trainer:
         return [(self.source.key(n), pipe, self._saved(p))
                 for (pipe, stage), module in sorted(self.runtime.modules.items())
                 for n, p in module.named_parameters()]
+
+    def tp_shards(self) -> dict[int, object]:
+        """id of each tensor a checkpoint saves for a sharded parameter (the parameter, or its
+        master) -> its ``chimera.tp.Shard``; {} without tensor parallelism."""
+        if self.pipe.tp is None:
+            return {}
+        return {id(self._saved(p)): shard_of(p) for module in self.runtime.modules.values()
+                for p in module.parameters() if shard_of(p) is not None}
 
     def checkpoint_parameters(self) -> dict[str, torch.Tensor]:
         """Model-wide name -> parameter of the replicas this rank writes to a checkpoint:

@@ -32,7 +32,8 @@ DEVICES = ("auto", "cpu", "cuda")
 MIN_COMM_TIMEOUT_S, MAX_COMM_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
 # sizes refused before anything is allocated (the schedule's own limits are in
 # chimera.schedules.registry): a micro-batch is (B, seq_len) tokens on every first stage
-LIMITS = {"micro_batch_size": 65536, "data_parallel": 1024, "threads": 1024, "eval_batches": 10000,
+LIMITS = {"micro_batch_size": 65536, "data_parallel": 1024, "tensor_parallel": 64,
+          "threads": 1024, "eval_batches": 10000,
           "grad_accum": 65536}
 RESUME_ALLOWABLE = ("data",)  # refused on --resume unless named in --resume-allow
 
@@ -166,6 +167,9 @@ class Pipeline:
                                      default_text="2D; 1 for --schedule none")
     micro_batch_size: int = knob(4, "sequences per micro-batch", short="-B")
     data_parallel: int = knob(1, "pipeline copies W", short="-W")
+    tensor_parallel: int = knob(1, "tensor-parallel ranks T inside each pipeline rank (one node: "
+                                "global rank = (w*D + d)*T + t); every layer sharded by the "
+                                "model's plan, W*D*T processes in all", short="-T")
     sync: Literal["eager", "end"] = knob("eager", "when a stage's gradient allreduce starts: eager "
                                          "(right after its last backward, overlapping bubbles) or end")
     recompute: bool = knob(False, "recompute activations in backward")
@@ -176,14 +180,15 @@ class Pipeline:
                                                    "registry), each a flag of its own")
 
     def __post_init__(self) -> None:
-        for name in ("stages", "micro_batch_size", "data_parallel"):
+        for name in ("stages", "micro_batch_size", "data_parallel", "tensor_parallel"):
             _whole(self, name)
         _whole(self, "micro_batches", optional=True)
         _choice(self, "sync", ("eager", "end"))
         object.__setattr__(self, "options", _options(self.options))
-        if self.reference and (self.stages != 1 or self.data_parallel != 1):
+        if self.reference and (self.stages != 1 or self.data_parallel != 1 or
+                               self.tensor_parallel != 1):
             raise ConfigError("--schedule none is single-process training: use --stages 1 "
-                              "--data-parallel 1")
+                              "--data-parallel 1 --tensor-parallel 1")
         if not self.reference and self.stages < 2 and self.schedule != "1f1b":
             raise ConfigError(f"--schedule {self.schedule} needs --stages >= 2 "
                               f"(use --schedule none --stages 1 for single-process training)")
@@ -206,7 +211,7 @@ class Pipeline:
 
     @property
     def world(self) -> int:
-        return self.data_parallel * self.stages
+        return self.data_parallel * self.stages * self.tensor_parallel
 
     @property
     def scheme_options(self) -> dict:

@@ -30,6 +30,7 @@ from chimera.models import (PRESETS, ModelConfig, build_layers, get_config, laye
                             loss_fn)
 from chimera.train.checkpoint import model_fingerprint
 from chimera.models.source import HF_PREFIX, HF_PRESETS, ModelSource
+from chimera.models.tp import preset_tp_plan
 
 __all__ = ["HF_PREFIX", "HF_PRESETS", "ModelSource", "PresetSource", "is_hf", "open_source",
            "source_from_fingerprint"]
@@ -68,6 +69,9 @@ class PresetSource(ModelSource):
     def fingerprint(self) -> dict:
 
         return model_fingerprint(self.config)
+
+    def tp_plan(self):
+        return preset_tp_plan(self.kind, self.name)
 
 
 def is_hf(model: str) -> bool:

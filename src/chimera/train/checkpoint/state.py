@@ -21,6 +21,7 @@ import torch
 
 from chimera.runtime.context import collective_device
 from chimera.runtime.transport import Transport
+from chimera.tp import full_tensor, local_slice
 from chimera.train.checkpoint.disk import (CheckpointError, NonFiniteCheckpoint, dcp_call,
                                            rank_world, read_index, safe_reader)
 from chimera.train.checkpoint.record import read_meta
@@ -63,7 +64,10 @@ def gather(trainer, step: int) -> dict[str, torch.Tensor]:
     transport = trainer.context.transport
     rank, _ = rank_world(transport)
     whole = trainer.whole_optimizer_state()  # sharded: gathered over each group (collective)
-    state = _tensors(trainer.optimizer, trainer.checkpoint_parameters(), whole)
+    params = trainer.checkpoint_parameters()
+    state = _tensors(trainer.optimizer, params, whole)
+    for key, shard, _ in _sharded(trainer, params, state):  # whole tensors (collectives over
+        state[key] = full_tensor(state[key], shard, trainer.pipe.tp)  # TP, every t alike)
     state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
     _refuse_nonfinite(transport, state, step)
     return state
@@ -105,7 +109,11 @@ def load(trainer, path: Path) -> int:
     index = read_index(path)
     replicas = _replicas_by_name(trainer)
     whole = trainer.whole_optimizer_state(empty=True)  # sharded: read whole, then sliced
-    state = _tensors(trainer.optimizer, {name: ps[0] for name, ps in replicas.items()}, whole)
+    firsts = {name: ps[0] for name, ps in replicas.items()}
+    state = _tensors(trainer.optimizer, firsts, whole)
+    narrow = list(_sharded(trainer, firsts, state))  # read whole, then each rank its slice
+    for key, shard, _ in narrow:
+        state[key] = state[key].new_empty(_whole_shape(state[key], shard))
     rng_key = f"rng.cpu.rank{rank}"
     if meta["layout"]["world"] == world and rng_key in index:
         state[rng_key] = torch.empty_like(torch.get_rng_state())
@@ -114,11 +122,31 @@ def load(trainer, path: Path) -> int:
              no_dist=world == 1)
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
+    with torch.no_grad():
+        for key, shard, target in narrow:
+            target.copy_(local_slice(state[key], shard, trainer.pipe.tp))
     trainer.load_whole_optimizer_state(whole)
     _copy_to_other_replicas(trainer, replicas)
     trainer.equalize_ties()  # a tie is one key, read into each copy: equal, and kept so
     trainer.load_run_state(meta.get("run") or {})
     return int(meta["step"])
+
+
+def _sharded(trainer, params: dict[str, torch.Tensor], state: dict):
+    """(key, Shard, the local tensor) of every state entry of a tensor-parallel shard: the
+    parameter and its AdamW moments, in the parameters' order (the same on every TP rank)."""
+    shards = trainer.tp_shards()
+    for name, p in params.items():
+        shard = shards.get(id(p))
+        if shard is None:
+            continue
+        for key in (f"model.{name}", f"optim.{name}.exp_avg", f"optim.{name}.exp_avg_sq"):
+            yield key, shard, state[key]
+
+
+def _whole_shape(local: torch.Tensor, shard) -> tuple:
+    """The unpadded whole shape of a shard's tensor (a moment has its parameter's)."""
+    return tuple(shard.full_shape)
 
 
 def _replicas_by_name(trainer) -> dict[str, list[torch.Tensor]]:

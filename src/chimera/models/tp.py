@@ -1,0 +1,36 @@
+"""Tensor-parallel plans of chimera's presets: which submodules of each layer are sharded.
+
+GPT-2: the token embedding by vocabulary (the position table stays whole), each block
+Megatron-style (fused qkv and the MLP's first projection column-parallel, the projections
+back row-parallel: one allreduce per sub-block each way), the head column-parallel over the
+vocabulary with its logits gathered (the loss is the one it is without TP). BERT has no plan
+yet and is refused in one line.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from chimera.errors import UserError
+from chimera.models.gpt2 import GPT2Block, GPT2Head, TokenPositionEmbedding
+from chimera.tp import embedding_plan, gpt2_block_plan, head_plan
+
+
+def gpt2_tp_plan(index: int, layer: nn.Module) -> dict | None:
+    """The plan of layer ``index`` of a GPT-2 preset (``ModelOptions(tp_plan=gpt2_tp_plan)``)."""
+    if isinstance(layer, TokenPositionEmbedding):
+        return embedding_plan("tok")
+    if isinstance(layer, GPT2Block):
+        return gpt2_block_plan()
+    if isinstance(layer, GPT2Head):
+        return head_plan("lm_head")
+    raise UserError(f"tensor parallel: layer {index} ({type(layer).__name__}) is not a GPT-2 "
+                    "layer this plan knows")
+
+
+def preset_tp_plan(kind: str, name: str):
+    """The plan of a preset of ``kind``; BERT is refused."""
+    if kind == "gpt2":
+        return gpt2_tp_plan
+    raise UserError(f"--tensor-parallel: {name} ({kind}) has no tensor-parallel plan yet; "
+                    "GPT-2 presets, hf-llama-* and hf-gpt2-* models have one")

@@ -1,0 +1,157 @@
+"""Tensor parallelism inside every stage (P = W x D x T): the pipeline with T = 2 trains with
+the gradients, losses and gradient norms of one process, on virtual ranks (threads: every TP
+collective goes through the rank's transport, as the pipeline's own do), float64.
+
+The real-process runs (gloo, the CLI, checkpoints across T) are in the slow tests at the end.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from chimera.errors import UserError
+from chimera.train.config import TrainConfig
+from chimera.train.equivalence import check_virtual
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = dict(model="gpt2-tiny", schedule="chimera", stages=2, tensor_parallel=2,
+                micro_batches=4, micro_batch_size=2, dtype="float64", steps=3)
+    return TrainConfig(**{**base, **kw})
+
+
+def _exact(r: dict) -> None:
+    assert not r["missing"] and r["replicas_identical"], r
+    assert r["max_grad_rel_err"] < 1e-12, r
+    assert r["max_loss_rel_err"] < 1e-12 and r["max_norm_rel_err"] < 1e-12, r
+    assert r["max_param_rel_err"] < 1e-10, r  # after 3 AdamW steps (with clipping)
+
+
+@pytest.mark.parametrize("schedule", ["chimera", "1f1b", "zb-v", "chimera-zb", "dualpipev"])
+def test_every_kind_of_schedule_with_tp2_equals_one_process(schedule):
+    """Bidirectional, 1F1B, split backward (I and W apart: TP's backward allreduces in I)."""
+    _exact(check_virtual(_cfg(schedule=schedule)))
+
+
+@pytest.mark.parametrize("model", ["hf-llama-tiny", "gpt2-tiny"])
+def test_models_with_their_built_in_plans(model):
+    """HF Llama (GQA: query and key/value heads both split) and chimera's GPT-2 (its fused
+    qkv split by head blocks), each with a vocabulary-parallel embedding and a gathered head."""
+    _exact(check_virtual(_cfg(model=model, schedule="1f1b")))
+
+
+def test_tp_with_data_parallel_sharded_optimizer_and_recompute():
+    """W = 2 copies of D = 2 x T = 2 (8 ranks), ZeRO-1 over each stage's replicas at each t,
+    recomputed forwards (which repeat the forward's TP collectives)."""
+    _exact(check_virtual(_cfg(data_parallel=2, shard_optimizer=True, recompute=True)))
+
+
+def test_the_losses_are_the_same_on_every_layout():
+    """(D, W, T) in {(1,1,1), (2,1,2), (2,2,1), (4,1,1)}: one mini-batch of 16 sequences."""
+    runs = {}
+    for d, w, t in [(2, 1, 2), (2, 2, 1), (4, 1, 1)]:
+        cfg = _cfg(stages=d, data_parallel=w, tensor_parallel=t, micro_batches=4 if w == 2 else 8)
+        r = check_virtual(cfg)
+        _exact(r)
+        runs[(d, w, t)] = r
+    ref = runs[(2, 1, 2)]["ref_losses"]  # (1, 1, 1): the single-process run of the same batch
+    for r in runs.values():
+        assert r["ref_losses"] == ref
+        assert max(abs(a - b) / b for a, b in zip(r["losses"], ref)) < 1e-12
+
+
+def test_a_recorded_tp_run_replays_under_the_strictest_nccl_model():
+    """Every call of every rank, the TP collectives issued inside layers included, replayed
+    with one stream per rank for p2p and collectives together (raises on a hang/mismatch)."""
+    r = check_virtual(_cfg(steps=2), replay=True)
+    _exact(r)
+    assert r["replayed_calls"] > 1000
+
+
+def test_bad_tensor_parallel_sizes_are_refused_before_anything_starts():
+    with pytest.raises(UserError, match=r"--tensor-parallel 3: layer 1 \(GPT2Block\).*T=3 does "
+                                        r"not divide"):
+        _cfg(tensor_parallel=3).preflight()
+    with pytest.raises(UserError, match="bert-tiny .* has no tensor-parallel plan"):
+        _cfg(model="bert-tiny").preflight()
+    with pytest.raises(UserError, match="single-process training"):
+        TrainConfig(schedule="none", stages=1, tensor_parallel=2)
+
+
+def test_api_plans_are_checked():
+    """A model-wide pattern that names no layer, and T > 1 without a plan, in one line."""
+    from torch import nn
+
+    import chimera.api as chimera
+    from chimera.runtime.virtual import run_virtual
+
+    def layers():
+        return [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)]
+
+    def body(plan):
+        def rank(_):
+            try:
+                chimera.Pipeline(layers, nn.functional.mse_loss, "1f1b", stages=2,
+                                 tensor_parallel=2, model=chimera.ModelOptions(tp_plan=plan))
+            except UserError as exc:
+                return str(exc)
+        return run_virtual(4, rank)
+
+    assert all("names no layer" in m for m in body({"lm.fc": "colwise"}))
+    assert all("needs a tp_plan" in m for m in body(None))
+
+
+# -- real processes -------------------------------------------------------------------------
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _train(tmp_path, name: str, *args) -> list[dict]:
+    log = tmp_path / f"{name}.jsonl"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "chimera"), "train", "--dtype", "float64",
+           "--no-progress", "--trace", "", "--png", "", "--log-json", str(log), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def _close(a: list[dict], b: list[dict], tol: float = 1e-9) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm"):
+            assert abs(x[key] - y[key]) <= tol * abs(y[key]), (key, x, y)
+
+
+@pytest.mark.slow
+def test_cli_tp2_on_gloo_processes_equals_one_process(tmp_path):
+    """`chimera train --tensor-parallel 2` on 4 gloo processes: the single-process losses and
+    gradient norms of the same mini-batch (4 x 4 sequences)."""
+    ref = _train(tmp_path, "ref", "--model", "hf-llama-tiny", "--schedule", "none", "--stages", "1",
+                 "-B", "16", "--steps", "3")
+    got = _train(tmp_path, "tp", "--model", "hf-llama-tiny", "-D", "2", "-T", "2", "-N", "4",
+                 "-B", "4", "--steps", "3")
+    _close(got, ref)
+
+
+@pytest.mark.slow
+def test_a_tp_checkpoint_resumes_at_another_t_and_in_one_process(tmp_path):
+    """Saved at (D=2, T=2) after 2 steps; resumed at (D=2, T=1) and at one process: the next
+    losses equal the uninterrupted run's."""
+    import shutil
+
+    layout = ["--model", "gpt2-tiny", "-N", "4", "-B", "2"]
+    whole = _train(tmp_path, "whole", *layout, "-D", "2", "--steps", "4")
+    ck = tmp_path / "ck"
+    first = _train(tmp_path, "first", *layout, "-D", "2", "-T", "2", "--steps", "2",
+                   "--checkpoint-dir", str(ck), "--checkpoint-every", "2")
+    _close(first, whole[:2])
+    for name, args in (("t1", ["-D", "2"]), ("one", ["--schedule", "none", "--stages", "1"])):
+        folder = tmp_path / f"ck-{name}"  # each resume from the same step-2 checkpoint
+        shutil.copytree(ck, folder)
+        if name == "one":  # one micro-batch of the whole mini-batch
+            args = args + ["-N", "1", "-B", "8"]
+        again = _train(tmp_path, name, *layout, *args, "--steps", "4",
+                       "--checkpoint-dir", str(folder), "--resume")
+        _close(again, whole[2:])
