@@ -155,3 +155,24 @@ def test_a_tp_checkpoint_resumes_at_another_t_and_in_one_process(tmp_path):
         again = _train(tmp_path, name, *layout, *args, "--steps", "4",
                        "--checkpoint-dir", str(folder), "--resume")
         _close(again, whole[2:])
+
+
+def test_ranks_that_disagree_on_t_are_refused_on_every_rank():
+    """4 ranks, two of them told T=2 (D=2), two T=1 (D=4): the world size fits both, so
+    without the start-up agreement they would hang at their first mismatched collective."""
+    from torch import nn
+
+    import chimera.api as chimera
+    from chimera.runtime.virtual import run_virtual
+
+    def rank(r):
+        d, t = (2, 2) if r < 2 else (4, 1)
+        try:
+            chimera.Pipeline([nn.Linear(4, 4) for _ in range(4)], nn.functional.mse_loss, "1f1b",
+                             stages=d, tensor_parallel=t,
+                             model=chimera.ModelOptions(tp_plan={"*.weight": "colwise"}))
+        except UserError as exc:
+            return str(exc)
+
+    said = run_virtual(4, rank)
+    assert all("disagree on the layout" in m and "rank 2: D=4 W=1 T=1" in m for m in said), said

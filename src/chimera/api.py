@@ -56,6 +56,7 @@ Conventions (the same as ``nn.Sequential`` with pytrees):
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Callable, Mapping, Sequence
@@ -325,6 +326,7 @@ class Pipeline:
         self._prefetching = False  # the caller gathers after each optimizer step
         self.grid = ProcessGrid(self.schedule.placement, data_parallel, self.transport.get_rank(),
                                 tensor_parallel)
+        self._agree_on_layout()
         self.batch_rows = micro_batch_size * n * data_parallel
         self.rows = int(micro_batch_size * self.schedule.micro_scale)
         if self.rows * self.schedule.micro_batches * data_parallel != self.batch_rows:
@@ -349,6 +351,25 @@ class Pipeline:
             self.runtime.set_norm_counted(lambda p: self.grid.t == 0 or shard_of(p) is not None)
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
+
+    def _agree_on_layout(self) -> None:
+        """Every rank runs the same lowered schedule on the same grid: the T ranks of a
+        pipeline rank run its program in lockstep (their layers' collectives pair up), and
+        the order of every message and collective is derived from the schedule. A rank given
+        another T, W or schedule would hang at its first mismatched collective; here it is
+        one line on every rank, naming the ranks. One small gather at construction."""
+        g = self.grid
+        mine = (g.depth, g.data_parallel, g.tensor_parallel,
+                hashlib.sha256(self.schedule.to_text().encode()).hexdigest()[:16])
+        every: list = [None] * self.transport.get_world_size()
+        self.transport.all_gather_object(every, mine)
+        if len(set(every)) > 1:
+            seen = "; ".join(f"rank {r}: D={e[0]} W={e[1]} T={e[2]} schedule {e[3]}"
+                             for r, e in enumerate(every) if e != every[0])
+            raise UserError(f"rank {g.rank}: the ranks disagree on the layout or the schedule "
+                            f"(rank 0: D={every[0][0]} W={every[0][1]} T={every[0][2]} schedule "
+                            f"{every[0][3]}; {seen}): build the Pipeline with the same arguments "
+                            "on every rank")
 
     def _tensor_parallel(self, plan, num_layers: int):
         """(the TP group, the per-layer sharding for the stage builder), or (None, None) at
