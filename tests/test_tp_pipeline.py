@@ -176,3 +176,58 @@ def test_ranks_that_disagree_on_t_are_refused_on_every_rank():
 
     said = run_virtual(4, rank)
     assert all("disagree on the layout" in m and "rank 2: D=4 W=1 T=1" in m for m in said), said
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_models_through_the_api_with_tp_train_as_one_process(arch):
+    """``hf.load(model).pipeline(tensor_parallel=2)`` takes the model's own plan: GPT-2 with
+    its tied wte/lm_head (each TP position sums its own shards of the tie across stages) and
+    an odd vocabulary (37, padded to 38), Llama with GQA; padded batches (token_mean loss).
+    Losses, gradient norms and the whole state after 2 AdamW steps equal the HF model trained
+    in one process."""
+    import copy
+
+    import torch
+
+    import hf_models as hm
+    from chimera import hf
+    from chimera.runtime.virtual import run_virtual
+
+    def batches(step):
+        return hm.batch(arch, step, 8)
+
+    ref = hm.build(arch)
+    base = copy.deepcopy(ref)  # built once: ranks are threads sharing torch's global RNG
+    opt = torch.optim.AdamW(ref.parameters(), lr=hm.LR, weight_decay=hm.DECAY, eps=hm.EPS)
+    ref_out = []
+    for step in range(2):
+        inputs, labels = batches(step)
+        opt.zero_grad()
+        loss = hm.loss_of(arch, ref(**inputs).logits, labels)  # HF's loss, kept in float64
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        ref_out.append((float(loss.detach()), float(norm)))
+    want = {k: v.detach() for k, v in ref.state_dict().items()}
+
+    def rank(_):
+        model = hf.load(copy.deepcopy(base), dtype=torch.float64)
+        pipe = model.pipeline(schedule="chimera", stages=2, tensor_parallel=2, micro_batches=4,
+                              micro_batch_size=2)
+        popt = torch.optim.AdamW(pipe.parameters(), lr=hm.LR, weight_decay=hm.DECAY, eps=hm.EPS)
+        out = []
+        for step in range(2):
+            inputs, labels = batches(step)
+            popt.zero_grad()
+            loss = pipe.step(inputs, labels)
+            norm = pipe.clip_grad_norm_(1.0)
+            popt.step()
+            out.append((loss, float(norm)))
+        return out, model.hf_state_dict(pipe.state_dict(all_ranks=True))
+
+    for out, state in run_virtual(4, rank):
+        for (loss, norm), (ref_loss, ref_norm) in zip(out, ref_out):
+            assert abs(loss - ref_loss) < 1e-12 * abs(ref_loss)
+            assert abs(norm - ref_norm) < 1e-12 * abs(ref_norm)
+        for key, value in state.items():
+            torch.testing.assert_close(value, want[key], rtol=1e-10, atol=1e-12)
