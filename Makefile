@@ -28,11 +28,14 @@ demo-hf: setup
 	$(BIN)/chimera export --checkpoint out/hf-demo/ckpt --out out/hf-demo/llama-hf
 	$(BIN)/chimera generate --checkpoint out/hf-demo/ckpt --prompt "def " --temperature 0 --max-new-tokens 30
 
-# every test but the long multi-process ones (marked slow); CI runs both targets (.ci/run)
+# every test that stays in this process (virtual ranks, the CLI called in process), plus one
+# `python -m chimera schedules` smoke run; tests that start processes are marked slow.
+# CI runs both targets (.ci/run)
 test: setup
 	$(BIN)/python -m pytest -q -x -m "not slow" --durations=10
 
-# the long multi-process tests: real gloo process groups, CLI runs on several ranks, signals
+# the tests marked slow: every test that starts processes (spawned gloo ranks, `python -m
+# chimera` and `python -c` subprocesses, fresh-interpreter import checks, signals)
 test-slow: setup
 	$(BIN)/python -m pytest -q -x -m slow --durations=10
 

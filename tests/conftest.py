@@ -7,9 +7,10 @@
   rewritten from the current code instead of compared (``tests/test_golden_schedules.py``).
 
 Ranks for a test come from ``tests/ranks.py`` (``run_ranks``: virtual ranks in this process,
-or spawned gloo processes where the transport or the processes are the subject). The long
-multi-process tests carry ``@pytest.mark.slow``: ``make test`` leaves them out, ``make
-test-slow`` runs them.
+or spawned gloo processes where the transport or the processes are the subject). Every test
+that starts processes (spawned ranks, ``run_cli``, ``python -c``) carries
+``@pytest.mark.slow``: ``make test`` leaves them out (but for one ``chimera schedules``
+smoke run), ``make test-slow`` runs them.
 """
 
 import argparse

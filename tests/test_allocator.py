@@ -6,6 +6,9 @@ import sys
 
 import pytest
 
+# each test probes a fresh interpreter (per-process allocator state): make test-slow
+pytestmark = pytest.mark.slow
+
 # as an entry point calls it: with the run's option, which CHIMERA_MALLOC may set
 PROBE = ("from chimera.runtime.allocator import keep_freed_memory as k\n"
          "from chimera.runtime.context import RuntimeOptions as O\n"

@@ -405,6 +405,7 @@ def test_a_library_bug_is_not_reported_as_bad_input(bug, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_a_library_bug_shows_its_traceback_and_exits_1(cli_env):
     """The same as a command: Python prints the traceback and exits with code 1."""
     code = ("import sys\n"

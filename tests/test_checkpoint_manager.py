@@ -47,6 +47,7 @@ sys.stdin.read()  # held until the test closes our stdin or kills us
 """
 
 
+@pytest.mark.slow
 def test_a_claim_is_refused_while_another_live_run_holds_the_folder(data, tmp_path, cli_env):
     other = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=cli_env)

@@ -11,6 +11,7 @@ def test_schedules_lists_every_scheme(run_cli):
         assert name in out
 
 
+@pytest.mark.slow
 def test_show_draws_the_paper_figure(run_cli):
     r = run_cli("show", "--schedule", "chimera", "--stages", "4", "--micro-batches", "4")
     assert r.returncode == 0
@@ -21,6 +22,7 @@ def test_show_draws_the_paper_figure(run_cli):
     assert rows[3].split("|")[1].split() == "f2 f3 . F0 B0 F1 B1 b2 . b3".split()
 
 
+@pytest.mark.slow
 def test_simulate_json_is_one_object(run_cli):
     r = run_cli("simulate", "-s", "1f1b", "-D", "4", "-N", "8", "--json")
     data = json.loads(r.stdout)
@@ -29,6 +31,7 @@ def test_simulate_json_is_one_object(run_cli):
     assert [x["peak_activations"] for x in data["ranks"]] == [4, 3, 2, 1]
 
 
+@pytest.mark.slow
 def test_show_writes_png_and_trace(tmp_path, run_cli):
     png, trace = tmp_path / "s.png", tmp_path / "s.json"
     r = run_cli("show", "-D", "4", "-N", "8", "--png", str(png), "--trace", str(trace))
@@ -73,6 +76,7 @@ def test_bad_input_exits_2_with_one_line(args, capsys):
     assert err.strip().splitlines()[0].startswith("chimera")
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line_from_the_process(run_cli):
     r = run_cli("train", "--stages", "3")
     assert r.returncode == 2, (r.stdout, r.stderr)
@@ -80,6 +84,7 @@ def test_bad_input_exits_2_with_one_line_from_the_process(run_cli):
     assert r.stderr.strip().splitlines()[0].startswith("chimera")
 
 
+@pytest.mark.slow
 def test_empty_data_file_is_refused(tmp_path, run_cli):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -143,6 +148,7 @@ def test_a_write_the_disk_refuses_is_one_line_and_exit_1(tmp_path, data, cli_env
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_log_json_into_a_new_folder(tmp_path, data, run_cli):
     """Issue 26: the folder of --log-json was made by no one (a traceback on rank 0 once the
     ranks had started); check_output accepts a folder to be made, so the run makes it."""

@@ -399,6 +399,7 @@ def test_token_files_are_memory_mapped_and_sampled_as_in_memory(fmt):
         assert all((tail == row).all(axis=1).any() for row in val)  # from the held-out tail
 
 
+@pytest.mark.slow
 def test_pipeline_on_token_ids_matches_the_reference(fmt, capsys):
     """1F1B on D=2 ranks, a 1000-id vocabulary: the same losses as one process (float64)."""
     root = fmt[0]
@@ -511,6 +512,7 @@ def test_tokenize_records_the_mask_id(fmt, bert_tok, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------
 # Text through a tokenizer is tokenized once, by the launcher
 
+@pytest.mark.slow
 def test_spawned_ranks_map_the_launchers_ids(fmt, tmp_path):
     """A 2-rank run on text with --tokenizer: the launcher tokenizes it and the ranks map
     those ids (the text is gone before they start, so they cannot read it), and its losses

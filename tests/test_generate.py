@@ -237,6 +237,7 @@ def test_a_batch_of_prompts_a_stop_token_and_the_start_up_time(run, run_cli):
     assert cut.stopped and cut.new_ids == alone[0][:alone[0].index(alone[0][4])]
 
 
+@pytest.mark.slow
 def test_unbounded_lengths_invalid_utf8_and_bad_top_p_are_refused(run, cli_env, capsys):
     root, _ = run
     ck = str(root / "ck")

@@ -189,6 +189,7 @@ def resumed(root):
     return out
 
 
+@pytest.mark.slow
 def test_checkpoints_are_keyed_by_hf_names_and_resume_on_any_layout(root, resumed):
     """chimera D=2 writes step 2 and 4; 1F1B D=2 and the single-process reference resume
     from step 2 and reach the same step 4 (losses and parameters, float64 1e-10). The

@@ -34,6 +34,7 @@ def small_planner(gpus=8, batch=32, memory=None, names=SMALL, model="gpt2-small"
     return Planner(work, names)
 
 
+@pytest.mark.slow
 def test_plan_imports_no_torch(cli_env):
     code = ("import sys, chimera.plan, chimera.plan.report, chimera.cli.plan_cmd; "
             "print('torch' in sys.modules)")

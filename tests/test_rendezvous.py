@@ -330,6 +330,7 @@ def test_runtime_calls_equal_the_replayed_calls(name, options, d):
                     assert any(c[0] == "isend" for c in got)
 
 
+@pytest.mark.slow
 def test_plan_and_check_import_no_torch(cli_env):
     import subprocess
     import sys

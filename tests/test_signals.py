@@ -13,6 +13,10 @@ from chimera.models import get_config
 
 from chimera.train import checkpoint as ckpt
 
+# every test starts `chimera train` processes and signals them: make test-slow
+pytestmark = pytest.mark.slow
+
+
 def children(pid):
     """Every process whose parent is ``pid`` (from /proc: no psutil)."""
     kids = []
@@ -58,7 +62,6 @@ def start_training(cli_env, data, tmp_path, ignore_sigint=False):
     return proc
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sig, ignore_sigint, code", [
     (signal.SIGINT, False, 130), (signal.SIGTERM, False, 143), (signal.SIGKILL, True, -9)],
     ids=["SIGINT", "SIGTERM", "SIGKILL-of-a-background-launcher"])

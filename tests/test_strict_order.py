@@ -207,6 +207,7 @@ D2 = [("gems", {}, 3), ("gems", {}, 1), ("chimera", {}, 4), ("chimera", {"shard_
       ("dualpipe", {}, 4), ("1f1b", {}, 3)]
 
 
+@pytest.mark.slow
 def test_trainer_under_strict_emulation_with_device_plan(strict_env):
     from chimera.train.equivalence import check_equivalence
 

@@ -11,6 +11,9 @@ import torch.distributed as dist
 from chimera.runtime import workers
 from chimera.train.launch import free_port
 
+# every test spawns gloo ranks: make test-slow
+pytestmark = pytest.mark.slow
+
 ROUNDS = 4
 
 
@@ -24,7 +27,6 @@ def _busy_worker(rank, world, port):
         work.wait()
 
 
-@pytest.mark.slow
 def test_teardown_beside_a_cpu_hog():
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

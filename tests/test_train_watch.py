@@ -30,6 +30,7 @@ def watched(tmp_path_factory, data):
     return cfg, result, scalars
 
 
+@pytest.mark.slow
 def test_the_event_file_holds_every_scalar(watched):
     _, _, scalars = watched
     expected = {"train/loss", "train/perplexity", "train/lr", "train/grad_norm", "train/step_s",
@@ -43,6 +44,7 @@ def test_the_event_file_holds_every_scalar(watched):
     assert [s for s, _ in scalars["eval/loss"]] == [2, 3]
 
 
+@pytest.mark.slow
 def test_the_scalars_are_the_runs_values(watched):
     cfg, result, scalars = watched
     steps = result["steps"]
@@ -87,6 +89,7 @@ def test_mfu_counts_three_forwards_per_token(data):
     assert mfu(tokens=1000, seconds=2.0, flops_per_token=6e6, ranks=2, peak=1e9) == 1.5
 
 
+@pytest.mark.slow
 def test_the_summary_shows_perplexity_and_utilization(watched):
     cfg, result, _ = watched
     text = summary(result, cfg.build_schedule())

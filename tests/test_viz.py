@@ -218,6 +218,7 @@ def test_load_trace_rejects_non_trace(tmp_path):
         load_trace_events(bad)
 
 
+@pytest.mark.slow
 def test_viz_imports_no_torch_or_matplotlib():
     code = ("import sys, chimera.viz; "
             "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules")
