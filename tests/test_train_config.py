@@ -19,7 +19,8 @@ from chimera.train.sections import FLAT, SECTIONS, ConfigError, Optim, Pipeline,
 # one value off the default for most fields (a real run would not check files here)
 CHANGED = dict(model="bert-tiny", seq_len=32, partition="0-1,2-3", dtype="float64",
                wire_dtype="bf16", vocab_size=300, text_field="body", schedule="chimera", stages=4,
-               micro_batches=8, micro_batch_size=2, data_parallel=2, sync="end", recompute=True,
+               micro_batches=8, micro_batch_size=2, data_parallel=2, tensor_parallel=2, sync="end",
+               recompute=True,
                shard_optimizer=True, pipes=4, strategy="doubling", steps=7, lr=1e-3, warmup=2,
                lr_schedule="wsd", min_lr_ratio=0.05, wsd_decay=0.3, adam_beta1=0.8,
                adam_beta2=0.9, adam_eps=1e-6, weight_decay=0.0, grad_accum=2, clip=0.5, seed=3,
@@ -31,7 +32,7 @@ CHANGED = dict(model="bert-tiny", seq_len=32, partition="0-1,2-3", dtype="float6
                checkpoint_every=2, keep_checkpoints=5, resume=True, resume_allow=("data",))
 ARGV = ["--model", "bert-tiny", "--seq-len", "32", "--partition", "0-1,2-3", "--dtype", "float64",
         "--wire-dtype", "bf16", "--vocab-size", "300", "--text-field", "body", "-s", "chimera",
-        "-D", "4", "-N", "8", "-B", "2", "-W", "2", "--sync", "end", "--recompute",
+        "-D", "4", "-N", "8", "-B", "2", "-W", "2", "-T", "2", "--sync", "end", "--recompute",
         "--shard-optimizer", "-Q", "4", "--strategy", "doubling", "--steps", "7", "--lr", "1e-3",
         "--warmup", "2", "--lr-schedule", "wsd", "--min-lr-ratio", "0.05", "--wsd-decay", "0.3",
         "--adam-beta1", "0.8", "--adam-beta2", "0.9", "--adam-eps", "1e-6", "--weight-decay", "0",
