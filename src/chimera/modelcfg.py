@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 
 from chimera.errors import UserError
 
-KINDS = ("gpt2", "bert")
+KINDS = ("gpt2", "bert")  # the kinds chimera.models builds
+SIZED_KINDS = KINDS + ("llama",)  # and those only sized here, for the planner (LlamaConfig)
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,9 @@ class ModelConfig:
     mlp_ratio: int = 4
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise UserError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        kinds = SIZED_KINDS if isinstance(self, LlamaConfig) else KINDS
+        if self.kind not in kinds:
+            raise UserError(f"kind must be one of {kinds}, got {self.kind!r}")
         for name in ("n_layer", "d_model", "n_head", "seq_len", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -50,6 +52,54 @@ class ModelConfig:
         """Length of the flat layer list: embedding + blocks + head."""
         return self.n_layer + 2
 
+    # Sizes the planner reads (properties, not fields: a checkpoint records the fields)
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (fewer than ``n_head`` under grouped-query attention)."""
+        return self.n_head
+
+    @property
+    def ffn_width(self) -> int:
+        """Width of the MLP's hidden layer."""
+        return self.mlp_ratio * self.d_model
+
+    @property
+    def gated(self) -> bool:
+        """A gated MLP (SwiGLU: gate, up and down projections) instead of fc, GELU, proj."""
+        return False
+
+
+@dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+    """Shape of a Llama-style decoder, for the planner only (no package here builds it):
+    RMSNorm, rotary positions (no position embedding), grouped-query attention with
+    ``n_kv_head`` key/value heads, a SwiGLU MLP of width ``mlp_width``, no biases, a head
+    not tied to the embedding. ``kind`` is ``"llama"``; ``mlp_ratio`` is not read."""
+
+    n_kv_head: int = 0
+    mlp_width: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("n_kv_head", "mlp_width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise UserError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_head % self.n_kv_head:
+            raise UserError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head
+
+    @property
+    def ffn_width(self) -> int:
+        return self.mlp_width
+
+    @property
+    def gated(self) -> bool:
+        return True
+
 
 PRESETS = types.MappingProxyType({
     "gpt2-tiny": ModelConfig("gpt2", n_layer=6, d_model=32, n_head=2, seq_len=32),
@@ -62,6 +112,25 @@ PRESETS = types.MappingProxyType({
     # The paper's Bert-48: 48 layers, hidden 1024, sequence 128.
     "bert-48": ModelConfig("bert", n_layer=48, d_model=1024, n_head=16, seq_len=128),
 })
+
+
+# Sized for the planner (``chimera plan --model``), not built by ``chimera train``.
+SIZED_PRESETS = types.MappingProxyType({
+    # Llama 2 70B (Touvron et al. 2023, Table 1 and the released config): 80 layers, hidden
+    # 8192, 64 heads, 8 key/value heads, SwiGLU width 28672, vocabulary 32000, context 4096.
+    "llama-70b": LlamaConfig("llama", n_layer=80, d_model=8192, n_head=64, seq_len=4096,
+                             vocab_size=32000, n_kv_head=8, mlp_width=28672),
+})
+
+
+def get_sized_config(name: str, **overrides) -> ModelConfig:
+    """A preset the planner can size: one of ``PRESETS`` or of ``SIZED_PRESETS``."""
+    if name in SIZED_PRESETS:
+        return replace(SIZED_PRESETS[name], **overrides)
+    if name not in PRESETS:
+        raise UserError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}, "
+                        f"{', '.join(sorted(SIZED_PRESETS))} (planner only)")
+    return get_config(name, **overrides)
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
@@ -81,9 +150,16 @@ def _block_params(cfg: ModelConfig) -> int:
     return attn + mlp + 4 * c                                  # two LayerNorms
 
 
+def _llama_block_params(cfg: ModelConfig) -> int:
+    c, kv = cfg.d_model, cfg.d_model // cfg.n_head * cfg.kv_heads
+    return 2 * c * c + 2 * c * kv + 3 * c * cfg.ffn_width + 2 * c  # q, o; k, v; MLP; norms
+
+
 def layer_param_counts(cfg: ModelConfig) -> list[int]:
     """Number of parameters of each layer of the flat list."""
     c, v = cfg.d_model, cfg.vocab_size
+    if cfg.kind == "llama":  # rotary positions: no position table; an untied head
+        return [v * c] + [_llama_block_params(cfg)] * cfg.n_layer + [c + c * v]
     embed = v * c + cfg.seq_len * c
     if cfg.kind == "gpt2":
         head = 2 * c + c * v                                   # ln_f, lm_head (no bias)

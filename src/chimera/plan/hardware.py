@@ -6,9 +6,10 @@ few rows (a small micro-batch of short sequences) reach less of the peak. ``effi
 and ``half_tokens`` are assumptions, not measurements: calibrate them, or give a profile.
 
 Links are alpha-beta (``alpha`` seconds + bytes / ``beta`` bytes per second). Ranks are laid
-out as ``rank = w * D + d``, so a pipeline of D <= ``devices_per_node`` ranks stays inside a
-node (``intra`` links); a longer one crosses nodes, and its slowest hop sets the pace, so
-every hop is priced at the inter-node link. A stage's allreduce group (its replicas times W)
+out as ``rank = (w * D + d) * T + t``, so a pipeline of D * T <= ``devices_per_node`` devices
+stays inside a node (``intra`` links); a longer one crosses nodes, and its slowest hop sets the
+pace, so every hop is priced at the inter-node link. A TP group (T divides the node) is inside
+a node. A stage's allreduce group (its replicas times W)
 spans nodes unless all P ranks fit in one node.
 
 The optimizer step is memory-bound: AdamW reads the weights, gradients and its state and
@@ -67,12 +68,14 @@ class Hardware:
     def usable_bytes(self) -> float:
         return self.memory_gib * 2**30 * (1 - self.memory_reserve)
 
-    def p2p_link(self, depth: int) -> Link:
-        if self.intra_p2p and depth <= self.devices_per_node:
+    def p2p_link(self, gpus: int) -> Link:
+        """The link between a pipeline's stages, which spans ``gpus`` = D * T devices."""
+        if self.intra_p2p and gpus <= self.devices_per_node:
             return self.intra_p2p
         return self.p2p
 
     def allreduce_link(self, gpus: int) -> Link:
+        """The link of a collective over ``gpus`` devices (a TP group of T stays in a node)."""
         if self.intra_allreduce and gpus <= self.devices_per_node:
             return self.intra_allreduce
         return self.allreduce

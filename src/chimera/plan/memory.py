@@ -8,6 +8,15 @@ masks, no tensor parallelism). We count the same tensors for e-byte activations:
 output), the ``a s^2 b`` softmax output, and with dropout two 1-byte ``sbh`` masks plus an
 ``a s^2 b`` mask and dropped-out copy. With e = 2 and dropout that is exactly 34 and 5.
 Flash attention keeps no ``s^2`` tensor (its row statistics are negligible and ignored).
+A Llama-style block (``LlamaConfig``) keeps K and V at the key/value heads' width and four
+SwiGLU tensors of the MLP's width (gate and up outputs, the activation, their product).
+
+With tensor parallelism over T ranks (Megatron's, without sequence parallelism; Korthikanti
+Sec. 4.2.1: ``sbh(10 + 24/t + 5as/(ht))``) the tensors inside a sub-block are sharded and
+divided by T: Q, K, V, the attention output, the MLP's hidden tensors and the ``s^2`` scores
+and their masks; the four e-byte tensors at the sub-blocks' edges (both LayerNorm inputs, the
+qkv input and the MLP input) and the 1-byte dropout masks of the sub-blocks' outputs stay
+whole on every rank. With e = 2 and dropout: 10 whole and 24/t.
 
 With recomputation a stage keeps only its input per micro-batch (``sbh`` e-byte, or the
 token ids for the first stage) and rebuilds one micro-batch's activations during its
@@ -25,31 +34,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chimera.ir import Op, Schedule, finishing_op
-from chimera.modelcfg import ModelConfig, layer_param_counts
+from chimera.modelcfg import ModelConfig
 
 ACT_BYTES = {"fp32": 4, "mixed": 2}
 # (weights, gradients, optimizer state) bytes per parameter
 STATE_BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
 
 
-def block_activation_bytes(cfg: ModelConfig, tokens: float, precision: str, flash: bool) -> float:
-    """Bytes one transformer block keeps for backward, for ``tokens`` = b * s tokens."""
+def block_activation_bytes(cfg: ModelConfig, tokens: float, precision: str, flash: bool,
+                           tensor: int = 1) -> float:
+    """Bytes one transformer block keeps for backward, for ``tokens`` = b * s tokens, on one
+    of ``tensor`` TP ranks (module docstring: which tensors TP divides)."""
     e, h, a, s = ACT_BYTES[precision], cfg.d_model, cfg.n_head, cfg.seq_len
     dropout = cfg.dropout > 0
-    per_token = h * (16 * e + (2 if dropout else 0))
-    scores = 0.0 if flash else a * s * (e + (e + 1 if dropout else 0))  # per token: a*s*s*b / (s*b)
+    kv = h // a * cfg.kv_heads  # the width of K and of V
+    whole = 4 * h  # the two norms' inputs, the inputs of qkv and of the MLP's first product
+    mlp = (4 if cfg.gated else 2) * cfg.ffn_width  # SwiGLU: gate, up, act, product; GELU: in, out
+    split = 2 * h + 2 * kv + mlp  # Q, the attention output (out-projection input), K, V, MLP
+    per_token = e * (whole + split / tensor) + (2 * h if dropout else 0)  # 1-byte masks: whole
+    scores = 0.0 if flash else a * s * (e + (e + 1 if dropout else 0)) / tensor  # a*s*s*b / (s*b)
     return tokens * (per_token + scores)
 
 
-def layer_activation_bytes(cfg: ModelConfig, tokens: float, precision: str, flash: bool) -> list[float]:
-    """Bytes each layer of the flat list keeps for backward (no recomputation)."""
+def layer_activation_bytes(cfg: ModelConfig, tokens: float, precision: str, flash: bool,
+                           tensor: int = 1) -> list[float]:
+    """Bytes each layer of the flat list keeps for backward (no recomputation); at T > 1 a
+    block's per ``block_activation_bytes``, the embedding's and head's whole (the head's
+    logits are gathered: every rank holds them all)."""
     e, h, v = ACT_BYTES[precision], cfg.d_model, cfg.vocab_size
     mask = 1 if cfg.dropout > 0 else 0
     embed = tokens * (8 + h * (e * (2 if cfg.kind == "bert" else 1) + mask))  # ids, sum, (LN in)
     # head: inputs of its LayerNorm and matmul(s) (BERT: dense, GELU, LN, decoder), and the
     # fp32 logits the cross entropy differentiates
     head = tokens * (h * e * (4 if cfg.kind == "bert" else 2) + 4 * v)
-    block = block_activation_bytes(cfg, tokens, precision, flash)
+    block = block_activation_bytes(cfg, tokens, precision, flash, tensor)
     return [embed] + [block] * cfg.n_layer + [head]
 
 
@@ -65,11 +83,6 @@ def state_bytes(params: float, precision: str, weight_versions: int = 1, shards:
     replicas (a reduce-scatter output of 1/shards of the gradients is small and not counted)."""
     w, g, o = STATE_BYTES[precision]
     return params * (w * weight_versions + g + o / shards)
-
-
-def stage_params(cfg: ModelConfig, ranges: list[range]) -> list[int]:
-    counts = layer_param_counts(cfg)
-    return [sum(counts[i] for i in rng) for rng in ranges]
 
 
 @dataclass(frozen=True)

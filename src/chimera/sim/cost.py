@@ -41,6 +41,11 @@ class Link:
         steps = 2 * (group - 1)
         return steps * self.alpha + (steps * nbytes / group / self.beta if self.beta != math.inf else 0.0)
 
+    def all_gather(self, nbytes: float, group: int) -> float:
+        """Ring all-gather of ``nbytes`` in all (each rank brings nbytes/n): n-1 steps, half
+        of an allreduce."""
+        return self.allreduce(nbytes, group) / 2
+
 
 @dataclass(frozen=True)
 class CostModel:
