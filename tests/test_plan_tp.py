@@ -1,6 +1,9 @@
-"""The planner with tensor parallelism (issue 35 point 7): pricing per TP rank. No processes."""
+"""The planner with tensor parallelism (issue 35 point 7): pricing per TP rank, the (W, D, T)
+search and its bounds, the CLI. No processes."""
 
+import dataclasses
 import io
+import json
 from contextlib import redirect_stdout
 
 import pytest
@@ -10,9 +13,12 @@ from chimera.errors import UserError
 from chimera.modelcfg import (get_config, get_sized_config, layer_param_counts, param_count,
                               flops_per_token)
 from chimera.plan import Planner, PlanError, Workload, get_hardware
-from chimera.plan.memory import block_activation_bytes
+from chimera.plan.memory import block_activation_bytes, state_bytes
+from chimera.plan.report import explain
+from chimera.plan.search import Candidate
 from chimera.plan.tensor import (collective_times, padded_vocab, rank_param_counts,
                                  tensor_sizes, tp_problem)
+from chimera.schedules import get_scheme
 from chimera.sim.cost import Link
 
 FEW = ["1f1b", "chimera", "zb-h1", "interleaved"]
@@ -67,6 +73,7 @@ def test_t1_plans_are_unchanged(case, node):
     got = [(e.candidate.variant, e.candidate.width, e.candidate.depth, e.candidate.micro_batch,
             e.candidate.recompute, e.iteration_s, e.memory_bytes) for e in top]
     assert got == BEFORE[case]  # p100 has no intra-node links: a node of 8 changes nothing
+    assert all(e.candidate.tensor == 1 for e in top)
 
 
 def test_cli_without_gpus_per_node_prints_no_t_column():
@@ -147,6 +154,15 @@ def test_stage_costs_divide_compute_and_add_collectives():
     assert rc.times.b == pytest.approx([b + f for b, f in zip(four.times.b, four.times.f)])
 
 
+def test_memory_of_a_tp_candidate_is_one_ranks():
+    pl = planner("gpt2-medium", tensor=(2,), names=["1f1b"])
+    c = Candidate("1f1b", (), 2, 2, 2, 4, False, tensor=2)
+    shape = pl.shape(c)
+    sc = pl.stage_costs(c, shape)
+    expect = max(state_bytes(sc.params[r], "mixed") + shape.held.peak(r, sc.act_kept) for r in range(2))
+    assert pl.memory(c, shape, sc) == expect
+
+
 @pytest.mark.parametrize("link", [Link(3e-6, 360e9), Link(5e-6, 48e9)])
 def test_tp_communication_grows_with_t(link):
     cfg = get_config("gpt2-medium")
@@ -157,6 +173,19 @@ def test_tp_communication_grows_with_t(link):
         assert all(x1 > x0 for x0, x1 in zip(b0[1:], b1[1:]))
         assert f1[0] > f0[0] and b1[0] == 0.0  # the embedding: forward only
     assert link.all_gather(1e6, 4) == link.allreduce(1e6, 4) / 2
+
+
+def test_tp_comm_of_an_evaluation_counts_each_action():
+    """1F1B at D=2: each rank runs N forwards and N backwards of its one stage."""
+    pl = planner("gpt2-medium", tensor=(1, 4), names=["1f1b"])
+    c = Candidate("1f1b", (), 2, 1, 2, 4, False, tensor=4)
+    e = pl.evaluate(c)
+    sc = pl.stage_costs(c, pl.shape(c))
+    assert pl.tp_comm(e) == pytest.approx(max(4 * (f + b) for f, b in zip(sc.tp_f, sc.tp_b)))
+    rc = dataclasses.replace(c, recompute=True)  # the recomputed forward's collectives too
+    sc = pl.stage_costs(rc, pl.shape(rc))
+    assert pl.tp_comm(pl.evaluate(rc)) == pytest.approx(max(4 * (2 * f + b) for f, b in zip(sc.tp_f, sc.tp_b)))
+    assert pl.tp_comm(pl.evaluate(dataclasses.replace(c, tensor=1, width=4))) == 0.0
 
 
 def test_p2p_crosses_nodes_when_a_pipeline_of_d_times_t_does():
@@ -182,3 +211,101 @@ def test_t_divides_the_node_p_and_the_model():
     for bad, message in (((8,), "20 heads"), ((16,), "GPUs per node"), ((0,), "positive")):
         with pytest.raises(PlanError, match=message):
             Workload(paper, 64, 64, get_hardware("h100"), tensor_parallel=bad)
+
+
+def test_every_candidate_lays_out_p_as_w_d_t():
+    pl = planner("gpt2-medium", gpus=16, batch=32, tensor=(1, 2, 4, 8))
+    seen = set()
+    for c in pl.candidates():
+        assert c.width * c.depth * c.tensor == 16 and c.tensor in (1, 2, 4, 8)
+        seen.add(c.tensor)
+    assert seen == {1, 2, 4, 8}
+
+
+def test_bounds_stay_lower_bounds_with_t_and_the_search_is_exact():
+    pl = planner("gpt2-medium", gpus=8, batch=16, tensor=(1, 2, 4, 8),
+                 names=["1f1b", "chimera", "zb-h1", "pipedream-2bw"])
+    evals = [e for e in map(pl.evaluate, pl.candidates()) if e is not None]
+    assert {e.candidate.tensor for e in evals} == {1, 2, 4, 8}
+    best = {}
+    for e in evals:
+        c = e.candidate
+        floor, mem = pl.lower_bounds(c)
+        assert floor <= e.iteration_s * (1 + 1e-9), c
+        assert pl.quick_floor(c) <= e.iteration_s * (1 + 1e-9), c
+        assert mem <= e.memory_bytes * (1 + 1e-9), c
+        key = (c.scheme, c.tensor)
+        best[key] = min(best.get(key, e.iteration_s), e.iteration_s)
+    result = pl.run(top_k=5, group=lambda c: (c.scheme, c.tensor))
+    assert {k: e.iteration_s for k, e in result.best.items()} == pytest.approx(best)
+    runnable = sorted(e.iteration_s for e in evals if get_scheme(e.candidate.scheme).runnable)
+    assert [e.iteration_s for e in result.top] == pytest.approx(runnable[:5])
+
+
+def test_a_model_that_does_not_fit_at_t1_gets_t_above_1():
+    """64 GPUs and 26 layers: at T = 1 a stage holds at least 1/16 of the model (D <= 26), at
+    T = 4 a quarter of that."""
+    def make(tensor, memory=None):
+        return planner("gpt2-medium", gpus=64, batch=64, tensor=tensor, names=["1f1b"], memory=memory)
+
+    def least(tensor):
+        pl = make(tensor)
+        return min(e.memory_bytes for e in map(pl.evaluate, pl.candidates()) if e) / 2**30
+
+    need, need4 = least((1,)), least((4,))
+    assert need4 < need / 2
+    limit = (need + need4) / 2
+    with pytest.raises(PlanError, match="no configuration fits"):
+        make((1,), limit).run(top_k=1)
+    result = make((1, 2, 4, 8), limit).run(top_k=3)
+    assert all(e.candidate.tensor > 1 and e.memory_bytes <= limit * 2**30 for e in result.top)
+
+
+def test_explain_says_why_this_t():
+    pl = planner("gpt2-medium", gpus=8, batch=16, tensor=(1, 2, 4), names=["1f1b", "chimera"])
+    text = explain(pl, pl.run(top_k=2))
+    t = pl.run(top_k=1).top[0].candidate.tensor
+    assert f"why T={t}" in text and "<- chosen" in text.split(f"why T={t}")[1]
+    assert "TP collectives" in text
+    assert "T=8: not searched" in text or t < 4  # 2T beyond what was asked for
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def test_cli_gpus_per_node_searches_t_and_explains():
+    code, out = run_cli("plan", "--model", "gpt2-paper", "--gpus", "16", "--global-batch", "32",
+                        "--hardware", "h100", "--gpus-per-node", "8", "--schemes", "1f1b,chimera",
+                        "--top", "3", "--explain")
+    assert code == 0 and "tensor parallel T in {1, 2, 4}" in out
+    assert out.splitlines()[3].split()[:6] == ["#", "scheme", "W", "D", "T", "B"]
+    assert "why T=" in out and "T=4: " in out
+    _, out = run_cli("plan", "--model", "gpt2-paper", "--gpus", "16", "--global-batch", "32",
+                     "--hardware", "h100", "--tensor-parallel", "4", "--schemes", "1f1b",
+                     "--top", "1", "--explain")
+    assert "T=8: not searched (T=8 does not divide the 20 heads)" in out
+    assert "T=1: not searched (not asked for)" in out
+
+
+def test_cli_json_has_t_and_a_fixed_t():
+    code, out = run_cli("plan", "--model", "llama-70b", "--gpus", "64", "--global-batch", "64",
+                        "--hardware", "h100", "--tensor-parallel", "8", "--schemes", "1f1b",
+                        "--recompute", "on", "--json", "--top", "2")
+    data = json.loads(out)
+    assert code == 0 and data["tensor_parallel"] == [8] and data["gpus_per_node"] == 8
+    assert all(e["T"] == 8 and e["W"] * e["D"] * 8 == 64 for e in data["top"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel", "8"], "does not divide the 20 heads"),
+    (["--tensor-parallel", "x"], "comma-separated integers"),
+    (["--tensor-parallel", "2", "--gpus-per-node", "1"], "GPUs per node"),
+    (["--model", "bert-48", "--tensor-parallel", "2"], "BERT"),
+])
+def test_cli_bad_t_exits_2_with_one_line(argv, message, capsys):
+    base = {"--model": "gpt2-paper", "--gpus": "16", "--global-batch": "32", "--hardware": "h100"}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    with pytest.raises(SystemExit) as exc:
+        main(["plan"] + [x for kv in base.items() for x in kv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and len(err.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""`chimera plan`: pick W, D, B, recomputation and scheme for a model on a machine."""
+"""`chimera plan`: pick W, D, T, B, recomputation and scheme for a model on a machine."""
 
 from __future__ import annotations
 
@@ -6,22 +6,24 @@ import argparse
 import json
 
 from chimera.cli.common import positive_float, positive_int
-from chimera.modelcfg import PRESETS, get_config
-from chimera.plan import Planner, Workload, get_hardware, load_profile
+from chimera.modelcfg import PRESETS, SIZED_PRESETS, get_sized_config
+from chimera.plan import Planner, PlanError, Workload, get_hardware, load_profile
 from chimera.plan.hardware import PRESETS as HARDWARE
+from chimera.plan.tensor import tensor_sizes
 from chimera.plan.report import explain, table, to_json
 from chimera.plan.search import gc_paused
 
 
 def add_parsers(sub) -> None:
     p = sub.add_parser(
-        "plan", help="choose W, D, B, recomputation and scheme for a model on P devices",
-        description="Enumerate every data-parallel width W and depth D with W*D = P, micro-batch "
-                    "size B (N = G / (W*B) micro-batches), recomputation on/off and every "
-                    "registered scheme with its options; simulate what may win (exact branch and "
-                    "bound), drop what does not fit in memory, and print the fastest.")
+        "plan", help="choose W, D, T, B, recomputation and scheme for a model on P devices",
+        description="Enumerate every data-parallel width W and depth D with W*D = P (W*D*T = P "
+                    "with tensor parallelism: --gpus-per-node), micro-batch size B (N = G / (W*B) "
+                    "micro-batches), recomputation on/off and every registered scheme with its "
+                    "options; simulate what may win (exact branch and bound), drop what does not "
+                    "fit in memory, and print the fastest.")
     p.add_argument("--model", "-m", required=True, metavar="NAME",
-                   help=f"model preset: {', '.join(PRESETS)}")
+                   help=f"model preset: {', '.join(PRESETS)}; planner only: {', '.join(SIZED_PRESETS)}")
     p.add_argument("--gpus", "-P", required=True, type=positive_int, help="number of devices P")
     p.add_argument("--global-batch", "-G", required=True, type=positive_int,
                    help="sequences per iteration (the mini-batch), G = W * N * B")
@@ -39,6 +41,13 @@ def add_parsers(sub) -> None:
     p.add_argument("--shard-optimizer", choices=("off", "on", "both"), default="off",
                    help="AdamW state split over each stage's replicas (chimera train "
                         "--shard-optimizer): off (default), on, or try both")
+    p.add_argument("--gpus-per-node", type=positive_int, metavar="N",
+                   help="GPUs per node: search tensor parallelism T too (T divides N, P and the "
+                        "model's heads, key/value heads and MLP width; TP stays inside a node; not "
+                        "with --profile, measured at T = 1). Default: T = 1 only, nodes as the "
+                        "hardware preset has them")
+    p.add_argument("--tensor-parallel", "-T", metavar="LIST",
+                   help="comma-separated T values to search instead (e.g. 4 or 1,2,4)")
     p.add_argument("--vocab-size", type=positive_int, help="override the preset's vocabulary")
     p.add_argument("--dropout", type=float, help="override the preset's dropout (memory model)")
     p.add_argument("--top", "-k", type=positive_int, default=10, help="configurations to list")
@@ -50,10 +59,26 @@ def add_parsers(sub) -> None:
 def workload_from_args(args: argparse.Namespace):
     overrides = {k: v for k, v in (("vocab_size", args.vocab_size), ("dropout", args.dropout))
                  if v is not None}
-    cfg = get_config(args.model, **overrides)
+    cfg = get_sized_config(args.model, **overrides)
     profile = load_profile(args.profile) if args.profile else None
-    return Workload(cfg, args.gpus, args.global_batch, get_hardware(args.hardware),
-                    memory_gib=args.memory, profile=profile, name=args.model)
+    hw, node = get_hardware(args.hardware), args.gpus_per_node
+    return Workload(cfg, args.gpus, args.global_batch, hw, memory_gib=args.memory, profile=profile,
+                    name=args.model, tensor_parallel=_tensor_sizes(args, cfg, node or hw.devices_per_node),
+                    gpus_per_node=node)
+
+
+def _tensor_sizes(args: argparse.Namespace, cfg, node: int) -> tuple[int, ...]:
+    """--tensor-parallel as given; else every T the model and node allow with --gpus-per-node
+    (none with a profile: it was measured at T = 1); else T = 1."""
+    if args.tensor_parallel:
+        try:
+            return tuple(int(x) for x in args.tensor_parallel.split(",") if x.strip())
+        except ValueError:
+            raise PlanError(f"--tensor-parallel must be comma-separated integers, got "
+                            f"{args.tensor_parallel!r}") from None
+    if args.gpus_per_node and not args.profile:
+        return tensor_sizes(cfg, args.gpus, node)
+    return (1,)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

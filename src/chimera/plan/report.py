@@ -5,6 +5,7 @@ from __future__ import annotations
 from chimera.modelcfg import param_count
 from chimera.plan.hardware import PlanError
 from chimera.plan.search import Candidate, Evaluation, Planner, PlanResult
+from chimera.plan.tensor import placement_problem
 from chimera.plan.workload import divisors
 
 GIB = 2**30
@@ -12,43 +13,57 @@ ASYNC_MARK = "*"
 
 
 def _config(c: Candidate) -> str:
-    return f"W={c.width} D={c.depth} B={c.micro_batch} N={c.micro_batches}" + \
-        (" rc" if c.recompute else "")
+    return f"W={c.width} D={c.depth}{f' T={c.tensor}' if c.tensor > 1 else ''} " \
+        f"B={c.micro_batch} N={c.micro_batches}" + (" rc" if c.recompute else "")
+
+
+def _searches_tensor(result: PlanResult) -> bool:
+    return result.workload.tensor_parallel != (1,)
 
 
 def header(result: PlanResult) -> str:
     w, s = result.workload, result.stats
     hw = w.hardware
+    tp = (f"; tensor parallel T in {{{', '.join(map(str, w.tensor_parallel))}}} inside nodes of "
+          f"{hw.devices_per_node}" if _searches_tensor(result) else "")
     return (f"{w.name or w.model.kind}: {param_count(w.model) / 1e9:.2f} B parameters, "
             f"{w.model.n_layer} layers, d {w.model.d_model}, seq {w.model.seq_len}; "
             f"mini-batch {w.global_batch} on {w.gpus} x {hw.name} ({result.capacity / GIB:.1f} GiB "
-            f"usable per rank, {hw.precision})\n"
+            f"usable per rank, {hw.precision}){tp}\n"
             f"searched {s.candidates} configurations in {s.seconds:.1f} s: simulated {s.simulated}, "
             f"cut by time bound {s.cut_by_bound}, by memory bound {s.cut_by_memory_bound}, "
             f"out of memory {s.out_of_memory}, not buildable {s.invalid}")
 
 
-def _row(rank: str, e: Evaluation, extra: str = "") -> str:
+def _row(rank: str, e: Evaluation, extra: str = "", tensor: bool = False) -> str:
     c = e.candidate
     name = c.variant + (ASYNC_MARK if e.asynchronous else "")
-    return (f"{rank:>3} {name:<24} {c.width:>4} {c.depth:>3} {c.micro_batch:>3} "
+    t = f" {c.tensor:>2}" if tensor else ""
+    return (f"{rank:>3} {name:<24} {c.width:>4} {c.depth:>3}{t} {c.micro_batch:>3} "
             f"{c.micro_batches:>4} {'yes' if c.recompute else 'no':>4} {e.iteration_s:>8.3f} "
             f"{e.throughput:>8.1f} {e.bubble_ratio:>6.1%} {e.memory_bytes / GIB:>7.2f} "
             f"{e.allreduce_share:>6.1%}{extra}")
 
 
-COLUMNS = (f"{'#':>3} {'scheme':<24} {'W':>4} {'D':>3} {'B':>3} {'N':>4} {'rc':>4} "
-           f"{'iter s':>8} {'seq/s':>8} {'bubble':>6} {'GiB/rk':>7} {'allred':>6}")
+def columns(tensor: bool = False) -> str:
+    """The table's header line; a T column when the search spans tensor parallelism."""
+    t = f" {'T':>2}" if tensor else ""
+    return (f"{'#':>3} {'scheme':<24} {'W':>4} {'D':>3}{t} {'B':>3} {'N':>4} {'rc':>4} "
+            f"{'iter s':>8} {'seq/s':>8} {'bubble':>6} {'GiB/rk':>7} {'allred':>6}")
+
+
+COLUMNS = columns()
 
 
 def table(result: PlanResult) -> str:
     """The top configurations, then the best of every scheme with the winner's speed-up."""
-    lines = [header(result), "", COLUMNS]
-    lines += [_row(str(i + 1), e) for i, e in enumerate(result.top)]
+    tp = _searches_tensor(result)
+    lines = [header(result), "", columns(tp)]
+    lines += [_row(str(i + 1), e, tensor=tp) for i, e in enumerate(result.top)]
     win = result.top[0]
-    lines += ["", "best per scheme (speed-up of #1 over it):", COLUMNS + f" {'#1 speed-up':>11}"]
+    lines += ["", "best per scheme (speed-up of #1 over it):", columns(tp) + f" {'#1 speed-up':>11}"]
     for e in sorted(result.best.values(), key=lambda e: e.iteration_s):
-        lines.append(_row("", e, f" {e.iteration_s / win.iteration_s:>10.2f}x"))
+        lines.append(_row("", e, f" {e.iteration_s / win.iteration_s:>10.2f}x", tp))
     missing = sorted(set(result.schemes) - set(result.best))
     if missing:
         lines.append(f"no configuration fits or builds for: {', '.join(missing)}")
@@ -56,7 +71,9 @@ def table(result: PlanResult) -> str:
         lines.append(f"{ASYNC_MARK} asynchronous (PipeDream, 2BW): simulation only; stale weights, "
                      "not the same training as one device")
     lines.append("iter s: one iteration (mini-batch); bubble: idle share of compute streams; "
-                 "allred: share of the iteration after the last compute (unhidden gradient sync)")
+                 "allred: share of the iteration after the last compute (unhidden gradient sync)"
+                 + ("; T: tensor-parallel ranks per pipeline rank (P = W*D*T), every figure "
+                    "per TP rank" if tp else ""))
     return "\n".join(lines)
 
 
@@ -66,7 +83,7 @@ def to_json(result: PlanResult) -> dict:
     def ev(e: Evaluation) -> dict:
         c = e.candidate
         return {"scheme": c.scheme, "options": dict(c.options), "variant": c.variant,
-                "W": c.width, "D": c.depth, "B": c.micro_batch, "N": c.micro_batches,
+                "W": c.width, "D": c.depth, "T": c.tensor, "B": c.micro_batch, "N": c.micro_batches,
                 "recompute": c.recompute, "shard_optimizer": c.shard, "iteration_s": e.iteration_s,
                 "throughput_seq_per_s": e.throughput, "bubble_ratio": e.bubble_ratio,
                 "memory_gib": e.memory_bytes / GIB, "allreduce_share": e.allreduce_share,
@@ -75,6 +92,7 @@ def to_json(result: PlanResult) -> dict:
     s = result.stats
     return {"model": w.name, "params": param_count(w.model), "gpus": w.gpus,
             "global_batch": w.global_batch, "hardware": w.hardware.name,
+            "tensor_parallel": list(w.tensor_parallel), "gpus_per_node": w.hardware.devices_per_node,
             "capacity_gib": result.capacity / GIB, "top": [ev(e) for e in result.top],
             "best_per_scheme": {k: ev(e) for k, e in sorted(result.best.items())},
             "search": {"candidates": s.candidates, "simulated": s.simulated,
@@ -150,14 +168,42 @@ def explain(planner: Planner, result: PlanResult) -> str:
     for e in sorted(result.best.values(), key=lambda e: e.iteration_s):
         if e.candidate.scheme != c.scheme:
             lines.append(why_faster(win, e))
-    lines += _sweep(planner, c, "D", lambda x: x.depth, lambda x: True)
+    lines += _sweep(planner, c, "D", lambda x: x.depth, lambda x: x.tensor == c.tensor)
     sizes = divisors(c.micro_batch * c.micro_batches)  # B values at this W
     near = set(sizes[max(0, sizes.index(c.micro_batch) - 1):sizes.index(c.micro_batch) + 2])
+    same = lambda x: x.depth == c.depth and x.tensor == c.tensor  # noqa: E731
     lines += _sweep(planner, c, "B", lambda x: x.micro_batch,  # the neighbours: smaller B means
-                    lambda x: x.depth == c.depth and x.micro_batch in near)  # many more actions
+                    lambda x: same(x) and x.micro_batch in near)  # many more actions
     lines += _sweep(planner, c, "recompute", lambda x: x.recompute,
-                    lambda x: x.depth == c.depth and x.micro_batch == c.micro_batch)
+                    lambda x: same(x) and x.micro_batch == c.micro_batch)
+    if _searches_tensor(result) or c.tensor > 1:
+        lines += _tensor_lines(planner, result)
     return "\n".join(lines)
+
+
+def _tensor_lines(planner: Planner, result: PlanResult) -> list[str]:
+    """Why this T: the best plan at T = 1, T/2, T and 2T, each with its compute, the part of
+    it that is TP collectives, and its memory; or why it does not fit or was not searched."""
+    win, work = result.top[0], planner.work
+    t = win.candidate.tensor
+    out = [f"why T={t} (tensor parallel; the best of every scheme at each T):"]
+    for size in sorted({1, max(1, t // 2), t, 2 * t}):
+        if size not in work.tensor_parallel:
+            why = placement_problem(work.model, size, work.gpus, work.hardware.devices_per_node)
+            out.append(f"  T={size}: not searched ({why or 'not asked for'})")
+            continue
+        try:
+            e = planner.run(top_k=1, only=lambda x: x.tensor == size).top[0]
+        except PlanError as exc:  # nothing fits at this T: the error says what the least needs
+            out.append(f"  T={size}: {exc}")
+            continue
+        comp, idle, sync = parts(e)
+        mark = "  <- chosen" if size == t else f"  ({e.iteration_s / win.iteration_s:.2f}x)"
+        out.append(f"  T={size}: {e.iteration_s:.3f} s ({e.candidate.variant} {_config(e.candidate)}; "
+                   f"compute {comp:.2f} s, of it TP collectives {planner.tp_comm(e):.2f} s; wait "
+                   f"{idle:.2f}, allreduce {sync:.2f} s; {e.memory_bytes / GIB:.1f} of "
+                   f"{result.capacity / GIB:.1f} GiB){mark}")
+    return out
 
 
 def _sweep(planner: Planner, c: Candidate, label: str, key, where) -> list[str]:
@@ -168,7 +214,8 @@ def _sweep(planner: Planner, c: Candidate, label: str, key, where) -> list[str]:
         return []
     if len(res.best) < 2:
         return []
-    out = [f"{c.scheme} at each {label}" + ("" if label == "D" else f" (D={c.depth})") + ":"]
+    at = ([] if label == "D" else [f"D={c.depth}"]) + ([f"T={c.tensor}"] if c.tensor > 1 else [])
+    out = [f"{c.scheme} at each {label}" + (f" ({', '.join(at)})" if at else "") + ":"]
     for value, e in sorted(res.best.items()):
         comp, idle, sync = parts(e)
         mark = "  <- chosen" if key(c) == value else ""

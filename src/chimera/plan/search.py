@@ -1,4 +1,4 @@
-"""Enumerate (scheme, W, D, B, N, recompute), price each with the simulator, keep the best.
+"""Enumerate (scheme, W, D, T, B, N, recompute), price each with the simulator, keep the best.
 
 The search is exact branch and bound, not sampling: every configuration is enumerated and
 gets lower bounds on its time (``chimera.theory.bounds``) and memory (``workload.memory_floor``)
@@ -7,8 +7,12 @@ beat the best of its scheme. It goes best-first on the sharp bound, which is com
 configurations are found early and most of the rest are cut. Schedules are generated once per
 shape (``shapes``) and timed for each cost model in one pass (``sim.engine``).
 
+Tensor parallelism is one more axis: for each T the workload allows, W * D = P / T; a
+candidate's stage costs, memory and bounds are one TP rank's (``workload``, ``tensor``), so the
+bounds stay below what the simulator gives for the same T.
+
 Where it approximates: nowhere in the search; the approximations are the cost model's
-(``workload``, ``hardware``, ``memory``) and the asynchronous schemes' steady state
+(``workload``, ``hardware``, ``memory``, ``tensor``) and the asynchronous schemes' steady state
 (``chimera.theory.bounds.async_parts``).
 """
 
@@ -23,7 +27,7 @@ import time
 from dataclasses import dataclass, replace
 
 from chimera.theory import bounds
-from chimera.ir import OpTimes, ScheduleError
+from chimera.ir import Op, OpTimes, ScheduleError
 from chimera.plan.hardware import PlanError
 from chimera.plan.memory import state_bytes
 from chimera.plan.shapes import Shape, ShapeCache
@@ -42,6 +46,7 @@ class Candidate:
     micro_batches: int  # N: micro-batches per pipeline per iteration
     recompute: bool
     shard: bool = False  # optimizer sharded over each stage's replica group (ZeRO-1)
+    tensor: int = 1  # T: tensor-parallel ranks per pipeline rank (P = W * D * T)
 
     @property
     def variant(self) -> str:
@@ -136,15 +141,17 @@ def _needs_even_depth(name: str) -> bool:
 
 def check_request(work: Workload, names: list[str]) -> None:
     """Fail early, with one line, on requests no configuration can meet."""
-    p = work.gpus
+    p, sizes = work.gpus, work.tensor_parallel
+    of = "" if sizes == (1,) else f" / T (T in {', '.join(map(str, sizes))})"
     bidirectional = [n for n in names if _needs_even_depth(n)]
-    if bidirectional and p % 2:
-        raise PlanError(f"--gpus {p} has no even divisor D, which {', '.join(bidirectional)} "
+    if bidirectional and all((p // t) % 2 for t in sizes):
+        raise PlanError(f"--gpus {p}{of} has no even divisor D, which {', '.join(bidirectional)} "
                         f"need(s); choose an even P or leave them out with --schemes")
     layers = work.model.n_layers_total
-    if not any(work.global_batch % (p // d) == 0 for d in divisors(p) if d <= layers):
+    if not any(work.global_batch % (p // t // d) == 0 for t in sizes for d in divisors(p // t)
+               if d <= layers):
         raise PlanError(f"global batch {work.global_batch} is not divisible by any data-parallel "
-                        f"width W = P / D of P = {p} with D <= {layers} (the model's layers)")
+                        f"width W = P{of} / D of P = {p} with D <= {layers} (the model's layers)")
 
 
 class Planner:
@@ -162,19 +169,21 @@ class Planner:
         self.stats = Stats()
 
     def candidates(self) -> list[Candidate]:
-        out, p, g = [], self.work.gpus, self.work.global_batch
+        out, g = [], self.work.global_batch
         layers = self.work.model.n_layers_total
-        for depth in divisors(p):
-            width = p // depth
-            if g % width or depth > layers:
-                continue
-            for b in divisors(g // width):
-                n = g // (width * b)
-                for name in self.names:
-                    for opts in variants(name, depth, layers):
-                        shard = self.shard if get_scheme(name).runnable else (False,)
-                        out += [Candidate(name, opts, depth, width, b, n, rc, sh)
-                                for rc in self.recompute for sh in shard]
+        for t in self.work.tensor_parallel:
+            p = self.work.gpus // t  # pipeline ranks: W * D
+            for depth in divisors(p):
+                width = p // depth
+                if g % width or depth > layers:
+                    continue
+                for b in divisors(g // width):
+                    n = g // (width * b)
+                    for name in self.names:
+                        for opts in variants(name, depth, layers):
+                            shard = self.shard if get_scheme(name).runnable else (False,)
+                            out += [Candidate(name, opts, depth, width, b, n, rc, sh, t)
+                                    for rc in self.recompute for sh in shard]
         return out
 
     # -- pricing one candidate ------------------------------------------------------------
@@ -194,11 +203,11 @@ class Planner:
         sequences = c.micro_batch * s.micro_scale
         if s.stages > self.work.model.n_layers_total or sequences != int(sequences):
             return None
-        return self.pricing.stage_costs(s.stages, sequences, c.recompute)
+        return self.pricing.stage_costs(s.stages, sequences, c.recompute, c.tensor)
 
     def _times(self, c: Candidate, sc: StageCosts) -> OpTimes:
         """The stage costs' times with the hops of this candidate's depth."""
-        link = self.work.hardware.p2p_link(c.depth)
+        link = self.work.hardware.p2p_link(c.depth * c.tensor)
         return replace(sc.times, hop=tuple(link.time(x) for x in sc.send_bytes))
 
     def _allreduce(self):
@@ -263,6 +272,22 @@ class Planner:
         work_end = t.compute_end + max(t.optimizer)  # then come unhidden sync and all-gather
         return self._evaluation(c, shape, t.makespan, t.busy, work_end, mem)
 
+    def tp_comm(self, e: Evaluation) -> float:
+        """Seconds of TP collectives on the rank that spends most on them, in one iteration
+        (0 at T = 1): each F waits its stage's forward collectives, each B or I the backward
+        ones (and a recomputed forward's), W none."""
+        c = e.candidate
+        shape = self.shape(c)
+        sc = shape and self.stage_costs(c, shape)
+        if not sc or not sc.tp_f:
+            return 0.0
+        s = shape.schedule
+        per = {Op.F: sc.tp_f, Op.B: sc.tp_b, Op.I: sc.tp_b}
+        redo = sc.tp_f if c.recompute else (0.0,) * len(sc.tp_f)
+        share = c.micro_batches / s.micro_batches if shape.asynchronous else 1.0  # its window
+        return share * max(sum(per[a.op][a.stage] + (redo[a.stage] if a.op is not Op.F else 0.0)
+                               for a in prog if a.op in per) for prog in s.programs)
+
     def _shards(self, c: Candidate, s) -> int:
         """Replicas the optimizer of a stage is split over (1: not sharded)."""
         return len(s.placement.replicas(0)) * c.width if c.shard else 1
@@ -278,7 +303,7 @@ class Planner:
     def quick_floor(self, c: Candidate) -> float:
         """(A smaller micro-batch, as backward halving runs, costs no less per sequence.)"""
         return bounds.quick_floor(c.micro_batches, c.depth,
-                                  self.pricing.total_time(c.micro_batch, c.recompute))
+                                  self.pricing.total_time(c.micro_batch, c.recompute, c.tensor))
 
     def run(self, top_k: int = 10, group=lambda c: c.scheme, only=None) -> PlanResult:
         """Best ``top_k`` overall and the best per ``group(candidate)``; ``only`` filters."""
@@ -348,7 +373,8 @@ class Planner:
                              f"G={self.work.global_batch} with schemes {', '.join(self.names)}")
         return PlanError(f"no configuration fits in {self.capacity / 2**30:.2f} GiB per rank; the "
                          f"smallest needs at least {need / 2**30:.2f} GiB ({c.variant} W={c.width} "
-                         f"D={c.depth} B={c.micro_batch}{' recompute' if c.recompute else ''})")
+                         f"D={c.depth}{f' T={c.tensor}' if c.tensor > 1 else ''} B={c.micro_batch}"
+                         f"{' recompute' if c.recompute else ''})")
 
 
 @contextlib.contextmanager
