@@ -50,7 +50,7 @@ from chimera.runtime.virtual import VirtualWorld, run_virtual  # noqa: E402
 from chimera.check.rendezvous import replay_recorded  # noqa: E402
 from chimera.train.config import TrainConfig  # noqa: E402
 from chimera.train.equivalence import check_virtual  # noqa: E402
-from chimera.train.loop import Trainer  # noqa: E402
+from chimera.train.loop import Trainer, run_context  # noqa: E402
 
 
 def _train(device: str, dtype: str, steps: int, tmp: str, extra=()) -> dict:
@@ -90,15 +90,16 @@ def check_train(device: str, tmp: str) -> list[dict]:
 
 
 def _cfg(schedule: str, dtype: str = "float64", **kw) -> TrainConfig:
-    return TrainConfig(schedule=schedule, stages=4, micro_batches=8, micro_batch_size=2,
-                       dtype=dtype, steps=2, **kw)
+    kw = {"stages": 4, "micro_batches": 8, **kw}
+    return TrainConfig(schedule=schedule, micro_batch_size=2, dtype=dtype, steps=2, **kw)
 
 
 def _virtual_row(name: str, cfg: TrainConfig, device: torch.device) -> dict:
     """Virtual ranks on the device against one device, every call replayed strictly."""
     start = time.perf_counter()
     r = check_virtual(cfg, device, replay=True)
-    ok = r["max_grad_rel_err"] < 1e-10 and r["replicas_identical"] and not r["missing"]
+    ok = r["max_grad_rel_err"] < 1e-10 and r["replicas_identical"] and not r["missing"] \
+        and r["max_norm_rel_err"] < 1e-10
     return {"check": name, "ok": ok,
             "detail": f"max grad rel err {r['max_grad_rel_err']:.1e}, loss rel err "
                       f"{r['max_loss_rel_err']:.1e}, replicas identical {r['replicas_identical']}, "
@@ -107,8 +108,14 @@ def _virtual_row(name: str, cfg: TrainConfig, device: torch.device) -> dict:
 
 
 def check_virtual_ranks(device: torch.device) -> list[dict]:
-    return [_virtual_row(f"virtual {schedule} D=4 float64", _cfg(schedule), device)
+    rows = [_virtual_row(f"virtual {schedule} D=4 float64", _cfg(schedule), device)
             for schedule in ("chimera", "1f1b", "zb-v")]
+    # tensor parallelism (issue 35): D=2 x T=2 on the device, its TP collectives recorded
+    # with the pipeline's and replayed under the strict model (the gradient norm too)
+    for schedule in ("chimera", "zb-v"):
+        cfg = _cfg(schedule, stages=2, tensor_parallel=2, micro_batches=4)
+        rows.append(_virtual_row(f"virtual {schedule} D=2 T=2 float64", cfg, device))
+    return rows
 
 
 class _DevicePlan:
@@ -209,7 +216,7 @@ def check_host_syncs(device: torch.device) -> tuple[list[dict], dict]:
     peaks: dict = {}
 
     def rank_body(rank: int) -> None:
-        trainer = Trainer(cfg, rank, device)
+        trainer = Trainer(cfg, run_context(cfg, device))  # the virtual rank's transport
         trainer.step(0)  # warm-up: allocations, lazy inits
         data = trainer._micro_data(*trainer.batch(1))
         if gate.wait() == 0 and device.type == "cuda":

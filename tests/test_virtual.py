@@ -53,7 +53,7 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     table = (tmp_path / "gpu_check.md").read_text()
-    for row in ("train float32", "train bf16", "checkpoint resume", "virtual chimera D=4",
+    for row in ("train float32", "train bf16", "checkpoint resume", "virtual chimera D=4", "virtual chimera D=2 T=2",
                 "api.Pipeline", "profile", "host syncs", "device plan: gems D=2 N=3",
                 "device plan: gems D=4 N=5", "device plan: chimera D=4 sharded optimizer",
                 "device plan: api.Pipeline frozen stage"):
