@@ -93,7 +93,7 @@ def test_api_plans_are_checked():
     from chimera.runtime.virtual import run_virtual
 
     def layers():
-        return [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)]
+        return [nn.Sequential(nn.Linear(3, 8)), nn.Tanh(), nn.Sequential(nn.Linear(8, 1))]
 
     def body(plan):
         def rank(_):
@@ -106,6 +106,13 @@ def test_api_plans_are_checked():
 
     assert all("names no layer" in m for m in body({"lm.fc": "colwise"}))
     assert all("needs a tp_plan" in m for m in body(None))
+    # a typo after the layer index: named nothing on any rank, refused on every rank
+    assert all("'*.wieght' name no submodule" in m for m in body({"*.wieght": "colwise"}))
+    # a style that cannot shard what it names (T=2 does not divide 3 input features), on
+    # the ranks holding layer 0 only: every rank says so (the others would wait for them)
+    said = body({"0.0": "rowwise", "2.0": "rowwise"})
+    assert all("does not divide" in m for m in said), said
+    assert said[1:] == ["rank 0: " + said[0]] * 3, said  # the first failing rank's words
 
 
 # -- real processes -------------------------------------------------------------------------
@@ -173,8 +180,9 @@ def test_ranks_that_disagree_on_t_are_refused_on_every_rank():
         d, t = (2, 2) if r < 2 else (4, 1)
         try:
             chimera.Pipeline([nn.Linear(4, 4) for _ in range(4)], nn.functional.mse_loss, "1f1b",
-                             stages=d, tensor_parallel=t,
-                             model=chimera.ModelOptions(tp_plan={"*.weight": "colwise"}))
+                             stages=d, tensor_parallel=t, model=chimera.ModelOptions(
+                                 tp_plan=lambda i, layer: {"": "colwise"} if i % 2 == 0 else
+                                 {"": "rowwise"}))
         except UserError as exc:
             return str(exc)
 

@@ -239,10 +239,11 @@ def _build_stage(source: LayerSource, ranges: list[range], ties, device, compile
     return source.stage(ranges[stage], ties, device, compile_opts, shard)
 
 
-def layer_plan(plan, index: int, layer: nn.Module):
+def layer_plan(plan, index: int, layer: nn.Module, used: set | None = None):
     """Layer ``index``'s own plan (patterns relative to it) from a model-wide ``plan``: the
     entries whose first name part matches the index and whose rest names a submodule of the
-    layer; or what ``plan(index, layer)`` returns. None: the layer stays whole."""
+    layer; or what ``plan(index, layer)`` returns. None: the layer stays whole. ``used``
+    collects the model-wide patterns that named something here."""
     if plan is None:
         return None
     if callable(plan) and not isinstance(plan, Mapping):
@@ -253,6 +254,8 @@ def layer_plan(plan, index: int, layer: nn.Module):
         first, _, rest = pattern.partition(".")
         if fnmatchcase(str(index), first) and rest and any(fnmatchcase(n, rest) for n in names):
             out[rest] = style
+            if used is not None:
+                used.add(pattern)
     return out or None
 
 
@@ -269,8 +272,8 @@ def _check_plan(plan, num_layers: int) -> None:
                             f"as in '*.attn.qkv'")
 
 
-def _shard(plan, tp: TPGroup, index: int, layer: nn.Module) -> nn.Module:
-    sub = layer_plan(plan, index, layer)
+def _shard(plan, tp: TPGroup, used: set, index: int, layer: nn.Module) -> nn.Module:
+    sub = layer_plan(plan, index, layer, used)
     return layer if not sub else parallelize(layer, sub, tp)
 
 
@@ -348,6 +351,7 @@ class Pipeline:
             target_example=self._example(example_target, device))
         del source, stage_of  # the layers a rank does not hold are garbage now
         if self.tp is not None:  # a replicated parameter counts once in a norm: at t = 0
+            self._check_plan_used(model.tp_plan)
             self.runtime.set_norm_counted(lambda p: self.grid.t == 0 or shard_of(p) is not None)
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
@@ -358,11 +362,15 @@ class Pipeline:
         the order of every message and collective is derived from the schedule. A rank given
         another T, W or schedule would hang at its first mismatched collective; here it is
         one line on every rank, naming the ranks. One small gather at construction."""
-        g = self.grid
+        g, world = self.grid, self.transport.get_world_size()
         mine = (g.depth, g.data_parallel, g.tensor_parallel,
                 hashlib.sha256(self.schedule.to_text().encode()).hexdigest()[:16])
-        every: list = [None] * self.transport.get_world_size()
+        every: list = [None] * world
         self.transport.all_gather_object(every, mine)
+        sizes = {e[0] * e[1] * e[2] for e in every}
+        if len(set(every)) == 1 and sizes != {world}:
+            raise ScheduleError(f"world size {world} != stages x data_parallel x tensor_parallel "
+                                f"= {sizes.pop()}")
         if len(set(every)) > 1:
             seen = "; ".join(f"rank {r}: D={e[0]} W={e[1]} T={e[2]} schedule {e[3]}"
                              for r, e in enumerate(every) if e != every[0])
@@ -382,17 +390,29 @@ class Pipeline:
         _check_plan(plan, num_layers)
         self.grid.build_groups(self.transport)
         tp = TPGroup(self.transport, self.grid.tp_group, self.grid.t, self.grid.tensor_parallel)
-        return tp, functools.partial(_shard, plan, tp)
+        self._plan_used: set = set()  # the model-wide patterns that named a submodule here
+        return tp, functools.partial(_shard, plan, tp, self._plan_used)
+
+    def _check_plan_used(self, plan) -> None:
+        """A model-wide pattern that named a submodule on no rank (``"*.attn.qkvv"``) is
+        refused on every rank: the layers would otherwise stay whole without a word."""
+        if not isinstance(plan, Mapping):
+            return
+        every: list = [None] * self.transport.get_world_size()
+        self.transport.all_gather_object(every, sorted(self._plan_used))
+        unused = sorted(set(plan) - {p for used in every for p in used})
+        if unused:
+            raise UserError(f"tp_plan pattern(s) {', '.join(map(repr, unused))} name no "
+                            "submodule of any layer (patterns: '<layer index>.<submodule>', "
+                            "wildcards allowed)")
 
     @staticmethod
     def _check_args(transport: Transport, stages: int, data_parallel: int, tp: int) -> None:
         if not transport.is_initialized():
             raise RuntimeError("chimera.api.Pipeline needs torch.distributed initialized "
                                "(use chimera.api.spawn or torchrun)")
-        world = transport.get_world_size()
-        if world != stages * data_parallel * tp:
-            raise ScheduleError(f"world size {world} != stages x data_parallel x tensor_parallel "
-                                f"= {stages * data_parallel * tp}")
+        # the world size is checked with the other ranks (_agree_on_layout): a rank that
+        # raised alone here would leave the others waiting for it
 
     def _partition(self, source: LayerSource, partition) -> list[range]:
         name, pieces, ranks = self.schedule.name, self.schedule.stages, self.schedule.placement.ranks

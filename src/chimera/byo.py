@@ -156,17 +156,18 @@ class LayerSource:
         """The layers ``indices`` as one Stage: built (or copied), materialized, each sharded
         by ``shard(index, layer)`` (tensor parallelism: whole layers in, this rank's shards
         out, before ties are made one Parameter again and before compiling), tied, compiled."""
+        def ready(i: int, layer: nn.Module) -> nn.Module:  # one whole layer alive at a time
+            if _is_meta(layer):
+                _materialize(layer, i, device, self.init, layer_seed(self.seed, i))
+            return layer if shard is None else shard(i, layer)
+
         if self.layers is not None:
             layers = copy.deepcopy([self.layers[i] for i in indices])  # one memo: ties inside survive
             for i, layer in zip(indices, layers):
                 _carry_compile(self.layers[i], layer, i)
+            layers = [ready(i, layer) for i, layer in zip(indices, layers)]
         else:
-            layers = [self._build(i) for i in indices]
-        for i, layer in zip(indices, layers):
-            if _is_meta(layer):
-                _materialize(layer, i, device, self.init, layer_seed(self.seed, i))
-        if shard is not None:
-            layers = [shard(i, layer) for i, layer in zip(indices, layers)]
+            layers = [ready(i, self._build(i)) for i in indices]
         stage = Stage(dict(zip(indices, layers)))
         retie(stage, ties)
         if compile_opts is not None:

@@ -95,13 +95,19 @@ def emulation(inner: Transport, options: RuntimeOptions) -> "NcclEmulation | Non
     return NcclEmulation(inner, options.emulate_nccl) if options.emulate_nccl else None
 
 
-def agree(transport: Transport, options: RuntimeOptions) -> None:
+def agree(transport: Transport, options: RuntimeOptions, failed: str | None = None) -> None:
     """Refuse, on every rank and in one line, an NCCL emulation or device plan that differs
     across ranks: one rank emulating NCCL (or bucketing) while its peer does not would only
-    show as a communication timeout. One small collective at start-up."""
-    mine = (options.emulate_nccl, options.device_plan)
+    show as a communication timeout. ``failed``: why this rank could not build its stages
+    (the first failing rank's message is raised on every rank). One small collective at
+    start-up."""
     every: list = [None] * transport.get_world_size()
-    transport.all_gather_object(every, mine)
+    transport.all_gather_object(every, (options.emulate_nccl, options.device_plan, failed))
+    errors = [(r, e[2]) for r, e in enumerate(every) if e[2] is not None]
+    if errors:
+        rank, why = errors[0]
+        raise UserError(why if rank == transport.get_rank() else f"rank {rank}: {why}")
+    every = [e[:2] for e in every]
     if len(set(map(tuple, every))) > 1:
         seen = "; ".join(f"rank {r}: {ENV}={e[0]!r} {DEVICE_PLAN_ENV}={e[1]!r}"
                          for r, e in enumerate(every))

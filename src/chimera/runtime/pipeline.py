@@ -148,8 +148,10 @@ class PipelineRuntime:
         self.rows = rows
         self.wire_dtype = options.wire_dtype  # floating boundary leaves travel in it
         grid.build_groups(self.transport)  # (done already where the stages' TP layers need it)
-        self.modules = {(p, s): stage_factory(s).to(self.device) for p, s in grid.held()}
-        agree(self.transport, context.options)  # set on one rank only would hang, not fail
+        self.modules, failed = self._build_stages(stage_factory)
+        # options set on one rank only, or a stage one rank could not build (a plan that does
+        # not fit the layers it holds), would hang its peers: refused on every rank instead
+        agree(self.transport, context.options, failed)
         # the device path's choices on CUDA (or forced on CPU), alike on every rank; where a
         # replica buckets is the plan's, per stage (CommPlan.early)
         self.choices = comm_choices(self.device, self.transport.device_collectives,
@@ -184,6 +186,14 @@ class PipelineRuntime:
         self._probed: dict[tuple, tuple] = {}  # signature -> (boundaries, mailbox, eval mailbox)
         if example is not None:
             self.prepare(example, target_example)
+
+    def _build_stages(self, stage_factory) -> tuple[dict, str | None]:
+        """This rank's stage replicas, and why it could not build them (None: it could): a
+        bad input raised on one rank is reported on every rank by :func:`agree`."""
+        try:
+            return {(p, s): stage_factory(s).to(self.device) for p, s in self.grid.held()}, None
+        except UserError as exc:
+            return {}, str(exc)
 
     def _equalize_replicas(self) -> None:
         """Every replica of a stage starts from the first group member's weights and buffers,

@@ -18,7 +18,7 @@ import torch
 
 from chimera.runtime import workers
 from chimera.runtime.context import RunContext
-from chimera.runtime.transport import TorchDist
+from chimera.runtime.transport import OneRank, TorchDist
 from chimera.runtime.workers import gloo_group
 from chimera.tp import full_tensor
 from chimera.train.config import TrainConfig
@@ -61,13 +61,14 @@ def _one(context: RunContext, cfg: TrainConfig) -> dict | None:
     transport.all_gather_object(gathered, mine)
     if context.rank != 0:
         return None
-    return _compare(cfg, gathered, losses, context.device)
+    return _compare(cfg, gathered, losses, context)
 
 
 def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[tuple[float, float]],
-             device: torch.device | None = None) -> dict:
+             context: RunContext) -> dict:
     reference = _reference(cfg)
-    ref = Trainer(reference, run_context(reference, device))  # this process alone
+    # this process alone, with the run's device and options (not read again)
+    ref = Trainer(reference, context.replace(transport=OneRank()))
     box: dict = {}
     ref_logs = [ref.step(0, on_grads=lambda t: box.setdefault("g", _grads(t)))]
     ref_logs += [ref.step(s) for s in range(1, cfg.optim.steps)]

@@ -157,7 +157,8 @@ def write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, seconds
                  "global_batch": cfg.global_batch, "source": cfg.corpus.data,
                  "tokenizer": tokenizer_record(cfg), "mask_id": cfg.get("mask_id")},
         "layout": {"schedule": cfg.pipeline.schedule, "stages": cfg.pipeline.stages,
-                   "data_parallel": cfg.pipeline.data_parallel, "world": world,
+                   "data_parallel": cfg.pipeline.data_parallel,
+                   "tensor_parallel": cfg.pipeline.tensor_parallel, "world": world,
                    "dtype": cfg.net.dtype},
         "files": files, "save_seconds": round(seconds, 4), "written_at": time.time(),
         # the optimizer settings and batch, for --resume to compare; fp16's loss scale

@@ -66,8 +66,13 @@ def gather(trainer, step: int) -> dict[str, torch.Tensor]:
     whole = trainer.whole_optimizer_state()  # sharded: gathered over each group (collective)
     params = trainer.checkpoint_parameters()
     state = _tensors(trainer.optimizer, params, whole)
-    for key, shard, _ in _sharded(trainer, params, state):  # whole tensors (collectives over
-        state[key] = full_tensor(state[key], shard, trainer.pipe.tp)  # TP, every t alike)
+    tp = trainer.pipe.tp
+    for key, shard, _ in list(_sharded(trainer, params, state)):
+        # whole (a collective over TP, every t alike), then at once to the host and kept by
+        # t = 0 only: a device never holds more than one whole tensor of its stage
+        full = full_tensor(state.pop(key), shard, tp).cpu()
+        if tp.rank == 0:
+            state[key] = full
     state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
     _refuse_nonfinite(transport, state, step)
     return state
@@ -113,7 +118,7 @@ def load(trainer, path: Path) -> int:
     state = _tensors(trainer.optimizer, firsts, whole)
     narrow = list(_sharded(trainer, firsts, state))  # read whole, then each rank its slice
     for key, shard, _ in narrow:
-        state[key] = state[key].new_empty(_whole_shape(state[key], shard))
+        state[key] = torch.empty(_whole_shape(state[key], shard), dtype=state[key].dtype)  # host
     rng_key = f"rng.cpu.rank{rank}"
     if meta["layout"]["world"] == world and rng_key in index:
         state[rng_key] = torch.empty_like(torch.get_rng_state())
@@ -124,7 +129,7 @@ def load(trainer, path: Path) -> int:
         torch.set_rng_state(state[rng_key])
     with torch.no_grad():
         for key, shard, target in narrow:
-            target.copy_(local_slice(state[key], shard, trainer.pipe.tp))
+            target.copy_(local_slice(state.pop(key), shard, trainer.pipe.tp))  # to its device
     trainer.load_whole_optimizer_state(whole)
     _copy_to_other_replicas(trainer, replicas)
     trainer.equalize_ties()  # a tie is one key, read into each copy: equal, and kept so
