@@ -243,3 +243,31 @@ def test_hf_models_through_the_api_with_tp_train_as_one_process(arch):
             assert abs(norm - ref_norm) < 1e-12 * abs(ref_norm)
         for key, value in state.items():
             torch.testing.assert_close(value, want[key], rtol=1e-10, atol=1e-12)
+
+
+def test_replicated_parameters_start_equal_on_every_tp_rank():
+    """Layers built from each rank's own RNG (a list made per rank without a seed): the TP
+    ranks' replicated parameters (a LayerNorm, a row-parallel bias) take t = 0's values, as
+    the replicas of a stage take their first member's; their gradients are equal, so they
+    then stay equal."""
+    import torch
+    from torch import nn
+
+    import chimera.api as chimera
+    from chimera.runtime.virtual import run_virtual
+
+    def rank(r):
+        torch.manual_seed(1000 + r)  # (threads share torch's RNG: the lists differ anyway)
+        layers = [nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 4)), nn.Tanh(),
+                  nn.Sequential(nn.Linear(4, 1))]
+        plan = {"0.0": "colwise", "0.2": "rowwise"}
+        pipe = chimera.Pipeline(layers, nn.functional.mse_loss, "1f1b", stages=2,
+                                tensor_parallel=2, model=chimera.ModelOptions(tp_plan=plan))
+        return {n: p.detach().clone() for n, p in pipe.named_parameters()
+                if n.startswith(("0.1.", "0.2.bias", "2."))}
+
+    held = run_virtual(4, rank)
+    for a, b in ((0, 1), (2, 3)):  # the TP pairs of d = 0 and d = 1
+        assert held[a].keys() == held[b].keys() and held[a]
+        for name in held[a]:
+            assert torch.equal(held[a][name], held[b][name]), name

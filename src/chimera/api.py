@@ -352,6 +352,7 @@ class Pipeline:
         del source, stage_of  # the layers a rank does not hold are garbage now
         if self.tp is not None:  # a replicated parameter counts once in a norm: at t = 0
             self._check_plan_used(model.tp_plan)
+            self._equalize_over_tp()
             self.runtime.set_norm_counted(lambda p: self.grid.t == 0 or shard_of(p) is not None)
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
@@ -392,6 +393,18 @@ class Pipeline:
         tp = TPGroup(self.transport, self.grid.tp_group, self.grid.t, self.grid.tensor_parallel)
         self._plan_used: set = set()  # the model-wide patterns that named a submodule here
         return tp, functools.partial(_shard, plan, tp, self._plan_used)
+
+    @torch.no_grad()
+    def _equalize_over_tp(self) -> None:
+        """The T ranks of a pipeline rank hold the replicated parameters and buffers alike
+        (norms, row-parallel biases): a model built from each rank's own RNG would otherwise
+        keep T different copies whose identical gradients never bring them together. t = 0's
+        values, one broadcast per tensor over the TP group, modules in one order."""
+        src = self.grid.tp_ranks[0]
+        for _, module in sorted(self.runtime.modules.items()):
+            for t in list(module.parameters()) + list(module.buffers()):
+                if shard_of(t) is None and t.is_floating_point():
+                    self.transport.broadcast(t.data, src=src, group=self.grid.tp_group)
 
     def _check_plan_used(self, plan) -> None:
         """A model-wide pattern that named a submodule on no rank (``"*.attn.qkvv"``) is
