@@ -271,3 +271,31 @@ def test_replicated_parameters_start_equal_on_every_tp_rank():
         assert held[a].keys() == held[b].keys() and held[a]
         for name in held[a]:
             assert torch.equal(held[a][name], held[b][name]), name
+
+
+def test_a_tp_collective_whose_peer_never_comes_ends_in_the_run_timeout():
+    """A TP peer that died or hangs: the wait ends after the run's --comm-timeout in a
+    CommTimeout naming this rank, the collective and the peer (not after the backend's own
+    default, 30 minutes on gloo)."""
+    import datetime
+    import time
+
+    import torch
+
+    from chimera.runtime.p2p import CommTimeout
+    from chimera.runtime.transport import current
+    from chimera.runtime.virtual import run_virtual
+    from chimera.tp import TPGroup
+
+    def rank(r):
+        transport = current()
+        group = transport.new_group([0, 1])
+        if r == 1:
+            time.sleep(1.0)  # never joins
+            return None
+        tp = TPGroup(transport, group, 0, 2, datetime.timedelta(seconds=0.3))
+        tp.all_reduce(torch.ones(3))
+
+    with pytest.raises(CommTimeout, match=r"rank 0: tensor-parallel allreduce with peer rank 1 "
+                                          r"timed out after 0.3s"):
+        run_virtual(2, rank)

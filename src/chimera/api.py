@@ -55,6 +55,7 @@ Conventions (the same as ``nn.Sequential`` with pytrees):
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 from dataclasses import dataclass
@@ -390,7 +391,10 @@ class Pipeline:
                             "(ModelOptions(tp_plan=...)): which submodules are sharded how")
         _check_plan(plan, num_layers)
         self.grid.build_groups(self.transport)
-        tp = TPGroup(self.transport, self.grid.tp_group, self.grid.t, self.grid.tensor_parallel)
+        timed = self.transport.timed_waits  # NCCL: its own timeout and watchdog
+        timeout = datetime.timedelta(seconds=self.context.options.comm_timeout) if timed else None
+        tp = TPGroup(self.transport, self.grid.tp_group, self.grid.t, self.grid.tensor_parallel,
+                     timeout)
         self._plan_used: set = set()  # the model-wide patterns that named a submodule here
         return tp, functools.partial(_shard, plan, tp, self._plan_used)
 

@@ -19,22 +19,34 @@ after one allreduce per sub-block each way.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
 
+from chimera.runtime.p2p import peers_text, wait_work
 from chimera.runtime.transport import Transport
 
 
 @dataclass(frozen=True)
 class TPGroup:
     """Rank ``rank`` (t) of a TP group of ``size`` (T) ranks: ``group`` is the
-    ``transport.new_group`` of its ranks (None when T is 1)."""
+    ``transport.new_group`` of its ranks (None when T is 1). ``timeout``: how long a
+    collective may wait (the run's ``--comm-timeout`` where waits are timed; None: the
+    backend's own, NCCL's watchdog); a peer that died or hangs then ends the wait in a
+    ``CommTimeout`` naming this rank and the group's others."""
 
     transport: Transport
     group: object
     rank: int
     size: int
+    timeout: datetime.timedelta | None = None
+
+    def _wait(self, work, what: str) -> None:
+        me = self.transport.get_rank()
+        ranks = self.transport.get_process_group_ranks(self.group)
+        wait_work(work, self.timeout, me, f"tensor-parallel {what} with {peers_text(me, ranks)}",
+                  ranks)
 
     def __deepcopy__(self, memo) -> "TPGroup":
         return self  # a handle on a communicator: a copied layer talks over the same one
@@ -42,7 +54,8 @@ class TPGroup:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """``tensor`` (contiguous) summed over the group, in place; blocking."""
         if self.size > 1:
-            self.transport.all_reduce(tensor, group=self.group)
+            self._wait(self.transport.all_reduce(tensor, group=self.group, async_op=True),
+                       "allreduce")
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``tensor`` (the same shape on each) concatenated along ``dim``, in t
@@ -52,7 +65,8 @@ class TPGroup:
             return tensor
         local = tensor.contiguous()
         out = local.new_empty((self.size * local.numel(),))
-        self.transport.all_gather_single(out, local.view(-1), group=self.group)
+        self._wait(self.transport.all_gather_single(out, local.view(-1), group=self.group,
+                                                    async_op=True), "all-gather")
         return torch.cat(out.view(self.size, *local.shape).unbind(0), dim=dim)
 
     def slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
