@@ -299,3 +299,29 @@ def test_a_tp_collective_whose_peer_never_comes_ends_in_the_run_timeout():
     with pytest.raises(CommTimeout, match=r"rank 0: tensor-parallel allreduce with peer rank 1 "
                                           r"timed out after 0.3s"):
         run_virtual(2, rank)
+
+
+def test_a_tie_cut_two_ways_is_refused_on_every_rank():
+    """An embedding sharded by vocabulary tied to a head left whole (in another stage)."""
+    import torch
+    from torch import nn
+
+    import chimera.api as chimera
+    from chimera.runtime.virtual import run_virtual
+
+    def layers():
+        emb, head = nn.Sequential(nn.Embedding(8, 4)), nn.Sequential(nn.Linear(4, 8, bias=False))
+        head[0].weight = emb[0].weight
+        return [emb, head]
+
+    def rank(_):
+        try:
+            chimera.Pipeline(layers, lambda y, t: y.float().mean(), "1f1b", stages=2,
+                             tensor_parallel=2,
+                             model=chimera.ModelOptions(tp_plan={"0.0": "embedding_rowwise"}),
+                             example_input=torch.zeros(1, 3, dtype=torch.long))
+        except UserError as exc:
+            return str(exc)
+
+    said = run_virtual(4, rank)
+    assert all(m and "tied weight 0.0.weight are cut differently" in m for m in said), said

@@ -411,13 +411,26 @@ class Pipeline:
                     self.transport.broadcast(t.data, src=src, group=self.grid.tp_group)
 
     def _check_plan_used(self, plan) -> None:
-        """A model-wide pattern that named a submodule on no rank (``"*.attn.qkvv"``) is
-        refused on every rank: the layers would otherwise stay whole without a word."""
+        """What sharding must agree on across ranks, checked once on every rank: a
+        model-wide pattern that named a submodule on no rank (``"*.attn.qkvv"``: the layers
+        would stay whole without a word), and the copies of a tied weight sharded alike (a
+        sharded embedding tied to a whole head cannot be one Parameter)."""
+        cuts = {}  # tie -> how each copy this rank holds is cut
+        for tie in self.ties:
+            for (_, stage), module in sorted(self.runtime.modules.items()):
+                for name in tie.names:
+                    if name.split(".", 1)[0] in {n for n, _ in module.named_children()}:
+                        cuts.setdefault(tie.names[0], set()).add(repr(shard_of(module.get_parameter(name))))
+        every: list = [None] * self.transport.get_world_size()
+        self.transport.all_gather_object(every, (sorted(self._plan_used), cuts))
+        mixed = sorted(name for name in {n for _, c in every for n in c}
+                       if len({s for _, c in every for s in c.get(name, ())}) > 1)
+        if mixed:
+            raise UserError(f"tensor parallel: the copies of tied weight {mixed[0]} are cut "
+                            "differently (shard the embedding and the head it is tied to alike)")
         if not isinstance(plan, Mapping):
             return
-        every: list = [None] * self.transport.get_world_size()
-        self.transport.all_gather_object(every, sorted(self._plan_used))
-        unused = sorted(set(plan) - {p for used in every for p in used})
+        unused = sorted(set(plan) - {p for used, _ in every for p in used})
         if unused:
             raise UserError(f"tp_plan pattern(s) {', '.join(map(repr, unused))} name no "
                             "submodule of any layer (patterns: '<layer index>.<submodule>', "
