@@ -16,6 +16,7 @@ from chimera.sim import CostModel, simulate
 from chimera.check.validate import validate
 
 HEAVY = CostModel.unit(1, 2)  # B = 2F, the case forward doubling is for
+SLOW = pytest.mark.slow  # the sweeps' largest shapes: make test-slow runs them, make test the rest
 
 
 class _Runner:
@@ -110,7 +111,7 @@ def test_the_issues_table_official_column(d, n, makespan):
     assert t.makespan == makespan
 
 
-@pytest.mark.parametrize("d", [4, 6, 8, 12, 16])
+@pytest.mark.parametrize("d", [4, 6, 8, pytest.param(12, marks=SLOW), pytest.param(16, marks=SLOW)])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_doubling_and_halving_keep_the_basic_units_bubble_at_b_equals_2f(d, k):
     """Units chain with no gap: 3(D-2)/2 idle F per rank whatever N, so forward doubling's
@@ -138,7 +139,7 @@ def test_a_partial_last_unit_is_a_full_one_with_micro_batches_left_out(d, n, str
         assert list(prog) == expect
 
 
-@pytest.mark.parametrize("d", [4, 8, 16, 32])
+@pytest.mark.parametrize("d", [4, 8, 16, pytest.param(32, marks=SLOW)])
 def test_closed_forms_of_doubling_and_halving(d):
     from chimera.theory.formulas import closed_form
 

@@ -35,10 +35,9 @@ def _plans(name, options, depths=(2, 4, 8), sync_modes=SYNC_MODES):
 # W only changes who is in a stage group: p2p stays inside a pipeline copy and the copies run
 # in lock-step, so W=2 is W=1 with every stage group reducing (single-replica stages too) and
 # W>2 is W=2 again. Both are replayed; the validator replays W=2.
-@pytest.mark.parametrize("name,options", VARIANTS, ids=[f"{n}-{o}" for n, o in VARIANTS])
-def test_every_runnable_plan_passes(name, options):
+def _every_plan_passes(name, options, depths):
     checked = 0
-    for label, plan in _plans(name, options):
+    for label, plan in _plans(name, options, depths):
         for mode in rv.MODES:
             for w in (1, 2):
                 try:
@@ -47,6 +46,17 @@ def test_every_runnable_plan_passes(name, options):
                     pytest.fail(f"{label} mode={mode} W={w}:\n{exc}")
                 checked += 1
     assert checked >= 8
+
+
+@pytest.mark.parametrize("name,options", VARIANTS, ids=[f"{n}-{o}" for n, o in VARIANTS])
+def test_every_runnable_plan_passes(name, options):
+    _every_plan_passes(name, options, (2, 4))
+
+
+@pytest.mark.slow  # D=8 (N up to 32) is four fifths of the sweep's time: make test-slow runs it
+@pytest.mark.parametrize("name,options", VARIANTS, ids=[f"{n}-{o}" for n, o in VARIANTS])
+def test_every_runnable_plan_passes_at_d8(name, options):
+    _every_plan_passes(name, options, (8,))
 
 
 FEW = [(name, opts, d, n) for name, opts in [(s.name, {}) for s in schemes(runnable=True)]
