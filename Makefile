@@ -29,7 +29,8 @@ demo-hf: setup
 	$(BIN)/chimera generate --checkpoint out/hf-demo/ckpt --prompt "def " --temperature 0 --max-new-tokens 30
 
 # every test that stays in this process (virtual ranks, the CLI called in process), plus one
-# `python -m chimera schedules` smoke run; tests that start processes are marked slow.
+# `python -m chimera schedules` smoke run; tests that start processes and the largest cases of
+# the schedule sweeps (D >= 8 or 16) are marked slow.
 # CI runs both targets (.ci/run)
 test: setup
 	$(BIN)/python -m pytest -q -x -m "not slow" --durations=10
