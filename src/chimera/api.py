@@ -403,12 +403,11 @@ class Pipeline:
         """The T ranks of a pipeline rank hold the replicated parameters and buffers alike
         (norms, row-parallel biases): a model built from each rank's own RNG would otherwise
         keep T different copies whose identical gradients never bring them together. t = 0's
-        values, one broadcast per tensor over the TP group, modules in one order."""
-        src = self.grid.tp_ranks[0]
-        for _, module in sorted(self.runtime.modules.items()):
-            for t in list(module.parameters()) + list(module.buffers()):
-                if shard_of(t) is None and t.is_floating_point():
-                    self.transport.broadcast(t.data, src=src, group=self.grid.tp_group)
+        values, one flat broadcast per dtype over the TP group (the replicas' mechanism)."""
+        tensors = [t.data for _, module in sorted(self.runtime.modules.items())
+                   for t in list(module.parameters()) + list(module.buffers())
+                   if shard_of(t) is None and t.is_floating_point()]
+        self.runtime.broadcast_flat(tensors, self.grid.tp_ranks[0], self.grid.tp_group)
 
     def _check_plan_used(self, plan) -> None:
         """What sharding must agree on across ranks, checked once on every rank: a

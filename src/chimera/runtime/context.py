@@ -99,15 +99,6 @@ class RuntimeOptions:
         values.update({k: v for k, v in given.items() if v is not None})
         return cls(**values)
 
-    def env(self) -> dict[str, str]:
-        """The environment variables that say the same (for a process that reads them)."""
-        return {var: str(getattr(self, name)) for name, var in ENV.items()
-                if getattr(self, name) not in ("", 0, "keep")}
-
-    @property
-    def device_path_forced(self) -> bool:
-        return self.device_plan > 0
-
     @property
     def strict(self) -> bool:
         """One stream per rank for p2p and collectives together (the strictest emulation)."""

@@ -21,6 +21,14 @@ from chimera.ir import Placement
 from chimera.runtime.transport import Transport
 
 
+def stage_ranks(placement: Placement, data_parallel: int, tensor_parallel: int, stage: int,
+                t: int) -> list[int]:
+    """The global ranks of every replica of ``stage`` at TP position ``t``, ascending."""
+    depth = placement.ranks
+    return sorted({(w * depth + d) * tensor_parallel + t for w in range(data_parallel)
+                   for d in placement.replicas(stage)})
+
+
 def group_order(placement: Placement, data_parallel: int, tensor_parallel: int = 1) -> list[tuple]:
     """Every group of the grid, in the one order every rank creates them:
     ``("stage", stage, t, ranks)`` for each stage and TP position (stages in order), then
@@ -30,9 +38,8 @@ def group_order(placement: Placement, data_parallel: int, tensor_parallel: int =
     out: list[tuple] = []
     for stage in range(placement.stages):
         for t in range(t_count):
-            ranks = sorted({(w * depth + d) * t_count + t for w in range(data_parallel)
-                            for d in placement.replicas(stage)})
-            out.append(("stage", stage, t, ranks))
+            out.append(("stage", stage, t,
+                        stage_ranks(placement, data_parallel, t_count, stage, t)))
     if t_count > 1:
         for w in range(data_parallel):
             for d in range(depth):
@@ -89,8 +96,7 @@ class ProcessGrid:
 
     def stage_ranks_at(self, stage: int, t: int) -> list[int]:
         """The ranks of every replica of ``stage`` at TP position ``t``, ascending."""
-        return sorted(self.global_rank(d, w, t) for w in range(self.data_parallel)
-                      for d in set(self.placement.replicas(stage)))
+        return stage_ranks(self.placement, self.data_parallel, self.tensor_parallel, stage, t)
 
     def d_of(self, rank: int) -> int:
         """The pipeline rank of global rank ``rank``."""

@@ -207,12 +207,17 @@ class PipelineRuntime:
                 continue
             module = next(m for (_, s), m in sorted(self.modules.items()) if s == stage)
             tensors = [t.data for t in list(module.parameters()) + list(module.buffers())]
-            for dtype in sorted({t.dtype for t in tensors}, key=str):
-                same = [t for t in tensors if t.dtype == dtype]
-                flat = torch.cat([t.reshape(-1) for t in same])
-                self.transport.broadcast(flat, src=self.grid.stage_ranks[stage][0], group=group)
-                torch._foreach_copy_(same, [v.view_as(t) for v, t in
-                                            zip(flat.split([t.numel() for t in same]), same)])
+            self.broadcast_flat(tensors, self.grid.stage_ranks[stage][0], group)
+
+    def broadcast_flat(self, tensors: list[torch.Tensor], src: int, group) -> None:
+        """``tensors`` take rank ``src``'s values: one broadcast per dtype of one flat buffer
+        (every member passes the same list, in one order)."""
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in same])
+            self.transport.broadcast(flat, src=src, group=group)
+            torch._foreach_copy_(same, [v.view_as(t) for v, t in
+                                        zip(flat.split([t.numel() for t in same]), same)])
 
     def _shards(self) -> dict:
         """ZeRO-1 (chimera.runtime.shard): per replica with a group and something to train,
@@ -294,7 +299,7 @@ class PipelineRuntime:
 
     def _mailbox(self, plan, bounds: list) -> Mailbox:
         # the strictest emulation runs every operation of the rank on one stream: p2p too
-        strict = self.emulation is not None and self.emulation.mode == "strict"
+        strict = self.context.options.strict
         transport = self.emulation if strict else p2p_transport(self.transport, self.context.options)
         return Mailbox(plan, self.grid, functools.partial(self._message_shape, bounds),
                        torch.uint8, self.device, self.timeout, transport)
@@ -323,7 +328,7 @@ class PipelineRuntime:
         """The same allreduce started, its work returned (the API's batch fingerprint: issued
         when a step starts, read before it returns)."""
         op = ReduceOp.SUM if op is None else op
-        strict = self.emulation is not None and self.emulation.mode == "strict"
+        strict = self.context.options.strict
         return (self.emulation if strict else self.transport).all_reduce(
             tensor, op=op, group=group, async_op=True)
 

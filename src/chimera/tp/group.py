@@ -20,6 +20,7 @@ after one allreduce per sub-block each way.
 from __future__ import annotations
 
 import datetime
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +43,17 @@ class TPGroup:
     size: int
     timeout: datetime.timedelta | None = None
 
-    def _wait(self, work, what: str) -> None:
+    @functools.cached_property
+    def _peers(self) -> tuple[int, list[int], str]:
+        """(this global rank, the group's ranks, who they are in words): asked once, not per
+        collective (every block's forward and backward waits twice)."""
         me = self.transport.get_rank()
         ranks = self.transport.get_process_group_ranks(self.group)
-        wait_work(work, self.timeout, me, f"tensor-parallel {what} with {peers_text(me, ranks)}",
-                  ranks)
+        return me, ranks, peers_text(me, ranks)
+
+    def _wait(self, work, what: str) -> None:
+        me, ranks, peers = self._peers
+        wait_work(work, self.timeout, me, f"tensor-parallel {what} with {peers}", ranks)
 
     def __deepcopy__(self, memo) -> "TPGroup":
         return self  # a handle on a communicator: a copied layer talks over the same one

@@ -34,17 +34,21 @@ def _reference(cfg: TrainConfig) -> TrainConfig:
                                recompute=False, partition=None)
 
 
-def _whole(trainer: Trainer, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` (``p`` or its gradient) whole: a tensor-parallel shard gathered over its TP
-    group (every TP rank calls it, parameters in one order)."""
-    shard = trainer.tp_shards().get(id(p))
-    return value if shard is None else full_tensor(value, shard, trainer.pipe.tp)
+def _whole(trainer: Trainer, of) -> list[tuple[str, int, torch.Tensor]]:
+    """(name, pipe, ``of(p)`` whole) per replica parameter ``p`` (``of``: the parameter or
+    its gradient): a tensor-parallel shard gathered over its TP group (every TP rank calls
+    it, parameters in one order)."""
+    shards, out = trainer.tp_shards(), []
+    for n, pipe, p in trainer.replica_parameters():
+        value, shard = of(p).detach(), shards.get(id(p))
+        out.append((n, pipe, (value if shard is None else
+                              full_tensor(value, shard, trainer.pipe.tp)).clone()))
+    return out
 
 
 def _grads(trainer: Trainer) -> list[tuple[str, int, torch.Tensor]]:
     trainer.runtime.gather_gradients()  # a sharded optimizer reduced only its slice
-    return [(n, pipe, _whole(trainer, p, p.grad.detach()).clone())
-            for n, pipe, p in trainer.replica_parameters()]
+    return _whole(trainer, lambda p: p.grad)
 
 
 def _one(context: RunContext, cfg: TrainConfig) -> dict | None:
@@ -54,8 +58,7 @@ def _one(context: RunContext, cfg: TrainConfig) -> dict | None:
     logs = [trainer.step(0, on_grads=lambda t: box.setdefault("g", _grads(t)))]
     logs += [trainer.step(s) for s in range(1, cfg.optim.steps)]
     losses = [(log.loss, log.grad_norm) for log in logs]
-    mine = {"grads": box["g"], "params": [(n, pipe, _whole(trainer, p, p.detach()).clone())
-                                          for n, pipe, p in trainer.replica_parameters()]}
+    mine = {"grads": box["g"], "params": _whole(trainer, lambda p: p)}
     transport = context.transport
     gathered = [None] * transport.get_world_size()
     transport.all_gather_object(gathered, mine)
