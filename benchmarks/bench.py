@@ -1,6 +1,6 @@
 """Our runtime against torch.distributed.pipelining: `python benchmarks/bench.py [--quick]`.
 
-The same as `chimera bench`; results go to benchmarks/results/bench.{json,md,png}.
+The same as `chimera bench`; results go to out/bench.{json,md,png} (--out DIR).
 """
 
 import sys

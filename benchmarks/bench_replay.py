@@ -6,7 +6,7 @@ steps, record the last step's trace, and replay it through the simulator with th
 measured in it: on the wall clock (what this machine did) and on thread CPU time (what one
 dedicated core per rank would do, which is the point at D > cores), the latter also with
 the p2p and allreduce links of a measured profile. Also the pure prediction from the profile
-alone (`chimera simulate --profile`). Writes benchmarks/results/bench_replay.{json,md} and
+alone (`chimera simulate --profile`). Writes out/bench_replay.{json,md} (--out DIR) and
 the traces next to them.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 from chimera.sim.replay import replay
@@ -25,7 +26,10 @@ from chimera.train.launch import launch
 from chimera.train.report import measured_timeline
 from chimera.viz import save_trace
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outdir import out_dir  # noqa: E402  (--out DIR, default out/)
+
+OUT = out_dir()
 
 
 def profile(path: str) -> Profile:

@@ -2,7 +2,9 @@
 
     chimera bench --emulate 20:20:20 -D 4 -N 8 --quick
     chimera bench --emulate 20:20:20 -D 8 -N 16 --quick
-    python benchmarks/depth_table.py          # -> benchmarks/results/depth.{md,png}
+    python benchmarks/depth_table.py          # -> out/depth.{md,png}
+
+(all three with --out/--results benchmarks/results rewrite the committed figures).
 
 One row per schedule: its simulated step (the row's own order at 20 ms per F, I and W and
 the measured p2p latency), the floor (our program with only its waits and messages) over
@@ -99,7 +101,8 @@ def picture(points: list, path: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--results", default="out", help="where chimera bench --emulate wrote "
+                   "(its --out; default out) and where depth.{md,png} go")
     p.add_argument("--runs", default="D4-N8,D8-N16")
     args = p.parse_args()
     runs = {}

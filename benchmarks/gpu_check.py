@@ -23,7 +23,8 @@ on CPU). What one device can show, each as one row of the table:
 - ``memory``: peak device memory of the virtual run, per stage's rank share.
 
 Run: ``python benchmarks/gpu_check.py`` (under 5 minutes on an H200). Writes
-``benchmarks/results/gpu_check.{md,json}`` and ``benchmarks/results/gpu_profile.json``.
+``out/gpu_check.{md,json}`` and ``out/gpu_profile.json`` (``--out benchmarks/results``: the
+committed figures).
 ``--device cpu`` runs the same rows on the CPU (a smoke test of the script itself; the CPU
 results go to ``--out`` and say so).
 """
@@ -336,7 +337,7 @@ def write(rows: list[dict], extra: dict, out_dir: str, device: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"),
+    ap.add_argument("--out", default="out",
                     help="folder for gpu_check.{md,json} and gpu_profile.json")
     ap.add_argument("--profile-model", default="gpt2-bench", help="model preset to profile")
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 """The paper's scale experiments, predicted by `chimera plan` (Li & Hoefler SC'21, Sec. 5).
 
 Usage: python benchmarks/paper_scale.py [--quick]
-Writes benchmarks/results/paper_scale.{md,json}.
+Writes out/paper_scale.{md,json} (--out DIR).
 
 Workloads on Piz Daint (``--hardware p100``: one P100 per node, Aries, fp32 over gloo):
 - GPT-2 (64 layers, d 1280, seq 632) weak scaling on 512, 1024 and 2048 nodes, mini-batch
@@ -31,7 +31,10 @@ from chimera.plan.search import gc_paused
 from chimera.plan.shapes import ShapeCache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "results", "paper_scale")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outdir import out_dir  # noqa: E402  (--out DIR, default out/)
+
+OUT = os.path.join(out_dir(), "paper_scale")
 PAPER_MODEL = {"gpt2-paper": {"vocab_size": 50257, "dropout": 0.1},
                "bert-48": {"vocab_size": 30522, "dropout": 0.1}}
 # (model, nodes, mini-batch, the paper's Chimera configuration (W, D, B))

@@ -2,7 +2,7 @@
 `chimera plan` (issue 35 point 7).
 
 Usage: python benchmarks/plan_tp.py [--quick]
-Writes benchmarks/results/plan-tp.{md,json} (``--quick``: plan-tp-quick.{md,json}).
+Writes out/plan-tp.{md,json} (``--quick``: plan-tp-quick.{md,json}; --out DIR).
 
 Simulator predictions, not measurements: the ``h100`` preset (989 TFLOP/s bf16 at an assumed
 efficiency curve, NVLink 360 GB/s inside a node of 8, 48 GB/s per GPU across) prices every
@@ -33,7 +33,10 @@ from chimera.plan.tensor import placement_problem, tensor_sizes
 from chimera.schedules import schemes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "results", "plan-tp")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outdir import out_dir  # noqa: E402  (--out DIR, default out/)
+
+OUT = os.path.join(out_dir(), "plan-tp")
 NODE, SIZES = 8, (1, 2, 4, 8)
 # (label, preset, overrides, mini-batch)
 MODELS = [("GPT-2 1.3B (gpt2-paper, vocab 50257)", "gpt2-paper", {"vocab_size": 50257}, 512),

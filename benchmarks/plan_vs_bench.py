@@ -15,7 +15,7 @@ profile, `--profile`) of every runnable scheme is put beside a measurement:
 
 Reported: both times per scheme, the two rankings, Kendall's tau, and how many of the pairs
 the measurement separates by more than its noise (3%) the planner orders the same way.
-Writes benchmarks/results/plan_vs_bench.{md,json}. About 10 minutes.
+Writes out/plan_vs_bench.{md,json} (--out DIR). About 10 minutes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 
@@ -37,7 +38,11 @@ from chimera.plan.workload import Workload
 from chimera.schedules import build
 from chimera.sim.profile import load_profile
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outdir import out_dir  # noqa: E402  (--out DIR, default out/)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the committed profile
+OUT = out_dir()
 MODEL, D, B, G = "gpt2-bench", 2, 2, 16
 NOISE = 0.03  # step-time differences below this are within run-to-run noise here
 
@@ -163,7 +168,7 @@ def markdown(title: str, cmp: dict, measured_what: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default=os.path.join(OUT, "profile-gpt2-bench.json"),
+    ap.add_argument("--profile", default=os.path.join(RESULTS, "profile-gpt2-bench.json"),
                     help="cost profile (measured first if missing: `chimera profile`)")
     ap.add_argument("--steps", type=int, default=7, help="bench rounds (W=1)")
     ap.add_argument("--train-steps", type=int, default=3, help="steps of each W=2 run")
@@ -175,6 +180,7 @@ def main() -> None:
 
         with open(args.profile, "w") as f:
             json.dump(build_profile(MODEL, B), f, indent=1)
+    os.makedirs(OUT, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M")
     rows, w1 = measure_w1(args.steps, args.bench)
     w2 = measure_w2(rows, args.train_steps, args.profile)

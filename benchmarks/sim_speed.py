@@ -1,17 +1,21 @@
 """How fast is the simulator? Generate + lower + validate + simulate chimera D=32 N=128.
 
-Usage: python benchmarks/sim_speed.py   (writes benchmarks/results/sim_speed.json)
+Usage: python benchmarks/sim_speed.py   (writes out/sim_speed.json; --out DIR)
 """
 
 import json
 import os
 import statistics
+import sys
 import time
 
 from chimera.passes import lower
 from chimera.schedules import build
 from chimera.sim import CostModel, simulate
 from chimera.check.validate import validate
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outdir import out_dir  # noqa: E402  (--out DIR, default out/)
 
 CASES = [("chimera", 32, 128, {}), ("chimera", 16, 64, {"strategy": "doubling"}), ("1f1b", 32, 128, {})]
 
@@ -41,7 +45,9 @@ def main():
         print(f"{r['schedule']:<8} D={r['stages']:<3} N={r['micro_batches']:<4} {r['actions']:>6} actions: "
               f"generate+lower {r['generate_lower_s']:.3f} s, simulate {r['simulate_s']:.3f} s, "
               f"validate {r['validate_s']:.3f} s (median of 5)")
-    out = os.path.join(os.path.dirname(__file__), "results", "sim_speed.json")
+    folder = out_dir()
+    os.makedirs(folder, exist_ok=True)
+    out = os.path.join(folder, "sim_speed.json")
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
     print(f"wrote {out}")

@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/split_backward.py [--model gpt2-bench] [--reps 15] [--runs 3]
 
-Two measurements, both written to benchmarks/results/split_backward.json:
+Two measurements, both written to out/split_backward.json (--out DIR):
 
 - isolated: one thread, a stage of 4 transformer blocks at micro-batch 2; B and I+W run
   interleaved right after their forward, medians reported. This favours B: it starts while
@@ -16,6 +16,7 @@ Two measurements, both written to benchmarks/results/split_backward.json:
 import argparse
 import json
 import os
+import sys
 import statistics
 import time
 
@@ -27,7 +28,10 @@ from chimera.models import build_layers, get_config
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.split_backward import backward_input, backward_weight
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "split_backward.json")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outdir import out_dir  # noqa: E402  (--out DIR, default out/)
+
+OUT = os.path.join(out_dir(), "split_backward.json")
 
 
 def isolated(model: str, blocks: int, reps: int) -> dict:
@@ -131,6 +135,7 @@ def main():
             print(f"in the pipeline, stage {s['stage']}: B {s['B_ms']:.1f} ms, I {s['I_ms']:.1f} ms, "
                   f"W {s['W_ms']:.1f} ms CPU, (I+W)/B = {s['ratio_I_plus_W_over_B']:.3f}")
         print(f"in the pipeline, both stages: (I+W)/B = {run['ratio_I_plus_W_over_B']:.3f}")
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {OUT}")

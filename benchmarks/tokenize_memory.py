@@ -7,9 +7,10 @@ process, and records its peak RSS (getrusage of the child) and wall time. Memory
 text is the slope between the smallest and the largest size (the fixed cost of Python,
 tokenizers and numpy drops out); a corpus held in memory would show a slope of 1 or more.
 
-    python benchmarks/tokenize_memory.py --sizes-mb 10 100 --out benchmarks/results/tokenize_memory
+    python benchmarks/tokenize_memory.py --sizes-mb 10 100
 
-writes OUT.json and OUT.md.
+writes OUT.json and OUT.md (--out, default out/tokenize_memory; the committed figures are
+benchmarks/results/tokenize_memory, rewritten only by naming it).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def main() -> None:
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100])
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--workdir", default="/tmp/chimera-tokenize-bench")
-    ap.add_argument("--out", default="benchmarks/results/tokenize_memory")
+    ap.add_argument("--out", default="out/tokenize_memory")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)

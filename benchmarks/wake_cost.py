@@ -1,6 +1,6 @@
 """What a host pays to run code right after it slept: the emulated bench's hidden per-action cost.
 
-    python benchmarks/wake_cost.py          # -> benchmarks/results/wake_cost.{json,md}
+    python benchmarks/wake_cost.py          # -> out/wake_cost.{json,md} (--out DIR)
 
 An emulated stage (``chimera bench --emulate``) sleeps through its compute, as a host blocked
 on a GPU would, and then runs the runtime's code for the next action. This script times a
@@ -83,7 +83,7 @@ def _isend_worker(rank: int, port: int, reps: int, out: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=200)
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--out", default="out")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     args = p.parse_args()
     torch.set_num_threads(1)

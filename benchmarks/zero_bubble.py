@@ -1,7 +1,7 @@
 """Zero-bubble schedules side by side, each against the lower bound of its placement.
 
 Usage: python benchmarks/zero_bubble.py [--quick]
-Writes benchmarks/results/zero_bubble.{md,png,json}.
+Writes out/zero_bubble.{md,png,json} (--out DIR).
 
 1. The main table: 1F1B, ZB-H1, ZB-V, DualPipeV, DualPipe, classic Chimera and chimera-zb at
    D=8, N=16 and D=16, N=64, simulated with F = I = W = 1 (B = 2) and no communication.
@@ -29,7 +29,10 @@ from chimera.sim import CostModel, simulate
 from chimera.check.validate import validate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "results", "zero_bubble")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outdir import out_dir  # noqa: E402  (--out DIR, default out/)
+
+OUT = os.path.join(out_dir(), "zero_bubble")
 UNIT = CostModel.unit(1, i=1, w=1)  # F = I = W = 1, so B = 2 for schemes that do not split it
 ROWS = [("1f1b", "1f1b", {}), ("zb-h1", "zb-h1", {}), ("zb-v", "zb-v", {}),
         ("dualpipev", "dualpipev", {}), ("dualpipe", "dualpipe", {}),

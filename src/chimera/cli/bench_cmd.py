@@ -11,7 +11,9 @@ import time
 from chimera.bench.rows import BenchConfig, select_rows
 from chimera.cli.common import UsageError, check_output, positive_int
 
-DEFAULT_OUT = os.path.join("benchmarks", "results")
+# out/ of the current folder: from the repo root, benchmarks/results holds the committed
+# figures the README quotes, regenerated only on purpose (--out benchmarks/results)
+DEFAULT_OUT = "out"
 
 
 def add_parsers(sub) -> None:
