@@ -138,3 +138,16 @@ def test_exact_refinement_never_worse_than_the_list_schedule():
     assert max(r.peak_activations for r in t.ranks) <= 4
     refined = build("chimera-zb", 4, 5, cost="1:1.5:0.5", exact=5)
     assert simulate(validate(lower(refined)), cost).makespan <= span + 1e-9
+
+
+def test_chimera_zb_told_the_hop_never_plays_slower_than_blind_to_it():
+    """Issue 36: a greedy play that sees messages arrive late filled the wait with a W and
+    delayed the I arriving during it (D=8 N=16 1:2:1, hop 0.05: 76.5 told, 70.8 blind); the
+    blind play, priced with the hop, is now among the candidates."""
+    for hop in (0.05, 0.2, 1.0):
+        cost = CostModel.unit(1, i=2, w=1, p2p_time=hop)
+        told = simulate(build("chimera-zb", 8, 16, cost=cost), cost).makespan
+        blind = simulate(build("chimera-zb", 8, 16, cost="1:2:1"), cost).makespan
+        assert told <= blind + 1e-9
+    cost = CostModel.unit(1, i=2, w=1, p2p_time=0.05)
+    assert simulate(build("chimera-zb", 8, 16, cost=cost), cost).makespan == pytest.approx(70.8)

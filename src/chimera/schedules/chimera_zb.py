@@ -149,6 +149,24 @@ def _play_dag(dag: Dag, placement: Placement, hop: float, cap: float, variant: s
     return Play(dag, placement.ranks, ranked[rule], admit, hop).run()
 
 
+def _best_play(dag: Dag, placement: Placement, hop: float, cap: float, variants
+               ) -> tuple[float, list[list[int]], str]:
+    """(makespan at ``hop``, order, variant) of the shortest play. With a hop, each variant is
+    also played blind to it and priced with it: a greedy play that sees a message coming
+    late fills the wait with a W and delays the input gradient that arrives during it, which
+    a blind play does not (D=8 N=16 F:I:W 1:2:1, hop 0.05 F: 76.5 told against 70.8 blind;
+    with a hop of a whole F the told play wins)."""
+    ranked: dict = {}
+    plays = []
+    for v in variants:
+        game = _play_dag(dag, placement, hop, cap, v, ranked)
+        plays.append((game.makespan, game.order, v))
+        if hop > 0:
+            blind = _play_dag(dag, placement, 0.0, cap, v, ranked).order
+            plays.append((dag.makespan(blind, hop), blind, f"{v}/blind"))
+    return min(plays, key=lambda x: x[0])
+
+
 @register("chimera-zb", "Chimera placement with B split into I and W, list-scheduled by time under "
                         "a per-rank activation cap (default D Ma); any N",
           options=(PIPES,
@@ -182,9 +200,8 @@ def chimera_zb(stages: int, micro_batches: int, pipes: int = 2, cost: str | None
     _check(placement, limit, variants)
     dag = build_dag(placement, micro_pipe, times)  # the same work for every variant
     ranked: dict = {}
-    plays = [(_play_dag(dag, placement, first_hop(times), limit, v, ranked), v) for v in variants]
-    game, chosen = min(plays, key=lambda x: x[0].makespan)
-    programs, span = dag.programs(game.order), game.makespan
+    span, order, chosen = _best_play(dag, placement, first_hop(times), limit, variants)
+    programs = dag.programs(order)
     if exact > 0:
         refined, refined_span, _ = refine(placement, micro_pipe, times, limit, programs, exact)
         if refined_span < span:

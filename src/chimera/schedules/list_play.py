@@ -82,6 +82,31 @@ class Dag:
         op, pipe, stage, micros = self.op, self.pipe, self.stage, self.micros
         return [[Action(op[t], pipe[t], stage[t], m) for t in ts for m in micros[t]] for ts in order]
 
+    def makespan(self, order: list[list[int]], hop: float) -> float:
+        """The makespan of per-rank task orders (a play's) when every task starts as soon as
+        its rank is free and its inputs are there, a cross-rank input ``hop`` after its
+        producer ends: the simulator's timing of those programs, here so a play made blind to
+        the hop can be priced with it."""
+        end: list[float | None] = [None] * len(self)
+        preds: list[list[int]] = [[] for _ in range(len(self))]
+        for t, us in enumerate(self.succs):
+            for u in us:
+                preds[u].append(t)
+        pos, clock, progressed = [0] * len(order), [0.0] * len(order), True
+        while progressed:
+            progressed = False
+            for r, ts in enumerate(order):
+                while pos[r] < len(ts) and all(end[p] is not None for p in preds[ts[pos[r]]]):
+                    t = ts[pos[r]]
+                    start = max([clock[r]] + [end[p] + (hop if self.rank[p] != r else 0.0)
+                                              for p in preds[t]])
+                    end[t] = clock[r] = start + self.dur[t]
+                    pos[r] += 1
+                    progressed = True
+        if any(p < len(ts) for p, ts in zip(pos, order)):
+            raise ScheduleError("a play's order deadlocks when timed")
+        return max(clock, default=0.0)
+
 
 def first_hop(times: OpTimes) -> float:
     """The one hop time the play charges for every message: stage 0's (a uniform link)."""
