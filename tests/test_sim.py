@@ -136,3 +136,59 @@ def test_a_whole_backward_frees_in_a_split_schedule():
             Action(Op.I, 0, 0, 1), Action(Op.W, 0, 0, 1))
     t = simulate(Schedule("mixed", Placement.linear(1), (0, 0), (prog,)))
     assert t.ranks[0].peak_activations == 1.0
+
+
+def test_a_mixed_whole_and_split_backward_validates_lowers_and_syncs_after_its_last_gradient():
+    """torch's DualPipeV order (B where it overlaps a forward, I/W elsewhere) passes the
+    validator, as the engine runs it; the eager SYNC of a stage follows its last gradient
+    action whichever it is (issue 36)."""
+    from chimera.check.validate import validate
+    from chimera.ir import Action, Op, Placement, Schedule
+    from chimera.passes import lower
+
+    F, B, I, W = ((lambda op: (lambda s, m: Action(op, 0, s, m)))(op) for op in (Op.F, Op.B, Op.I, Op.W))
+    progs = ((F(0, 0), F(0, 1), I(0, 0), W(0, 0), B(0, 1)),
+             (F(1, 0), I(1, 0), F(1, 1), B(1, 1), W(1, 0)))
+    s = Schedule("mixed", Placement.linear(2), (0, 0), progs)
+    validate(s)
+    lowered = lower(s)
+    validate(lowered)
+    for rank, last in ((0, B(0, 1)), (1, W(1, 0))):
+        prog = [a for a in lowered.programs[rank] if a.op is not Op.SEND_B]
+        assert prog[prog.index(last) + 1].op is Op.SYNC
+    assert simulate(lowered).makespan > 0
+    with pytest.raises(ScheduleError, match="appears 0 times"):  # B or I+W, never half of each
+        validate(Schedule("bad", Placement.linear(2), (0, 0),
+                          ((F(0, 0), F(0, 1), I(0, 0), W(0, 0), B(0, 1)),
+                           (F(1, 0), I(1, 0), F(1, 1), B(1, 1)))))
+
+
+def test_i_frees_what_w_does_not_need():
+    """Activation memory from F to W: I frees ``1 - w_keeps`` of a micro-batch (issue 36)."""
+    from chimera.ir import Action, Op, Placement, Schedule
+
+    prog = (Action(Op.F, 0, 0, 0), Action(Op.I, 0, 0, 0), Action(Op.F, 0, 0, 1),
+            Action(Op.W, 0, 0, 0), Action(Op.I, 0, 0, 1), Action(Op.W, 0, 0, 1))
+    s = Schedule("split", Placement.linear(1), (0, 0), (prog,))
+    assert simulate(s).ranks[0].peak_activations == 2.0  # default: the graph kept whole for W
+    assert simulate(s, CostModel.unit(w_keeps=0.4)).ranks[0].peak_activations == pytest.approx(1.4)
+    assert simulate(s, CostModel.unit(w_keeps=0.0)).ranks[0].peak_activations == 1.0
+    with pytest.raises(ScheduleError, match="w_keeps"):
+        CostModel.unit(w_keeps=1.5)
+
+
+@pytest.mark.parametrize("name, ranks_bytes", [("1f1b", 1.0), ("zb-v", 1.0), ("interleaved", 1.0),
+                                               ("chimera", 2.0)])
+def test_allreduce_is_priced_by_the_bytes_a_rank_holds(name, ranks_bytes):
+    """``reduce`` (the CLI's --allreduce) is a time per D-th of the model's gradients: a V or
+    interleaved stage (half a D-th) pays half, a rank pays for what it holds in all, so V and
+    interleaved ranks pay once and Chimera's, two replicas, twice (issue 36; it was one
+    stage's time per stage whatever its size)."""
+    s = lower(build(name, 4, 8), "end")  # every collective after the compute: its sum shows
+    plain = simulate(s, CostModel.unit(1, 2, data_parallel=2))
+    priced = simulate(s, CostModel.unit(1, 2, reduce=(3.0,), data_parallel=2))
+    per_rank = {}
+    for rank, _, start, end in priced.collectives:
+        per_rank[rank] = per_rank.get(rank, 0.0) + end - start
+    assert len(per_rank) == 4 and sorted(per_rank.values()) == pytest.approx([3.0 * ranks_bytes] * 4)
+    assert priced.makespan >= plain.makespan + 3.0 * ranks_bytes - 1e-9

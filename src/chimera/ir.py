@@ -108,6 +108,13 @@ def finishing_op(split_backward: bool) -> Op:
     return Op.W if split_backward else Op.B
 
 
+# The ops that end a micro-batch's work on a stage in any schedule: W of a split backward, B of
+# a whole one. A schedule may mix the two per micro-batch (torch's DualPipeV runs B where it
+# overlaps a forward and I/W elsewhere), so what frees activations and what a stage's eager
+# allreduce waits for is either.
+GRADIENT_ENDS = frozenset({Op.B, Op.W})
+
+
 def needs(action: Action, stages: int, split_backward: bool) -> tuple[Action, ...]:
     """The compute actions (same pipe and micro-batch) that must have run before ``action``:
     F(s) needs F(s-1); B(s) or I(s) needs F(s) and the input gradient of stage s+1 (its B, or

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chimera.ir import (Action, Op, Schedule, ScheduleError, finishing_op, input_stage, output_stage,
+from chimera.ir import (GRADIENT_ENDS, Action, Op, Schedule, ScheduleError, input_stage, output_stage,
                         recv_of, send_of)
 
 SYNC_MODES = ("eager", "end")
@@ -32,18 +32,17 @@ def add_communication(schedule: Schedule) -> Schedule:
 def add_sync(schedule: Schedule, mode: str = "eager") -> Schedule:
     """Insert one SYNC per stage replica and a final STEP on every rank.
 
-    ``eager``: right after the replica's last gradient-producing action on the rank (B, or W
-    when backward is split), so the allreduce overlaps the remaining bubbles. ``end``: after
+    ``eager``: right after the replica's last gradient-producing action on the rank (B or W:
+    a schedule may mix whole and split backwards), so the allreduce overlaps the remaining bubbles. ``end``: after
     all of the rank's actions.
     """
     if mode not in SYNC_MODES:
         raise ScheduleError(f"unknown sync mode {mode!r}; choose one of {', '.join(SYNC_MODES)}")
-    grad_op = finishing_op(schedule.split_backward)
     programs = []
     for rank, prog in enumerate(schedule.programs):
         last_grad: dict[tuple[int, int], int] = {}
         for i, a in enumerate(prog):
-            if a.op is grad_op:
+            if a.op in GRADIENT_ENDS:
                 last_grad[(a.pipe, a.stage)] = i
         # a replica whose pipe got no micro-batch (N=1 on two pipes) still joins its stage's
         # allreduce, at the end: its peers wait for it, and it must receive their gradients

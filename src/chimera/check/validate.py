@@ -49,11 +49,13 @@ def _check_placement(s: Schedule) -> None:
 
 
 def _check_counts(s: Schedule) -> None:
-    ops = (Op.F, Op.I, Op.W) if s.split_backward else (Op.F, Op.B)
     seen = Counter((a.op, a.pipe, a.stage, a.micro) for _, _, a in s.actions() if a.op.is_compute)
     for m, p in enumerate(s.micro_pipe):
         for stage in range(s.stages):
-            for op in ops:
+            # a split schedule may run some backwards whole (torch's DualPipeV runs B where
+            # it overlaps a forward, I and W elsewhere): per micro-batch and stage, B or I+W
+            split = s.split_backward and (Op.B, p, stage, m) not in seen
+            for op in (Op.F, Op.I, Op.W) if split else (Op.F, Op.B):
                 n = seen.pop((op, p, stage, m), 0)
                 if n != 1:
                     rank = s.placement.rank_of(p, stage)

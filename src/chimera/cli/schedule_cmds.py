@@ -62,7 +62,8 @@ def add_cost_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--p2p", type=nonneg_float, default=0.0, metavar="T",
                    help="time of one p2p hop (default: 0)")
     g.add_argument("--allreduce", type=nonneg_float, default=0.0, metavar="T",
-                   help="time of one stage's gradient allreduce (default: 0)")
+                   help="time of the gradient allreduce of a D-th of the model (a stage of an "
+                        "S > D cut pays D/S of it; a rank once per D-th it holds; default: 0)")
     g.add_argument("--no-overlap", action="store_true",
                    help="allreduce blocks compute instead of overlapping it")
     g.add_argument("--data-parallel", "-W", type=positive_int, default=1,
@@ -78,7 +79,7 @@ def add_cost_options(p: argparse.ArgumentParser) -> None:
 def cost_from_args(args: argparse.Namespace) -> CostModel:
     base = CostModel.parse(args.cost)
     return CostModel(f=base.f, b=base.b, i=base.i, w=base.w, p2p_time=args.p2p,
-                     allreduce_time=args.allreduce, overlap_allreduce=not args.no_overlap,
+                     reduce=(args.allreduce,), overlap_allreduce=not args.no_overlap,
                      data_parallel=args.data_parallel, optimizer=(args.optimizer,),
                      shard_optimizer=args.shard_optimizer)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chimera.ir import Op, Schedule, finishing_op
+from chimera.ir import Op, Schedule, GRADIENT_ENDS
 from chimera.modelcfg import ModelConfig
 
 ACT_BYTES = {"fp32": 4, "mixed": 2}
@@ -98,7 +98,7 @@ class HeldActivations:
 
     @classmethod
     def of(cls, schedule: Schedule) -> "HeldActivations":
-        frees = finishing_op(schedule.split_backward)
+        frees = GRADIENT_ENDS
         states, stages = [], []
         for prog in schedule.programs:
             held: dict[int, int] = {}
@@ -108,7 +108,7 @@ class HeldActivations:
                 if a.op is Op.F:
                     held[a.stage] = held.get(a.stage, 0) + 1
                     prev_f = True
-                elif a.op is frees:
+                elif a.op in frees:
                     if prev_f:  # a local maximum just ended
                         peaks.add(tuple(sorted(held.items())))
                     held[a.stage] -= 1

@@ -62,6 +62,14 @@ class CostModel:
     is divided by the stage's group (its replicas times W), and a rank then waits for the
     parameter all-gather of the stage it runs first (the runtime prefetches the others
     behind its first forwards): the iteration's price for the smaller step.
+    ``reduce``: per stage, the time of its gradient allreduce priced by its bytes: one entry
+    is the time for a D-th of the model's gradients, so a stage of an S > D cut (V,
+    interleaved) pays D/S of it and a rank pays once per D-th it holds (Chimera's two
+    replicas: twice), on top of the fixed ``allreduce_time`` per collective.
+    ``w_keeps``: the share of a micro-batch's activations that W still needs after I; I
+    frees the rest. 1 (the default) is what our runtime and torch's hold: I keeps the
+    autograd graph whole for W. A split written by hand (the zero-bubble paper's) keeps
+    only the inputs of the weighted layers, about 0.4 of a transformer block's.
     """
 
     f: tuple[float, ...] = (1.0,)
@@ -78,9 +86,13 @@ class CostModel:
     data_parallel: int = 1
     optimizer: tuple[float, ...] = (0.0,)
     shard_optimizer: bool = False
+    reduce: tuple[float, ...] = (0.0,)
+    w_keeps: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "i", "w", "act_bytes", "weight_bytes", "optimizer"):
+        if not (isinstance(self.w_keeps, (int, float)) and 0.0 <= self.w_keeps <= 1.0):
+            raise ScheduleError(f"cost w_keeps must be a share in [0, 1], got {self.w_keeps!r}")
+        for name in ("f", "b", "i", "w", "act_bytes", "weight_bytes", "optimizer", "reduce"):
             values = getattr(self, name)
             if any((not isinstance(v, (int, float))) or v < 0 or math.isnan(v) for v in values):
                 raise ScheduleError(f"cost {name} must be non-negative numbers, got {values}")
@@ -125,18 +137,25 @@ class CostModel:
         nbytes = self._at(self.act_bytes, stage, stages) * scale
         return self.p2p_time + (self.p2p.time(nbytes) if nbytes or self.p2p.alpha else 0.0)
 
+    def _sized(self, values: tuple[float, ...], stage: int, stages: int, ranks: int) -> float:
+        """A per-stage value where one entry is for a D-th of the model (scaled to the stage)."""
+        size = ranks / stages if len(values) == 1 else 1.0
+        return self._at(values, stage, stages) * size
+
     def step_time(self, stage: int, stages: int, ranks: int, group: int) -> float:
         """One replica's optimizer step of ``stage`` (a slice of it when sharded)."""
-        size = ranks / stages if len(self.optimizer) == 1 else 1.0
-        t = self._at(self.optimizer, stage, stages) * size
+        t = self._sized(self.optimizer, stage, stages, ranks)
         return t / group if self.shard_optimizer and group > 1 else t
 
-    def gather(self, stage: int, stages: int, group: int) -> float:
+    def gather(self, stage: int, stages: int, group: int, ranks: int | None = None) -> float:
         """The parameter all-gather of a sharded stage: half of a ring allreduce."""
-        return self.sync(stage, stages, group) / 2 if self.shard_optimizer else 0.0
+        return self.sync(stage, stages, group, ranks) / 2 if self.shard_optimizer else 0.0
 
-    def sync(self, stage: int, stages: int, group: int) -> float:
-        nbytes = self._at(self.weight_bytes, stage, stages)
+    def sync(self, stage: int, stages: int, group: int, ranks: int | None = None) -> float:
+        """The gradient allreduce of ``stage`` over ``group`` ranks (``ranks``: the
+        placement's, which sizes a one-entry ``reduce``; None: as many as stages)."""
         if group <= 1:
             return 0.0
-        return self.allreduce_time + self.allreduce.allreduce(nbytes, group)
+        nbytes = self._at(self.weight_bytes, stage, stages)
+        by_size = self._sized(self.reduce, stage, stages, stages if ranks is None else ranks)
+        return self.allreduce_time + by_size + self.allreduce.allreduce(nbytes, group)

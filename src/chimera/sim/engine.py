@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import cache, cached_property
 
-from chimera.ir import (COMPUTE_OPS, Action, Op, Schedule, ScheduleError, finishing_op, needs,
+from chimera.ir import (COMPUTE_OPS, GRADIENT_ENDS, Action, Op, Schedule, ScheduleError, needs,
                         other_end)
 from chimera.sim.cost import CostModel
 from chimera.sim.timeline import Event, RankStats, Timeline
@@ -113,7 +113,7 @@ class CompiledSchedule:
         s, t = self.schedule, self.times(cost)
         events = [Event(rank, a, t.start[i], t.end[i]) for i, (rank, a) in enumerate(self.order)]
         events.sort(key=lambda e: (e.rank, e.start, e.end))
-        stats = [RankStats(r, t.busy[r], *_memory(s, r)) for r in range(s.ranks)]
+        stats = [RankStats(r, t.busy[r], *_memory(s, r, cost.w_keeps)) for r in range(s.ranks)]
         return Timeline(s, events, t.makespan, stats, collectives=t.collectives)
 
     def times(self, cost: CostModel, eager_sync: bool = False) -> Times:
@@ -175,8 +175,8 @@ class CompiledSchedule:
     def last_gradients(self) -> dict[tuple[int, int], int]:
         """(pipe, stage) replica -> index of its last gradient action (B, or W if split)."""
         if self._last_grad is None:
-            grad = finishing_op(self.schedule.split_backward)
-            self._last_grad = {(a.pipe, a.stage): i for i, (_, a) in enumerate(self.order) if a.op is grad}
+            self._last_grad = {(a.pipe, a.stage): i for i, (_, a) in enumerate(self.order)
+                               if a.op in GRADIENT_ENDS}
         return self._last_grad
 
 
@@ -350,7 +350,7 @@ class _SyncState:
             ranks = [r for r, _ in self.c.order[i:i + len(self.s.placement.replicas(stage))]]
             self.issued[stage] = [clock[r] for r in ranks]
         times = self.issued[stage]
-        return max(times) + self.cost.sync(stage, self.s.stages, self.group(stage))
+        return max(times) + self.cost.sync(stage, self.s.stages, self.group(stage), self.s.ranks)
 
     def after_program(self, last_grad: dict, end: list[float], clock: list[float]) -> list[float]:
         """Eager sync of an unlowered schedule: issue at each replica's last gradient action,
@@ -376,7 +376,7 @@ class _SyncState:
         first = next((a.stage for a in self.s.programs[rank] if a.op is Op.F), None)
         if first is None:
             return 0.0
-        return self.cost.gather(first, self.s.stages, self.group(first))
+        return self.cost.gather(first, self.s.stages, self.group(first), self.s.ranks)
 
     @cached_property
     def updates(self) -> list[float]:
@@ -396,7 +396,7 @@ class _SyncState:
         for ready, stage in sorted((max(times), stage) for stage, times in self.issued.items()):
             members = set(self.s.placement.replicas(stage))
             start = max([ready] + [channel[r] for r in members])
-            end = start + self.cost.sync(stage, self.s.stages, self.group(stage))
+            end = start + self.cost.sync(stage, self.s.stages, self.group(stage), self.s.ranks)
             self.reduced[stage] = end
             if end > start:
                 for r in members:
@@ -405,17 +405,17 @@ class _SyncState:
         return self.reduced
 
 
-def _memory(s: Schedule, rank: int) -> tuple[float, float]:
-    """(peak activations in Ma, weights in Mθ) for one rank."""
-    size = s.ranks / s.stages  # a stage is this many D-ths of the model
-    # W ends a split backward, B a whole one: both free (torch's DualPipeV runs B where it
-    # overlaps a forward and I/W elsewhere in one schedule)
-    frees = {finishing_op(s.split_backward), Op.B}
+def _memory(s: Schedule, rank: int, w_keeps: float = 1.0) -> tuple[float, float]:
+    """(peak activations in Ma, weights in Mθ) for one rank. F takes a micro-batch's
+    activations; B frees them; I frees what W does not need (``1 - w_keeps`` of them), W
+    the rest."""
+    size = s.ranks / s.stages * s.micro_scale  # a stage is this many D-ths of the model
+    freed = {Op.B: size, Op.I: size * (1.0 - w_keeps), Op.W: size * w_keeps}
     held, peak = 0.0, 0.0
     for action in s.programs[rank]:
         if action.op is Op.F:
-            held += size * s.micro_scale
+            held += size
             peak = max(peak, held)
-        elif action.op in frees:
-            held -= size * s.micro_scale
-    return peak, len(s.placement.held(rank)) * size
+        else:
+            held -= freed.get(action.op, 0.0)
+    return peak, len(s.placement.held(rank)) * s.ranks / s.stages
