@@ -14,6 +14,7 @@ import io
 import os
 import sys
 import typing
+import warnings
 
 from chimera.cli.common import UsageError, check_output
 from chimera.schedules import schemes
@@ -101,36 +102,45 @@ def _flags_type():
         arg("json", bool, False)], frozen=True), dict(parts)
 
 
-def _defaults(flags_type, parts: dict, cfg, config: str | None):
-    """The flags' defaults: ``cfg``'s values (the sections' defaults, or a --config file's)."""
-    values = cfg.sections()
-    kw = {name: kind(**{f.name: getattr(getattr(cfg, name), f.name) for f in dataclasses.fields(kind)})
+def _defaults(flags_type, parts: dict, source, config: str | None):
+    """The flags' defaults: the sections' defaults, or a --config file's values, unchecked
+    (the flags override them first; the sections check what is left)."""
+    values, options = (source.values(), source.options()) if source else ({}, {})
+    kw = {name: kind(**{f.name: values.get(f.name, f.default) for f in dataclasses.fields(kind)})
           for name, kind in parts.items() if name != "scheme"}
     known = {f.name for f in dataclasses.fields(parts["scheme"])}
-    kw["scheme"] = parts["scheme"](**{k: v for k, v in values["pipeline"]["options"].items() if k in known})
+    kw["scheme"] = parts["scheme"](**{k: v for k, v in options.items() if k in known})
     return flags_type(config=config, json=False, **kw)
 
 
 def parse(argv: list[str]):
-    """(the run's ``TrainConfig``, the CLI-only flags ``{"json": ...}``) from ``argv``."""
+    """(the run's ``TrainConfig``, the CLI-only values ``{"json": ..., "config": ...}``) from
+    ``argv``; ``config``: the --config file read (``chimera.train.config_file.ConfigFile``,
+    knowing which of its values the flags left), or None."""
     import tyro  # lazy: only `chimera train` parses with it
 
+    from chimera.train import config_file
     from chimera.train.config import TrainConfig
 
     config = _config_file(argv)
-    base = TrainConfig.from_toml(config) if config else TrainConfig()
+    source = config_file.read(config) if config else None
     flags_type, parts = _flags_type()
-    default = _defaults(flags_type, parts, base, config)
+    default = _defaults(flags_type, parts, source, config)
     settings = dict(args=argv, prog="chimera train", description=DESCRIPTION, default=default,
                     config=(tyro.conf.OmitArgPrefixes,))
-    if "-h" in argv or "--help" in argv:
-        flags = tyro.cli(flags_type, **settings)  # prints the help and exits 0
-    else:
-        flags = _parse_quietly(tyro, flags_type, settings)
+    with warnings.catch_warnings():  # a file's value of the wrong type: the sections say so
+        warnings.filterwarnings("ignore", "The field .* is annotated with type", UserWarning)
+        if "-h" in argv or "--help" in argv:
+            flags = tyro.cli(flags_type, **settings)  # prints the help and exits 0
+        else:
+            flags = _parse_quietly(tyro, flags_type, settings)
     flat = {f.name: getattr(getattr(flags, name), f.name) for name in SECTIONS
             for f in dataclasses.fields(parts[name])}
-    options = dataclasses.asdict(flags.scheme)
-    return TrainConfig(**flat, options={**base.pipeline.scheme_options, **options}), {"json": flags.json}
+    options = {**(source.options() if source else {}), **dataclasses.asdict(flags.scheme)}
+    source = source.keeping(flat, options) if source else None
+    with source.blame() if source else contextlib.nullcontext():
+        cfg = TrainConfig(**flat, options=options)
+    return cfg, {"json": flags.json, "config": source}
 
 
 def _config_file(argv: list[str]) -> str | None:
@@ -177,7 +187,7 @@ def config_from_args(args: argparse.Namespace):
     """The run's configuration from ``chimera train``'s arguments (``args.argv``), with
     ``--tokenizer`` found beside an ``hf:DIR`` model's weights."""
     cfg, extra = parse(args.argv)
-    args.json = extra["json"]
+    args.json, args.config_file = extra["json"], extra["config"]
     tokenizer = folder_tokenizer(cfg.net.model, cfg.corpus.data, cfg.corpus.tokenizer)
     return cfg if tokenizer == cfg.corpus.tokenizer else cfg.replace(tokenizer=tokenizer)
 
@@ -231,7 +241,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from chimera.train.checkpoint.lease import check_free
 
         check_free(cfg.ckpt.checkpoint_dir)
-    build.preflight(cfg)  # every check, before any process starts
+    with args.config_file.blame() if args.config_file else contextlib.nullcontext():
+        build.preflight(cfg)  # every check, before any process starts
     run = cfg.run
     for path, flag in ((run.trace, "--trace"), (run.png, "--png"), (run.log_json, "--log-json")):
         check_output(path, flag)

@@ -17,15 +17,10 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from chimera.schedules.registry import option_declarations
-from chimera.train import build
+from chimera.train import build, config_file
 from chimera.train.sections import (DTYPES, FLAT, LIMITS, LR_SCHEDULES, RESUME_ALLOWABLE,
                                     SECTIONS, WIRE_DTYPES, ConfigError, Ckpt, Corpus, Net, Optim,
                                     Pipeline, Run)
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
-    import tomli as tomllib
 
 __all__ = ["TrainConfig", "ConfigError", "DTYPES", "LIMITS", "LR_SCHEDULES", "RESUME_ALLOWABLE",
            "WIRE_DTYPES"]
@@ -155,31 +150,20 @@ class TrainConfig:
 
     @classmethod
     def from_sections(cls, tables: dict, where: str = "the config") -> "TrainConfig":
-        """The inverse of ``sections()``; an unknown table or key is refused by name."""
-        kw = {}
-        for name, table in tables.items():
-            if name not in SECTIONS or not isinstance(table, dict):
-                raise ConfigError(f"{where}: unknown table [{name}]; the tables are "
-                                  f"{', '.join(SECTIONS)}")
-            known = {f.name for f in fields(SECTIONS[name])}
-            unknown = sorted(set(table) - known)
-            if unknown:
-                raise ConfigError(f"{where}: [{name}] has no field {', '.join(unknown)}; it has "
-                                  f"{', '.join(sorted(known))}")
-            kw[name] = SECTIONS[name](**{k: tuple(v) if isinstance(v, list) else v
-                                         for k, v in table.items()})
-        return cls(**kw)
+        """The inverse of ``sections()``; an unknown table or key is refused by name, with
+        where it belongs (``chimera.train.config_file.check_shape``)."""
+        config_file.check_shape(tables, where=where)
+        return cls(**{name: SECTIONS[name](**{k: tuple(v) if isinstance(v, list) else v
+                                              for k, v in table.items()})
+                      for name, table in tables.items()})
 
     @classmethod
     def from_toml(cls, path) -> "TrainConfig":
-        try:
-            with open(path, "rb") as f:
-                tables = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config {path}: not TOML: {exc}") from None
-        return cls.from_sections(tables, f"--config {path}")
+        """A TOML file's configuration (``chimera.train.config_file``: a regular UTF-8 file
+        of at most 1 MiB); a message about one of its values names its file and line."""
+        source = config_file.read(path)
+        with source.blame():
+            return cls.from_sections(source.tables, f"--config {path}")
 
     @classmethod
     def field_names(cls) -> list[str]:
