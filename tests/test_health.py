@@ -192,17 +192,21 @@ def test_a_resume_on_other_data_starts_the_history_afresh(data, tmp_path):
     assert Keeper(same, None, None, 0, 2).history.losses == meta["health"]["recent_losses"]
 
 
-def test_generate_and_export_take_the_newest_checkpoint_not_in_doubt(data, tmp_path):
-    from chimera.train.generate import resolve
+def test_generate_and_export_take_the_newest_healthy_checkpoint(data, tmp_path):
+    """A run's folder serves its newest healthy checkpoint; a step folder in doubt is refused
+    (the rest of the rule: tests/test_serve.py)."""
+    from chimera.train.checkpoint.serve import choose
 
     t = Trainer(ref_cfg(data))
     t.step(0)
     good = ckpt.save(t, tmp_path, 1, keep=3)
     bad = ckpt.save(t, tmp_path, 2, keep=3, health={"status": "in doubt", "reason": "step 2: x"})
-    assert resolve(tmp_path) == good and resolve(bad) == bad  # a folder named is taken as is
+    assert choose(tmp_path)[0] == good and choose(bad, allow_in_doubt=True)[0] == bad
+    with pytest.raises(ckpt.CheckpointError, match=f"in doubt .*newest healthy checkpoint {good}"):
+        choose(bad)
     ckpt.set_health(good, {"status": "in doubt", "reason": "step 1: y"})
-    with pytest.raises(ckpt.CheckpointError, match="every checkpoint in it is in doubt"):
-        resolve(tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match="no healthy checkpoint in it"):
+        choose(tmp_path)
 
 
 def test_weights_that_overflowed_are_not_published_and_name_the_way_back(data, tmp_path):

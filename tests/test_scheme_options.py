@@ -11,7 +11,7 @@ from chimera.schedules import build, get_scheme, registry
 from chimera.schedules.classic import one_f_one_b
 from chimera.schedules.registry import Option, register
 from chimera.train.config import ConfigError, TrainConfig
-from chimera.train.equivalence import _reference
+from chimera.train.equivalence import reference_config
 
 
 @pytest.fixture
@@ -106,5 +106,5 @@ def test_train_config_passes_a_new_option_and_the_reference_drops_it(lagged):
     assert cfg.pipeline.scheme_options["lag"] == 2 and "lag" not in TrainConfig.option_fields()
     cfg.preflight()
     halving = TrainConfig(stages=2, strategy="halving", pipes=2, options={"lag": 2})
-    ref = _reference(halving)
+    ref = reference_config(halving)
     assert ref.reference and ref.pipeline.options == ()

@@ -18,6 +18,7 @@ from chimera.errors import UserError
 
 COMMANDS = ("chimera.cli.schedule_cmds",)
 OPTIONAL_COMMANDS = ("chimera.cli.train_cmd", "chimera.cli.generate_cmd", "chimera.cli.export_cmd",
+                     "chimera.cli.judge_cmd",
                      "chimera.cli.bench_cmd",
                      "chimera.cli.plan_cmd", "chimera.cli.profile_cmd", "chimera.cli.tokenize_cmd")
 

@@ -99,10 +99,19 @@ def positive_float(text: str) -> float:
 
 
 
-def add_checkpoint_input(p: argparse.ArgumentParser) -> None:
-    """``--checkpoint``, as every command that reads a trained model takes it."""
+def add_checkpoint_input(p: argparse.ArgumentParser, served: bool = True) -> None:
+    """``--checkpoint``, as every command that reads a trained model takes it; ``served``: the
+    command hands the model to the user (``--allow-in-doubt``, ``checkpoint.serve``)."""
+    if not served:
+        p.add_argument("--checkpoint", required=True, metavar="DIR",
+                       help="a run's --checkpoint-dir or one of its step-<n> folders")
+        return
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a run's --checkpoint-dir (its newest step-<n>) or one step-<n> folder")
+                   help="a run's --checkpoint-dir (its newest healthy step-<n>, naming newer ones "
+                        "passed over) or one step-<n> folder (refused unless healthy)")
+    p.add_argument("--allow-in-doubt", action="store_true",
+                   help="use a checkpoint in doubt or not judged yet anyway (a run's folder: its "
+                        "newest), with a warning; `chimera judge` gives an unjudged one its verdict")
 
 
 def add_folder_output(p: argparse.ArgumentParser) -> None:

@@ -33,7 +33,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from chimera.train.export import export  # start-up time: torch and transformers load when the command runs
 
     check_output(args.out, "--out", directory=True)
-    done = export(args.checkpoint, args.out)
+    done = export(args.checkpoint, args.out, args.allow_in_doubt)
     for note in done.notes:
         print(f"chimera export: {note}", file=sys.stderr)
     print(f"wrote {done.folder}/: {', '.join(done.files)} ({done.model}, step {done.step} of "

@@ -96,7 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = Settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     imported = time.perf_counter()
     outs = generate_batch(args.checkpoint, args.prompt, settings, args.device, args.tokenizer,
-                          args.stop_token)
+                          args.stop_token, args.allow_in_doubt)
     for note in dict.fromkeys(n for out in outs for n in out.notes):
         print(f"chimera generate: {note}", file=sys.stderr)
     for out in outs:

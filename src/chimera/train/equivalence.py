@@ -26,7 +26,9 @@ from chimera.train.launch import free_port
 from chimera.train.loop import Trainer, run_context
 
 
-def _reference(cfg: TrainConfig) -> TrainConfig:
+def reference_config(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` as one process: one stage, no scheme, the same mini-batch (W*N*B rows) of
+    the same data at every step (``chimera judge`` probes a checkpoint with it too)."""
     no_options = dict.fromkeys(TrainConfig.option_fields())
     return dataclasses.replace(cfg, schedule="none", stages=1, data_parallel=1, tensor_parallel=1,
                                options=None,
@@ -69,7 +71,7 @@ def _one(context: RunContext, cfg: TrainConfig) -> dict | None:
 
 def _compare(cfg: TrainConfig, gathered: list[dict], losses: list[tuple[float, float]],
              context: RunContext) -> dict:
-    reference = _reference(cfg)
+    reference = reference_config(cfg)
     # this process alone, with the run's device and options (not read again)
     ref = Trainer(reference, context.replace(transport=OneRank()))
     box: dict = {}

@@ -24,7 +24,8 @@ from chimera.errors import UserError
 from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError
 from chimera.train.export_tokenizer import stamp_ids, write_tokenizer
-from chimera.train.generate import resolve, source_from_meta
+from chimera.train.checkpoint.serve import choose
+from chimera.train.generate import source_from_meta
 
 
 @dataclass
@@ -37,13 +38,15 @@ class Exported:
     notes: list[str]
 
 
-def export(path: str | os.PathLike, out: str | os.PathLike) -> Exported:
+def export(path: str | os.PathLike, out: str | os.PathLike,
+           allow_in_doubt: bool = False) -> Exported:
     """Write the model of the checkpoint at ``path`` to the folder ``out`` (which must not
-    exist or be empty). Raises ValueError (CheckpointError included) with one line."""
+    exist or be empty). Raises ValueError (CheckpointError included) with one line; a
+    checkpoint in doubt or not judged yet only with ``allow_in_doubt`` (``serve.choose``)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out}: exists and is not an empty folder")
-    where = resolve(path)
+    where, served = choose(path, allow_in_doubt)
     meta = checkpoint.verify(where)
     source = source_from_meta(meta, where)
     if not hasattr(source, "export"):
@@ -62,7 +65,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> Exported:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Exported(out, where, int(meta["step"]), meta["model"],
-                    sorted(p.name for p in out.iterdir()), notes)
+                    sorted(p.name for p in out.iterdir()), served + notes)
 
 
 def _check_preset(source, where: Path) -> None:

@@ -37,6 +37,7 @@ from torch import nn
 from chimera.errors import UserError
 from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError
+from chimera.train.checkpoint.serve import choose
 
 BYTE_VOCAB = 256
 MAX_NEW_TOKENS = 100_000        # a bound a run prints within minutes, not a typo's 10^12
@@ -115,6 +116,7 @@ class Loaded:
     meta: dict
     path: Path
     source: object = None  # the run's model source (chimera.train.sources)
+    notes: list[str] = field(default_factory=list)  # what the user is told about the choice
 
     def decoder(self):
         """A key/value-cached decoder of this model (``chimera.train.decode``)."""
@@ -125,27 +127,6 @@ class Loaded:
         state = self.source.model.hf_state_dict(self.model.state_dict())  # HF's names, shared
         first = next(self.model.parameters())
         return decode.HFDecoder(decode.hf_model(self.source, state, first.dtype).to(first.device))
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint folder (``step-<n>``, with ``meta.json``), or the newest one in a run's
-    ``--checkpoint-dir``. Raises CheckpointError naming what is missing."""
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"--checkpoint {path}: no such directory")
-    if not p.is_dir():
-        raise CheckpointError(f"--checkpoint {path}: not a directory (give a run's "
-                              "--checkpoint-dir or one of its step-<n> folders)")
-    if (p / checkpoint.META).exists():
-        return p
-    newest, passed = checkpoint.resumable(p)  # those in doubt passed over, as --resume does
-    if newest is None and passed:
-        raise CheckpointError(f"--checkpoint {path}: every checkpoint in it is in doubt (newest "
-                              f"{passed[0][0].name}: {passed[0][1]}); give a step-<n> folder")
-    if newest is None:
-        raise CheckpointError(f"--checkpoint {path}: no checkpoint in it (no step-<n> folder "
-                              f"and no {checkpoint.META})")
-    return newest
 
 
 def source_from_meta(meta: dict, where: Path):
@@ -188,10 +169,12 @@ def load_named(model: nn.Module, source, state: dict[str, torch.Tensor], where: 
             p.copy_(state[key])
 
 
-def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> Loaded:
+def load(path: str | os.PathLike, device: torch.device | str = "cpu",
+         allow_in_doubt: bool = False) -> Loaded:
     """Verify the checkpoint (sizes and SHA-256 of its files, its index), rebuild its model
-    and load the weights, in the dtype they were trained in. Raises CheckpointError."""
-    where = resolve(path)
+    and load the weights, in the dtype they were trained in. Raises CheckpointError; one in
+    doubt or not judged yet only with ``allow_in_doubt`` (``checkpoint.serve.choose``)."""
+    where, notes = choose(path, allow_in_doubt)
     meta = checkpoint.verify(where)
     model, context, vocab, source = build_model_from_meta(meta, where)
     try:
@@ -203,7 +186,7 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> Loaded:
         raise CheckpointError(f"checkpoint {where}: parameters in several dtypes {sorted(map(str, dtypes))}")
     model = model.to(dtypes.pop())
     load_named(model, source, state, where)
-    return Loaded(model.to(device).eval(), context, vocab, meta, where, source)
+    return Loaded(model.to(device).eval(), context, vocab, meta, where, source, notes)
 
 
 # -- sampling ------------------------------------------------------------------------------
@@ -317,22 +300,23 @@ class Generation:
 def generate(path: str | os.PathLike, prompt: str, max_new_tokens: int = 200,
              temperature: float = 0.8, top_k: int | None = None, seed: int = 0,
              device: str = "cpu", tokenizer: str | None = None, top_p: float | None = None,
-             stop: str | None = None) -> Generation:
+             stop: str | None = None, allow_in_doubt: bool = False) -> Generation:
     """Load the checkpoint at ``path`` and continue ``prompt``. Raises ValueError
     (CheckpointError included) with one line for every input it refuses."""
     settings = Settings(max_new_tokens, temperature, top_k, top_p, seed)
-    return generate_batch(path, [prompt], settings, device, tokenizer, stop)[0]
+    return generate_batch(path, [prompt], settings, device, tokenizer, stop, allow_in_doubt)[0]
 
 
 def generate_batch(path: str | os.PathLike, prompts: list[str], settings: Settings,
                    device: str = "cpu", tokenizer: str | None = None,
-                   stop: str | None = None) -> list[Generation]:
+                   stop: str | None = None, allow_in_doubt: bool = False) -> list[Generation]:
     """Continue every prompt, as one batch (``sample``). ``stop``: the text of the token that
-    ends a row (default: the tokenizer's end-of-text token, if it has one)."""
+    ends a row (default: the tokenizer's end-of-text token, if it has one). A checkpoint in
+    doubt or not judged yet is refused unless ``allow_in_doubt`` (``load``)."""
     settings.check()
     _check_prompts(prompts)
     start = time.perf_counter()
-    loaded = load(path, device)
+    loaded = load(path, device, allow_in_doubt)
     codec = codec_for(loaded.meta, loaded.path, tokenizer)
     allowed = _check_codec(codec, loaded)
     settings.stop = _stop_id(codec, stop, allowed)
@@ -380,8 +364,10 @@ def _stop_id(codec, stop: str | None, allowed: int) -> int | None:
 def _generation(codec, loaded: Loaded, ids: list[int], new: list[int], settings: Settings,
                 timing: dict) -> Generation:
     cropped = max(0, len(ids) - loaded.context)
-    notes = [f"the prompt is {len(ids)} tokens, the model's context {loaded.context}: it sees "
-             f"the last {loaded.context} (cropped {cropped} from the left)"] if cropped else []
+    notes = list(loaded.notes)
+    if cropped:
+        notes.append(f"the prompt is {len(ids)} tokens, the model's context {loaded.context}: it "
+                     f"sees the last {loaded.context} (cropped {cropped} from the left)")
     return Generation(codec.decode(ids + new), codec.decode(new), ids, new, cropped,
                       str(loaded.path), int(loaded.meta["step"]), codec.name, notes,
                       len(new) < settings.max_new_tokens, timing)
