@@ -22,6 +22,7 @@ from chimera.train import TrainConfig
 from chimera.train.checkpoint import latest, load_model_state
 from chimera.runtime.workers import free_port
 from chimera.train.launch import launch
+from limits import limit
 
 COMMON = ["--dtype", "float64", "--micro-batch-size", "2", "--no-progress"]
 
@@ -190,3 +191,43 @@ def test_a_send_refused_at_once_names_the_peer():
                                           r"\[gloo.*Connection closed by peer") as info:
         box.send(send, torch.zeros(4))
     assert info.value.peer == 1 and info.value.action == send
+
+
+def _ranks_of(launcher: subprocess.Popen) -> list[int]:
+    """The pids of a local launcher's ranks, rank order (started in order: pids ascend)."""
+    children = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher.pid and spawned:
+            children.append(int(pid))
+    return sorted(children)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_to_rank_1_is_named_not_the_rank_that_noticed(data, tmp_path, cli_env):
+    log = tmp_path / "log.jsonl"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "chimera", "train", *COMMON, "--data", data, "--steps", "300",
+         "--log-json", str(log), *pictures(tmp_path)],
+        env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + limit(120)
+        while not (log.exists() and len(log.read_text().splitlines()) >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.05)
+        ranks = _ranks_of(launcher)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGTERM)
+        _, err = launcher.communicate(timeout=limit(120))
+    finally:
+        stop([launcher])
+    assert launcher.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("chimera train: rank 1 failed first (killed by SIGTERM)"), err

@@ -1,12 +1,17 @@
 """Spawned workers end cleanly beside a CPU hog: every teardown goes through one helper
 (barrier, destroy, os._exit), so gloo never aborts at exit (issue 13, case 6)."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
+
+import chimera.api as chimera
 
 from chimera.runtime import workers
 from chimera.train.launch import free_port
@@ -47,4 +52,20 @@ def _fails_on_rank_1(rank, world, port):
 def test_a_failed_rank_ends_its_peers_after_the_grace():
     codes = workers.run(_fails_on_rank_1, (2, free_port()), 2, grace=1.0)
     assert codes[1] == 3 and codes[0] != 0
-    assert workers.first_failure(codes) in (0, 1)
+    assert workers.cause(codes) == 1  # rank 0 failed after it, on its barrier
+
+
+
+def _killed_on_rank_1(rank, world):
+    if rank == 1:
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)  # no Python error: only the exit code says it
+    dist.recv(torch.zeros(1), src=1)  # the victim: fails when rank 1 is gone
+
+
+def test_spawn_names_a_signalled_rank_as_the_root_cause():
+    with pytest.raises(chimera.SpawnError) as info:
+        chimera.spawn(_killed_on_rank_1, world=2)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 1 failed (root cause): killed by SIGTERM (no Python error)"), str(info.value)
+    assert [e["rank"] for e in info.value.errors] == [1, 0]

@@ -175,9 +175,8 @@ def _memory_worker(rank: int, world: int, cfg: BenchConfig, row: Row, port: int,
 
 def _spawn(fn, world: int, args: tuple) -> None:
     codes = workers.run(fn, (world, *args), world, grace=FAILURE_GRACE_S)
-    failed = workers.first_failure(codes)
-    if failed is not None:
-        raise RuntimeError(f"rank {failed} exited with code {codes[failed]} (its message is above)")
+    if workers.cause(codes) is not None:
+        raise RuntimeError(f"{workers.summary(codes)} (the ranks' messages are above)")
 
 
 def measure_memory(cfg: BenchConfig, row: Row, tmp: str) -> float | None:

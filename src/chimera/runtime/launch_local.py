@@ -25,8 +25,6 @@ from chimera.errors import UserError
 from chimera.runtime import workers
 from chimera.runtime.workers import end_group
 
-COMM_WORDS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
-              "nccl", "gloo", "peer", "socket")
 GRACE_S = 20.0  # after a failure, how long the other ranks get to report their own
 
 
@@ -66,9 +64,7 @@ def _entry(rank: int, world: int, blob: bytes, port: int, backend: str, errdir: 
 def _report(errdir: str, rank: int, exc: BaseException) -> None:
     text = f"{type(exc).__name__}: {exc}"
     text += "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))
-    comm = type(exc).__name__ in ("CommTimeout", "DistBackendError", "DistNetworkError") or \
-        any(w in text.lower() for w in COMM_WORDS)
-    info = {"rank": rank, "time": time.time(), "error": text, "comm": comm,
+    info = {"rank": rank, "time": time.time(), "error": text, "comm": workers.is_peer_failure(exc),
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
     with open(os.path.join(errdir, f"{rank}.json"), "w") as f:
         json.dump(info, f)
@@ -94,16 +90,21 @@ def spawn(fn: Callable[[int, int], None], world: int, backend: str = "gloo") -> 
             raise _error(errdir, codes)
 
 
-def _unreported(code: int | None) -> str:
-    """A rank that exited without recording an error: killed, or failed while starting."""
+def _unreported(codes: workers.Exits, rank: int) -> dict:
+    """A rank that exited without recording an error: killed (a cause, unless the launcher
+    stopped it), or failed while starting."""
+    code = codes[rank]
     if code is not None and code < 0:
-        return f"killed by signal {-code} (no Python error)"
-    return (f"exited with code {code} before its function ran (the process failed while "
-            "starting: its traceback, printed above, says why, e.g. __main__ could not be "
-            "imported in the new process)")
+        stopped = rank in codes.stopped
+        return {"rank": rank, "time": codes.ended[rank] or float("inf"), "comm": stopped,
+                "traceback": "", "error": f"{workers.ending(codes, rank)} (no Python error)"}
+    return {"rank": rank, "time": float("inf"), "comm": True, "traceback": "",
+            "error": f"exited with code {code} before its function ran (the process failed while "
+                     "starting: its traceback, printed above, says why, e.g. __main__ could not "
+                     "be imported in the new process)"}
 
 
-def _error(errdir: str, codes: list[int | None]) -> SpawnError:
+def _error(errdir: str, codes: workers.Exits) -> SpawnError:
     errors = []
     for rank, code in enumerate(codes):
         path = os.path.join(errdir, f"{rank}.json")
@@ -111,8 +112,7 @@ def _error(errdir: str, codes: list[int | None]) -> SpawnError:
             with open(path) as f:
                 errors.append(json.load(f))
         elif code != 0:
-            errors.append({"rank": rank, "time": float("inf"), "comm": True, "traceback": "",
-                           "error": _unreported(code)})
+            errors.append(_unreported(codes, rank))
     errors.sort(key=lambda e: (e["comm"], e["time"]))
     root = errors[0]
     lines = [f"rank {root['rank']} failed (root cause): {root['error']}", root["traceback"].rstrip()]

@@ -9,6 +9,9 @@ harness, the profiler, the equivalence check):
   when its parent dies (``PR_SET_PDEATHSIG``; torch's default there is SIGINT, which a
   script's ``&`` ignores), and a watchdog thread polls the parent id where prctl is missing.
 - Ranks ignore SIGINT: Ctrl-C reaches the whole foreground group, and the launcher decides.
+- When ranks fail, the one that failed first is named (:func:`summary`): killed by a signal or
+  failed on its own, not a peer that then failed on communication with it (exit code
+  ``PEER_EXIT``) nor one the launcher stopped.
 - A rank that succeeded tears its group down with :func:`end_group` and leaves through
   ``os._exit``: interpreter shutdown racing gloo's threads aborted ("terminate called
   without an active exception").
@@ -23,6 +26,7 @@ import contextlib
 import ctypes
 import datetime
 import gc
+import math
 import os
 import signal
 import socket
@@ -38,6 +42,12 @@ import torch.multiprocessing as mp
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_S = 5.0  # after SIGTERM, how long a rank gets before SIGKILL
+# the exit code of a rank that failed on communication (a peer gone, a timeout): it followed
+# another's failure, so the summary names that one (``cause``); 75 is sysexits' EX_TEMPFAIL
+PEER_EXIT = 75
+PEER_ERRORS = ("CommTimeout", "DistBackendError", "DistNetworkError", "DistStoreError")
+COMM_WORDS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
+              "nccl", "gloo", "peer", "socket")
 WATCH_S = 0.25  # how often the watchdog looks at the parent id
 _PR_SET_PDEATHSIG = 1
 
@@ -62,8 +72,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(fn, args: tuple, nprocs: int, grace: float) -> list[int]:
-    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return their exit codes.
+def run(fn, args: tuple, nprocs: int, grace: float) -> Exits:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return their exit codes
+    (:class:`Exits`: :func:`cause` and :func:`summary` name the rank that failed first).
 
     Once one fails the others get ``grace`` seconds to fail too (and say why), then are
     stopped. A signal to this process stops them all and raises :class:`Interrupted`.
@@ -85,9 +96,61 @@ def run(fn, args: tuple, nprocs: int, grace: float) -> list[int]:
             _set_handlers(previous)
 
 
-def first_failure(codes: list[int]) -> int | None:
-    """The rank whose exit code is the first non-zero one, or None."""
-    return next((r for r, c in enumerate(codes) if c != 0), None)
+class Exits(list):
+    """The exit codes of :func:`run`'s processes, in rank order (a list), and how each ended:
+    ``ended`` (``time.time()`` when the launcher saw it exit; None: it never exited on its
+    own) and ``stopped`` (the ranks the launcher stopped once the grace after a failure was
+    over: victims, never a cause)."""
+
+    def __init__(self, codes, ended, stopped=()):
+        super().__init__(codes)
+        self.ended = list(ended)
+        self.stopped = frozenset(stopped)
+
+
+def cause(codes: list[int]) -> int | None:
+    """The rank whose failure the others followed, or None when none failed: a rank killed
+    by a signal or failed on its own (not ``PEER_EXIT``, not stopped by the launcher) before
+    one that failed because a peer was gone, then the earliest to end (``Exits``), then the
+    lowest rank."""
+    failed = [r for r, c in enumerate(codes) if c != 0]
+    if not failed:
+        return None
+    ended = getattr(codes, "ended", [None] * len(codes))
+    stopped = getattr(codes, "stopped", frozenset())
+    return min((r in stopped or codes[r] == PEER_EXIT, r in stopped,
+                math.inf if ended[r] is None else ended[r], r) for r in failed)[-1]
+
+
+def ending(codes: list[int], rank: int) -> str:
+    """How ``rank`` ended, in words: 'killed by SIGTERM', 'failed (exit code 1)', ..."""
+    code = codes[rank]
+    if rank in getattr(codes, "stopped", ()):
+        return "stopped by the launcher"
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == PEER_EXIT:
+        return "failed on communication with a peer that was gone"
+    return f"failed (exit code {code})"
+
+
+def summary(codes: list[int]) -> str:
+    """One line naming the rank that failed first ('rank 1 failed first (killed by SIGTERM)'),
+    then the ranks that followed it; '' when none failed."""
+    root = cause(codes)
+    if root is None:
+        return ""
+    then = [f"rank {r} ({ending(codes, r)})" for r, c in enumerate(codes) if c != 0 and r != root]
+    return f"rank {root} failed first ({ending(codes, root)})" + (f"; then {', '.join(then)}" if then else "")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a communication error: what a rank raises when a peer failed."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return type(exc).__name__ in PEER_ERRORS or any(w in text for w in COMM_WORDS)
 
 
 def stop(procs) -> None:
@@ -104,17 +167,19 @@ def stop(procs) -> None:
             p.join()
 
 
-def _wait(procs, grace: float) -> list[int]:
-    failed_at = None
+def _wait(procs, grace: float) -> Exits:
+    failed_at, ended = None, [None] * len(procs)
     while True:
         codes = [p.exitcode for p in procs]
+        ended = [e if e is not None or c is None else time.time() for e, c in zip(ended, codes)]
         if all(c is not None for c in codes):
-            return codes
+            return Exits(codes, ended)
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > grace:
+            stopped = [r for r, c in enumerate(codes) if c is None]
             stop(procs)
-            return [p.exitcode for p in procs]
+            return Exits([p.exitcode for p in procs], ended, stopped)
         time.sleep(0.05)
 
 
@@ -146,9 +211,9 @@ def _bound(rank: int, fn, parent: int, args: tuple) -> None:
         fn(rank, *args)
     except SystemExit as exc:  # fn has said why
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
+    except BaseException as exc:
         traceback.print_exc()
-        code = 1
+        code = PEER_EXIT if is_peer_failure(exc) else 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

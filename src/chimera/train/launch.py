@@ -268,7 +268,7 @@ def _spawn_entry(rank: int, world: int, cfg: TrainConfig, port: int, result_path
     except FAILURES as exc:
         if not getattr(exc, "reported", False):
             print(f"chimera train: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(workers.PEER_EXIT if isinstance(exc, CommTimeout) else 1)  # a peer's failure, or its own
 
 
 def _shared_ids(cfg: TrainConfig, corpus: Corpus | None, path: str) -> Corpus | None:
@@ -330,9 +330,7 @@ def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
             corpus = None  # the ranks read their own (or ``shared``): not a copy held all run
             codes = workers.run(_spawn_entry, (cfg.world, cfg, free_port(), path, shared),
                                 cfg.world, grace=FAILURE_GRACE_S)
-            failed = workers.first_failure(codes)
-            if failed is not None:
-                raise TrainingFailed(f"rank {failed} failed (exit code {codes[failed]}); "
-                                     "the ranks' messages are above")
+            if workers.cause(codes) is not None:  # the rank that failed first, not one that noticed
+                raise TrainingFailed(f"{workers.summary(codes)}; the ranks' messages are above")
         with open(path) as f:
             return json.load(f)
