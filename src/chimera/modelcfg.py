@@ -241,3 +241,45 @@ def partition(costs: Sequence[float], parts: int) -> list[range]:
         ranges.append(range(start, end))
         end = start
     return ranges[::-1]
+
+
+def partition_for_ranks(costs: Sequence[float], held: Sequence[Sequence[tuple[int, float]]],
+                        parts: int) -> list[range]:
+    """Cut ``costs`` into ``parts`` stages so that the busiest *rank* does least.
+
+    ``held[r]``: the (stage, share) pairs rank r computes, share being the part of the
+    mini-batch that passes through that replica (1 for a stage of a single pipe, 1/2 for each
+    of Chimera's two replicas of a stage). A rank's load is the sum of its stages' costs
+    times their shares. :func:`partition` balances stages; where a rank holds two of them (a
+    V rank holds the first and the last, a Chimera rank stage s and D-1-s) the loads of the
+    stages it pairs count together. Starts from :func:`partition` and moves one boundary by one
+    layer at a time while the busiest rank's load (then the sum of squares of the loads)
+    falls: a local search over split points, deterministic.
+    """
+    _check_costs(costs, parts)
+    bounds = [r.start for r in partition(costs, parts)][1:]
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def score(cuts: list[int]) -> tuple[float, float]:
+        edges = [0] + cuts + [len(costs)]
+        stage = [prefix[edges[k + 1]] - prefix[edges[k]] for k in range(parts)]
+        loads = [sum(stage[s] * share for s, share in pairs) for pairs in held]
+        return max(loads), sum(x * x for x in loads)
+
+    best, improved = score(bounds), True
+    while improved:
+        improved = False
+        for k in range(len(bounds)):
+            for step in (-1, 1):
+                moved = bounds[:k] + [bounds[k] + step] + bounds[k + 1:]
+                low = moved[k - 1] if k else 0
+                high = moved[k + 1] if k + 1 < len(moved) else len(costs)
+                if not low < moved[k] < high:
+                    continue
+                s = score(moved)
+                if s[0] < best[0] - 1e-12 or (s[0] <= best[0] + 1e-12 and s[1] < best[1] - 1e-12):
+                    bounds, best, improved = moved, s, True
+    edges = [0] + bounds + [len(costs)]
+    return [range(edges[k], edges[k + 1]) for k in range(parts)]

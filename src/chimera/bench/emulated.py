@@ -36,18 +36,21 @@ from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from chimera.api import ExecOptions, ModelOptions, Pipeline
-from chimera.bench.rows import BenchConfig, Row
+from chimera.bench import prices
+from chimera.bench.links import LateSends, PricedTransport, late_torch_sends
+from chimera.bench.prices import layer_count, layer_weights, stage_costs  # noqa: F401 (re-exported)
+from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row
 from chimera.bench.profiler import allreduce_time, ping
 from chimera.bench.start import start_together
 from chimera.bench.torchpp import TorchPipeline
 from chimera.ir import Action, Op, Placement, Schedule
 from chimera.models.emulated import (EmulatedCost, WaitLog, emulated_batch, emulated_layers,
-                                     emulated_stages)
+                                     emulated_pieces)
 from chimera.passes import lower
 from chimera.runtime.context import RunContext
 from chimera.runtime.transport import ReduceOp, Transport
-from chimera.schedules import build
-from chimera.sim import CostModel, simulate
+from chimera.schedules import build, get_scheme
+from chimera.sim import simulate
 
 # torch's computation types -> ours (communication, REDUCE_GRAD, UNSHARD/RESHARD are dropped:
 # our lowering adds the messages; DualPipeV's OVERLAP_F_B is its sub-actions in order)
@@ -59,15 +62,36 @@ def cost_of(cfg: BenchConfig) -> EmulatedCost:
                               activation_bytes=int(cfg.activation_mb * 2**20), spin=cfg.spin)
 
 
-def layer_count(cfg: BenchConfig) -> int:
-    """Layers of the emulated model: 2D, so a D-stage cut gives 2 layers a stage and the V
-    and interleaved cuts (2D stages) one."""
-    return 2 * cfg.stages
+def our_schedule(cfg: BenchConfig, row: Row) -> Schedule:
+    """The row's schedule; where the bench prices more than uniform stages, a scheme that is
+    ordered by costs (chimera-zb) is told the bench's (:func:`chimera.bench.prices.cost_model`)."""
+    opts = row.scheme_options
+    plan = build(row.schedule, cfg.stages, cfg.micro_batches, **opts)
+    if not prices.priced(cfg) or "cost" not in get_scheme(row.schedule).options or "cost" in opts:
+        return plan
+    c = cost_of(cfg)
+    told = prices.cost_model(cfg, plan, c.forward_s, c.input_grad_s, c.weight_grad_s)
+    return build(row.schedule, cfg.stages, cfg.micro_batches, **opts, cost=told)
 
 
-def equal_cut(layers: int, stages: int) -> list[range]:
-    per = layers // stages
-    return [range(k * per, (k + 1) * per) for k in range(stages)]
+_SENDS: dict[float, LateSends] = {}  # one late-send thread per link time in this process
+
+
+def late_sends(cfg: BenchConfig) -> LateSends | None:
+    if not cfg.link_ms:
+        return None
+    return _SENDS.setdefault(cfg.link_ms, LateSends(cfg.link_ms / 1e3))
+
+
+def priced_context(cfg: BenchConfig, context: RunContext) -> RunContext:
+    """``context`` whose transport delivers each send ``link_ms`` late and prices the
+    gradient allreduce of a D-th (``layers_per_stage`` layers of ``width`` floats) at
+    ``allreduce_ms`` (:mod:`chimera.bench.links`); as it is where neither is asked."""
+    if not (cfg.link_ms or cfg.allreduce_ms):
+        return context
+    per_float = cfg.allreduce_ms / 1e3 / (cfg.layers_per_stage * cost_of(cfg).width)
+    transport = PricedTransport(context.transport, late_sends(cfg), per_float)
+    return dataclasses.replace(context, transport=transport)
 
 
 class EmulatedOurs:
@@ -76,15 +100,16 @@ class EmulatedOurs:
 
     def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
         self.cfg, self.cost, self.log = cfg, cost_of(cfg), WaitLog()
-        layers = layer_count(cfg)
+        layers, plan = layer_count(cfg), our_schedule(cfg, row)
         self.pipe = Pipeline(
-            emulated_layers(self.cost, cfg.stages, layers, cfg.seed, self.log),
-            nn.functional.mse_loss, schedule=row.schedule, stages=cfg.stages,
+            emulated_layers(self.cost, cfg.stages, layers, cfg.seed, self.log, layer_weights(cfg)),
+            nn.functional.mse_loss, schedule=plan,
             micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
-            model=ModelOptions(num_layers=layers),
+            model=ModelOptions(num_layers=layers,
+                               partition=prices.cut(cfg, plan.placement, plan.micro_pipe)),
             options=ExecOptions(schedule_options=row.scheme_options,
                                 shard_optimizer=bool(row.opts.get("shard"))),
-            context=context)
+            context=priced_context(cfg, context))
         self.transport = context.transport
         self.schedule = self.pipe.schedule
         self.params = self.pipe.parameters()
@@ -107,12 +132,13 @@ class EmulatedFloor:
     def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
         self.cfg, self.log, self.transport = cfg, WaitLog(), context.transport
         cost = dataclasses.replace(cost_of(cfg), activation_bytes=0)  # null compute keeps none
-        plan = build(row.schedule, cfg.stages, cfg.micro_batches, **row.scheme_options)
+        plan = our_schedule(cfg, row)
+        ranges = prices.cut(cfg, plan.placement, plan.micro_pipe)
         self.pipe = Pipeline(
-            emulated_stages(cost, cfg.stages, layer_count(cfg), plan.stages, cfg.seed, self.log),
+            emulated_pieces(cost, ranges, layer_weights(cfg), cfg.seed, self.log),
             nn.functional.mse_loss, schedule=plan, micro_batches=cfg.micro_batches,
             micro_batch_size=cfg.micro_batch_size, model=ModelOptions(num_layers=plan.stages),
-            options=ExecOptions(check_batch=False), context=context)
+            options=ExecOptions(check_batch=False), context=priced_context(cfg, context))
         self.runtime, self.schedule = self.pipe.runtime, self.pipe.schedule
         self.params = self.pipe.parameters()
         # one API step fits the boundaries and allocates the mailbox (every rank builds its
@@ -137,17 +163,21 @@ class EmulatedTorch(TorchPipeline):
 
     def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
         self.cost, self.log = cost_of(cfg), WaitLog()
-        make = emulated_layers(self.cost, cfg.stages, layer_count(cfg), cfg.seed, self.log)
+        make = emulated_layers(self.cost, cfg.stages, layer_count(cfg), cfg.seed, self.log,
+                               layer_weights(cfg))
+        placement = torch_placement(cfg, row)
 
         def module_of(stage: int, n: int) -> nn.Module:
-            return nn.Sequential(*[make(i) for i in equal_cut(layer_count(cfg), n)[stage]])
+            ranges = prices.cut(cfg, placement, (0,) * cfg.micro_batches)
+            return nn.Sequential(*[make(i) for i in ranges[stage]])
         super().__init__(cfg, row, context, module_of, nn.functional.mse_loss)
 
     def step(self, i: int) -> float:
         x, y = emulated_batch(self.cost, self.cfg.global_batch, i, self.cfg.seed)
         for p in self.params:
             p.grad = None
-        return self.run(x, y)
+        with late_torch_sends(late_sends(self.cfg)):
+            return self.run(x, y)
 
     def order(self) -> Schedule | None:
         """The order torch's schedule object executes, as our (unlowered) Schedule: a
@@ -161,11 +191,17 @@ class EmulatedTorch(TorchPipeline):
         if not order:
             return None
         ranks = self.cfg.stages
-        placement = {"linear": Placement.linear(ranks), "v": Placement.v(ranks),
-                     "loop": Placement.loop(ranks, self.stages // ranks)}[self.style]
         programs = tuple(tuple(_ours(order.get(r, []))) for r in range(ranks))
-        return Schedule(f"torch:{type(self.schedule).__name__}", placement,
+        return Schedule(f"torch:{type(self.schedule).__name__}", torch_placement(self.cfg, self.row),
                         (0,) * self.cfg.micro_batches, programs)
+
+
+def torch_placement(cfg: BenchConfig, row: Row) -> Placement:
+    """The placement of torch's schedule ``row.schedule`` on ``cfg.stages`` ranks."""
+    _, style, per_rank = TORCH_SCHEDULES[row.schedule]
+    ranks = cfg.stages
+    return {"linear": Placement.linear(ranks), "v": Placement.v(ranks),
+            "loop": Placement.loop(ranks, per_rank)}[style]
 
 
 def _ours(actions) -> list[Action]:
@@ -216,30 +252,19 @@ def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None,
     cost = cost_of(cfg)
     lowered = schedule if schedule.lowered else lower(schedule, "eager")
     times = dict(f=cost.forward_s, i=cost.input_grad_s, w=cost.weight_grad_s)
-    free = simulate(lowered, stage_costs(lowered, **times))
+    free = simulate(lowered, prices.cost_model(cfg, lowered, **times, free=True))
     out = {"simulated_free_s": free.makespan,
            "simulated_peak_activations": [r.peak_activations for r in free.ranks]}
     if latency is None:
         return out
-    links = dict(p2p_time=latency["p2p_s"], allreduce_time=latency["allreduce_s"])
-    priced = simulate(lowered, stage_costs(lowered, **times, **links))
-    out["simulated_step_s"], out["timeline"] = priced.makespan, priced
+    links = dict(p2p_s=latency["p2p_s"], allreduce_s=latency["allreduce_s"])
+    timed = simulate(lowered, prices.cost_model(cfg, lowered, **times, **links))
+    out["simulated_step_s"], out["timeline"] = timed.makespan, timed
     if stretch:
         at = {k: v * stretch.get(k.upper(), 1.0) for k, v in times.items()}
-        out["simulated_measured_waits_s"] = simulate(lowered, stage_costs(lowered, **at, **links)).makespan
+        out["simulated_measured_waits_s"] = simulate(
+            lowered, prices.cost_model(cfg, lowered, **at, **links)).makespan
     return out
-
-
-def stage_costs(schedule: Schedule, f: float, i: float, w: float, **links) -> CostModel:
-    """The emulated layers' costs on ``schedule``'s cut: per stage its share (D/S of a D-th)
-    of F, I and W, except the first stage: its input carries no gradient, so its layers do
-    their I on the weight path (I = 0, W = I + W there, as ``EmulatedLayer`` waits and as a
-    real first stage's backward is all needed for its weights)."""
-    n, share = schedule.stages, schedule.ranks / schedule.stages
-    fs = (f * share,) * n
-    is_ = (0.0,) + (i * share,) * (n - 1)
-    ws = ((i + w) * share,) + (w * share,) * (n - 1)
-    return CostModel(f=fs, b=tuple(a + b for a, b in zip(is_, ws)), i=is_, w=ws, **links)
 
 
 def stretch_of(totals: list[dict] | None) -> dict[str, float] | None:

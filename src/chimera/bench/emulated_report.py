@@ -129,13 +129,27 @@ def _stretch(values) -> str:
     return "-" if not values else "/".join(f"{values[k]:.3f}" for k in "FIW" if k in values)
 
 
+def _prices_text(c: dict) -> str:
+    """The bench's prices beyond uniform stages (``chimera.bench.prices``), one sentence."""
+    words = [f"the last D-th costs {c['head']:g} D-ths (head)" if c.get("head", 1) != 1 else "",
+             f"the first {c['embed']:g} (embedding)" if c.get("embed", 1) != 1 else "",
+             f"{c['layers_per_stage']} layers per D-th" if c.get("layers_per_stage", 2) != 2 else "",
+             "each placement cut for its own ranks" if c.get("partition") == "cost" else "",
+             f"each hop {c['link_ms']:g} ms later" if c.get("link_ms") else "",
+             f"a D-th's gradient allreduce {c['allreduce_ms']:g} ms" if c.get("allreduce_ms") else ""]
+    words = [w for w in words if w]
+    return (" Priced alike on every row and in every simulated column: " + "; ".join(words) + "."
+            if words else "")
+
+
 def markdown(data: dict) -> str:
     c, res = data["config"], data["results"]
     lat = data.get("latency") or {}
     lines = [f"Emulated stages {c['emulate_ms']} ms (F:I:W per micro-batch per D-th of the model; "
              f"waits {'spinning' if c.get('waits') == 'spin' else 'sleeping'}), "
              f"D={c['stages']}, N={c['micro_batches']}; measured p2p {1e3 * lat.get('p2p_s', 0):.2f} ms, "
-             f"allreduce {1e3 * lat.get('allreduce_s', 0):.2f} ms ({lat.get('how', '')}).", "",
+             f"allreduce {1e3 * lat.get('allreduce_s', 0):.2f} ms ({lat.get('how', '')})."
+             + _prices_text(c), "",
              "| impl | schedule | median step (s) | min .. max (s) | simulated (s) | free p2p (s) "
              "| realized / simulated | waits took (F/I/W) | realized / simulated at those "
              "| ours / floor | peak activations / rank, measured (Ma) | simulated (Ma) |",

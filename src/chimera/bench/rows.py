@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chimera.bench.prices import PARTITIONS, priced
 from chimera.errors import UserError
 from chimera.ir import ScheduleError
 from chimera.schedules import get_scheme, schemes
@@ -79,6 +80,14 @@ class BenchConfig:
     emulate: str | None = None
     activation_mb: float = 1.0  # emulated: activation kept per micro-batch per D-th (MiB)
     spin: bool = False  # emulated: busy-wait instead of sleeping (a core per rank)
+    # emulated: what the placement costs and saves, priced alike on every row (bench.prices)
+    head: float = 1.0  # the last D-th of the model costs this many D-ths (the LM head)
+    embed: float = 1.0  # the first D-th likewise (the embedding)
+    layers_per_stage: int = 2  # layers per D-th of the model
+    partition: str = "layers"  # same layer count per stage, or "cost": cut for each placement's ranks
+    link_ms: float = 0.0  # each p2p hop delivered this much later
+    allreduce_ms: float = 0.0  # a D-th of the model's gradients takes this long to allreduce
+    data_parallel: int = 1  # W: replicas of every stage (W >= 2: every schedule reduces)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +103,27 @@ class BenchConfig:
             raise UserError("bench spin applies to emulated stages only (--emulate F:I:W)")
         if not (isinstance(self.activation_mb, (int, float)) and 0 <= self.activation_mb < 2**20):
             raise UserError(f"bench activation-mb must be a number in [0, 2^20), got {self.activation_mb!r}")
+        self._check_prices()
+
+    def _check_prices(self) -> None:
+        for name in ("head", "embed"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 1 <= value < 1e6):
+                raise UserError(f"bench {name} must be a number >= 1 (D-ths of the model), got {value!r}")
+        for name in ("link_ms", "allreduce_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < 1e6):
+                raise UserError(f"bench {name.replace('_', '-')} must be a number >= 0, got {value!r}")
+        for name in ("layers_per_stage", "data_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"bench {name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.partition not in PARTITIONS:
+            raise UserError(f"bench partition must be one of {', '.join(PARTITIONS)}, "
+                            f"got {self.partition!r}")
+        if self.emulate is None and priced(self):
+            raise UserError("bench head, embed, partition, link, allreduce, data-parallel and "
+                            "layers price emulated stages only (--emulate F:I:W)")
 
     @classmethod
     def quick_config(cls, **kw) -> "BenchConfig":
@@ -114,7 +144,10 @@ class BenchConfig:
                 "threads_per_rank": self.threads, "warmup": self.warmup, "steps": self.steps,
                 "seed": self.seed, "backend": "gloo", "quick": self.quick,
                 **({"emulate_ms": self.emulate, "activation_mb": self.activation_mb,
-                    "waits": "spin" if self.spin else "sleep"}
+                    "waits": "spin" if self.spin else "sleep", "head": self.head,
+                    "embed": self.embed, "layers_per_stage": self.layers_per_stage,
+                    "partition": self.partition, "link_ms": self.link_ms,
+                    "allreduce_ms": self.allreduce_ms, "data_parallel": self.data_parallel}
                    if self.emulate else {}), **self.extra}
 
 

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from chimera.bench import prices
 from chimera.bench.rows import BenchConfig, select_rows
 from chimera.cli.common import UsageError, check_output, positive_int
 
@@ -58,7 +59,33 @@ def add_parsers(sub) -> None:
                         "sleep runs its next code cold, see benchmarks/wake_cost.py); needs a "
                         "core per rank (-D at most the machine's cores). Writes "
                         "bench-emulated-D*-N*-spin.*")
+    g = p.add_argument_group("--emulate: what the placement costs and saves, priced alike on "
+                             "every row (ours and torch's) and in every simulated column")
+    g.add_argument("--head", type=float, default=1.0, metavar="X",
+                   help="the last D-th of the model costs X D-ths: its last layer stands for "
+                        "the LM head (default: 1)")
+    g.add_argument("--embed", type=float, default=1.0, metavar="X",
+                   help="the first D-th likewise: its first layer stands for the embedding "
+                        "(default: 1)")
+    g.add_argument("--layers-per-stage", type=positive_int, default=2, metavar="K",
+                   help="layers per D-th of the model (default: 2; a cut by cost needs a few)")
+    g.add_argument("--partition", choices=("layers", "cost"), default="layers",
+                   help="layers: the same layer count on every stage of each placement; cost: "
+                        "each placement cut for its own ranks, the busiest rank doing least "
+                        "(default: layers)")
+    g.add_argument("--link-ms", type=float, default=0.0, metavar="MS",
+                   help="each p2p hop is delivered MS later (default: 0)")
+    g.add_argument("--allreduce-ms", type=float, default=0.0, metavar="MS",
+                   help="the gradient allreduce of a D-th of the model takes MS (its bytes "
+                        "over the link): Chimera's replica allreduce (the runs use D ranks, so "
+                        "W=1: the data-parallel rows of benchmarks/regimes.py are simulated "
+                        "only) (default: 0)")
     p.set_defaults(func=cmd_bench)
+
+
+PRICE_FLAGS = (("--head", "head", 1.0), ("--embed", "embed", 1.0),
+               ("--layers-per-stage", "layers_per_stage", 2), ("--partition", "partition", "layers"),
+               ("--link-ms", "link_ms", 0.0), ("--allreduce-ms", "allreduce_ms", 0.0))
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -66,7 +93,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
               micro_batch_size=args.micro_batch_size, memory=not (args.no_memory or args.emulate),
               emulate=args.emulate, activation_mb=args.activation_mb, spin=args.spin,
               rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()) if args.rows else None,
-              extra={"command": _command(args)})
+              extra={"command": _command(args)},
+              **{key: getattr(args, key) for _, key, _ in PRICE_FLAGS})
     if args.steps is not None:
         kw["steps"] = args.steps
     if args.warmup is not None:
@@ -81,7 +109,8 @@ def _command(args: argparse.Namespace) -> str:
                                  ("-N", args.micro_batches, 8), ("-B", args.micro_batch_size, 2),
                                  ("--steps", args.steps, None), ("--warmup", args.warmup, None),
                                  ("--rows", args.rows, None), ("--emulate", args.emulate, None),
-                                 ("--activation-mb", args.activation_mb, 1.0)):
+                                 ("--activation-mb", args.activation_mb, 1.0),
+                                 *((flag, getattr(args, key), d) for flag, key, d in PRICE_FLAGS)):
         if value != default:
             words += [flag, str(value)]
     return " ".join(words + (["--no-memory"] if args.no_memory else [])
@@ -91,7 +120,8 @@ def _command(args: argparse.Namespace) -> str:
 def _stem(cfg: BenchConfig) -> str:
     if not cfg.emulate:
         return "bench"
-    return f"bench-emulated-D{cfg.stages}-N{cfg.micro_batches}" + ("-spin" if cfg.spin else "")
+    return (f"bench-emulated-D{cfg.stages}-N{cfg.micro_batches}" + prices.tag(cfg)
+            + ("-spin" if cfg.spin else ""))
 
 
 def _check_out(out: str, stem: str) -> None:

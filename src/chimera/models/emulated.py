@@ -36,7 +36,7 @@ from __future__ import annotations
 import ctypes
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +46,7 @@ from chimera.errors import UserError
 from chimera.sim.cost import parse_times
 
 __all__ = ["EmulatedCost", "EmulatedLayer", "WaitLog", "emulated_batch", "emulated_layers",
-           "emulated_stages", "tighten_timer_slack"]
+           "emulated_pieces", "emulated_stages", "tighten_timer_slack"]
 
 
 @dataclass(frozen=True)
@@ -273,12 +273,14 @@ class EmulatedLayer(nn.Module):
 
 
 def emulated_layers(cost: EmulatedCost, stages: int, layers: int, seed: int = 0,
-                    log: WaitLog | None = None) -> Callable[[int], EmulatedLayer]:
+                    log: WaitLog | None = None, weights: Sequence[float] | None = None
+                    ) -> Callable[[int], EmulatedLayer]:
     """``make_layer(i)`` for a model of ``layers`` layers whose D = ``stages`` equal cuts each
-    cost ``cost`` (``layers`` must be a multiple of ``stages``)."""
+    cost ``cost`` (``layers`` must be a multiple of ``stages``); or, with ``weights``, layer
+    i costs ``weights[i]`` D-ths (a heavier head or embedding: ``chimera.bench.prices``)."""
     _check_cut(layers, stages)
-    share = stages / layers
-    return lambda i: EmulatedLayer(cost, share, seed, i, log)
+    shares = _shares(stages, layers, weights)
+    return lambda i: EmulatedLayer(cost, shares[i], seed, i, log)
 
 
 def emulated_stages(cost: EmulatedCost, stages: int, layers: int, pieces: int, seed: int = 0,
@@ -289,7 +291,24 @@ def emulated_stages(cost: EmulatedCost, stages: int, layers: int, pieces: int, s
     _check_cut(layers, stages)
     _check_cut(layers, pieces)
     fuse = layers // pieces
-    return lambda s: EmulatedLayer(cost, fuse * stages / layers, seed, s * fuse, log, fuse)
+    ranges = [range(k * fuse, (k + 1) * fuse) for k in range(pieces)]
+    return emulated_pieces(cost, ranges, _shares(stages, layers, None), seed, log)
+
+
+def emulated_pieces(cost: EmulatedCost, ranges: Sequence[range], weights: Sequence[float],
+                    seed: int = 0, log: WaitLog | None = None) -> Callable[[int], EmulatedLayer]:
+    """``make_stage(s)``: the layers ``ranges[s]`` (layer i costing ``weights[i]`` D-ths)
+    fused into one layer, as :func:`emulated_stages` does for an equal cut."""
+    return lambda s: EmulatedLayer(cost, sum(weights[i] for i in ranges[s]), seed,
+                                   ranges[s].start, log, len(ranges[s]))
+
+
+def _shares(stages: int, layers: int, weights: Sequence[float] | None) -> list[float]:
+    if weights is None:
+        return [stages / layers] * layers
+    if len(weights) != layers or any(not (isinstance(x, (int, float)) and x > 0) for x in weights):
+        raise UserError(f"emulated layer weights must be {layers} positive numbers, got {weights!r}")
+    return list(weights)
 
 
 def _check_cut(layers: int, stages: int) -> None:

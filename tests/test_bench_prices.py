@@ -1,0 +1,176 @@
+"""The emulated bench's prices (issue 36): per-layer costs, the two cuts, slow links and
+gradient collectives reach the rows and every simulated column (no timing is asserted)."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from chimera.bench import prices
+from chimera.bench.emulated import our_schedule, simulated
+from chimera.bench.links import LateSends, PricedTransport
+from chimera.bench.rows import BenchConfig, Row
+from chimera.cli import build_parser, main
+from chimera.cli.bench_cmd import _stem, config_from_args
+from chimera.errors import UserError
+from chimera.ir import Placement
+from chimera.passes import lower
+from chimera.schedules import build
+from chimera.sim import simulate
+
+LAT = {"p2p_s": 0.0, "allreduce_s": 0.0}
+
+
+def cfg(**kw) -> BenchConfig:
+    return BenchConfig(**{"emulate": "1:2:1", "stages": 4, "micro_batches": 8, **kw})
+
+
+def step(c: BenchConfig, name: str) -> float:
+    return simulated(build(name, c.stages, c.micro_batches), c, LAT)["simulated_step_s"]
+
+
+def test_layer_weights_put_the_head_and_embedding_on_the_last_and_first_layer():
+    w = prices.layer_weights(cfg(head=1.5, embed=1.25, layers_per_stage=4))
+    assert len(w) == 16 and w[1:-1] == [0.25] * 14
+    assert w[0] == pytest.approx(0.5) and w[-1] == pytest.approx(0.75)
+    assert sum(w) == pytest.approx(4 + 0.5 + 0.25)
+
+
+def test_the_equal_cut_and_the_cut_for_each_placements_ranks():
+    c = cfg(head=2.0, layers_per_stage=4, stages=8, partition="layers")
+    assert [len(r) for r in prices.cut(c, Placement.v(8), (0,) * 16)] == [2] * 16
+    c = cfg(head=2.0, layers_per_stage=4, stages=8, partition="cost")
+    w = prices.layer_weights(c)
+    for placement, pipes in ((Placement.chimera(8), (0, 1) * 8), (Placement.v(8), (0,) * 16),
+                             (Placement.linear(8), (0,) * 16)):
+        ranges = prices.cut(c, placement, pipes)
+        assert [i for r in ranges for i in r] == list(range(32))
+        load = [sum(sum(w[i] for i in ranges[s]) * share for s, share in held)
+                for held in prices.held_shares(placement, pipes)]
+        equal = [sum(sum(w[i] for i in range(4 * s // (placement.stages // 8), 4 * (s + 1)
+                                                // (placement.stages // 8))) * share
+                     for s, share in held) for held in prices.held_shares(placement, pipes)]
+        assert max(load) <= max(equal) + 1e-12
+    # Chimera splits the head over the two ranks that hold the last stage: 9 D-ths on 8 ranks
+    ranges = prices.cut(c, Placement.chimera(8), (0, 1) * 8)
+    loads = [sum(sum(w[i] for i in ranges[s]) * share for s, share in held)
+             for held in prices.held_shares(Placement.chimera(8), (0, 1) * 8)]
+    assert max(loads) == pytest.approx(9 / 8)
+
+
+def test_a_heavier_head_and_a_slower_link_lengthen_the_simulated_step_as_priced():
+    # GPipe with one micro-batch is a chain: F0 F1 B1 B0, two hops
+    base = cfg(stages=2, micro_batches=1, emulate="1:2:1")
+    free = step(base, "gpipe")
+    assert free == pytest.approx(2 * 4e-3)
+    assert step(cfg(stages=2, micro_batches=1, link_ms=3.0), "gpipe") == pytest.approx(free + 6e-3)
+    # the last D-th twice as heavy: its F, I and W twice as long
+    assert step(cfg(stages=2, micro_batches=1, head=2.0), "gpipe") == pytest.approx(free + 4e-3)
+
+
+def test_gradient_allreduce_is_priced_by_the_layers_a_stage_holds():
+    """W=1: only Chimera's replicas reduce; each stage's collective takes allreduce_ms per
+    D-th of layers; W=2: every schedule's does."""
+    c = cfg(allreduce_ms=10.0)
+    t = simulated(build("chimera", 4, 8), c, LAT)["timeline"]
+    assert t.collectives and all(e - s == pytest.approx(10e-3) for _, _, s, e in t.collectives)
+    assert step(c, "1f1b") == pytest.approx(step(cfg(), "1f1b"))
+    t = simulated(build("zb-v", 4, 8), cfg(allreduce_ms=10.0, data_parallel=2), LAT)["timeline"]
+    assert t.collectives and all(e - s == pytest.approx(5e-3) for _, _, s, e in t.collectives)
+    assert step(cfg(allreduce_ms=10.0, data_parallel=2), "1f1b") > step(cfg(), "1f1b")
+
+
+def test_chimera_zb_is_told_the_priced_costs():
+    row = Row("chimera", "chimera-zb")
+    assert our_schedule(cfg(), row).params["cost"] != "custom"  # unpriced: as before
+    told = our_schedule(cfg(head=2.0, layers_per_stage=4), row)
+    assert told.params["cost"] == "custom"
+    c = cfg(head=2.0, layers_per_stage=4)
+    blind = build("chimera-zb", 4, 8)
+    assert step(c, "chimera") > 0
+    assert (simulated(told, c, LAT)["simulated_step_s"]
+            <= simulated(blind, c, LAT)["simulated_step_s"] + 1e-12)
+
+
+def test_bad_prices_are_refused_in_one_line():
+    for kw in ({"head": 0.5}, {"link_ms": -1.0}, {"partition": "even"}, {"layers_per_stage": 0},
+               {"data_parallel": 0}):
+        with pytest.raises(UserError):
+            cfg(**kw)
+    with pytest.raises(UserError, match="emulated stages only"):
+        BenchConfig(head=2.0)
+
+
+def test_the_cli_passes_the_prices_and_names_its_files(tmp_path, capsys):
+
+    args = build_parser().parse_args(
+        ["bench", "--emulate", "1:2:1", "-D", "4", "--head", "1.5", "--partition", "cost",
+         "--layers-per-stage", "4", "--link-ms", "2", "--allreduce-ms", "3"])
+    c = config_from_args(args)
+    assert (c.head, c.partition, c.layers_per_stage, c.link_ms, c.allreduce_ms) == (1.5, "cost", 4, 2.0, 3.0)
+    assert _stem(c) == "bench-emulated-D4-N8-head1.5-L4-cost-link2ms-ar3ms"
+    assert "--head 1.5" in c.extra["command"] and "--partition cost" in c.extra["command"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--head", "2", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "emulated stages only" in capsys.readouterr().err
+
+
+class _Work:
+    def __init__(self):
+        self.future = torch.futures.Future()
+        self.future.set_result(None)
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def get_future(self):
+        return self.future
+
+
+class _Inner:
+    def __init__(self):
+        self.sent = []
+
+    def isend(self, tensor, dst, tag=0, group=None):
+        self.sent.append((time.perf_counter(), int(tensor.item())))
+        return _Work()
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        return _Work()
+
+
+def test_late_sends_go_in_order_no_earlier_than_the_link_and_allreduces_as_priced():
+    inner = _Inner()
+    t = PricedTransport(inner, LateSends(0.01), seconds_per_float=0.001)
+    start = time.perf_counter()
+    works = [t.isend(torch.tensor(k), 1) for k in range(3)]
+    assert all(w.wait() for w in works)
+    assert [k for _, k in inner.sent] == [0, 1, 2]
+    assert all(at >= start + 0.01 for at, _ in inner.sent)
+    start = time.perf_counter()
+    work = t.all_reduce(torch.zeros(5), group="stage", async_op=True)
+    assert work.wait() and time.perf_counter() >= start + 0.005
+    assert t.all_reduce(torch.zeros(5)).__class__ is _Work  # the loss's, not a gradient sync
+
+
+@pytest.mark.slow
+def test_bench_emulate_runs_every_price_on_ours_and_torchs(run_cli, tmp_path):
+    rows = "chimera:chimera,chimera:chimera-zb,torch:1f1b,torch:zbv,torch:dualpipev,floor:chimera"
+    r = run_cli("bench", "--emulate", "2:2:2", "-D", "2", "-N", "4", "--steps", "1", "--warmup", "0",
+                "--rows", rows, "--head", "1.5", "--layers-per-stage", "4", "--partition", "cost",
+                "--link-ms", "1", "--allreduce-ms", "4", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr
+    stem = "bench-emulated-D2-N4-head1.5-L4-cost-link1ms-ar4ms"
+    data = json.loads((tmp_path / f"{stem}.json").read_text())
+    c = data["config"]
+    assert (c["head"], c["partition"], c["link_ms"], c["allreduce_ms"]) == (1.5, "cost", 1.0, 4.0)
+    got = {(x["impl"], x["schedule"]): x for x in data["results"]}
+    assert len(got) == 6
+    for x in got.values():  # the priced link is in every simulated step
+        assert x["simulated_step_s"] >= x["simulated_free_s"] + 2e-3 and x["median_step_s"] > 0
+    assert "Priced alike on every row" in r.stdout
