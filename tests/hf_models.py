@@ -40,6 +40,17 @@ def build(arch: str, attn: str | None = None, dtype=torch.float64, seed: int = 0
     return cls(config(arch, attn or ATTN[arch])).to(dtype).train()
 
 
+def saved(root, archs) -> dict:
+    """Per architecture: the folder ``save_pretrained`` wrote under ``root`` (float64) and the
+    model object."""
+    out = {}
+    for arch in archs:
+        model = build(arch)
+        model.save_pretrained(root / arch)
+        out[arch] = (str(root / arch), model)
+    return out
+
+
 def batch(arch: str, seed: int, rows: int, length: int = T, left: bool = False):
     """(inputs dict, labels): right-padded rows of random lengths (left-padded with ``left``);
     causal labels are the ids (-100 on padding), MLM labels the ids at ~40% of real tokens
@@ -99,12 +110,15 @@ def reference(model, arch: str, rows: int) -> dict:
 
 def pipelined(model, pipe, arch: str, rows: int) -> dict:
     """The same through a Pipeline of ``model`` (a chimera.hf.HFModel); names are HF's."""
-    opt = torch.optim.AdamW(pipe.parameters(), lr=LR, weight_decay=DECAY, eps=EPS)
+    # (a group: a rank whose stages are all frozen has nothing to give AdamW, which refuses
+    # an empty list but not an empty group)
+    opt = torch.optim.AdamW([{"params": pipe.parameters()}], lr=LR, weight_decay=DECAY, eps=EPS)
     out = {"grads": [], "losses": []}
     for inputs, labels in plan(arch, rows):
         opt.zero_grad()
         out["losses"].append(pipe.step(inputs, labels))
-        out["grads"].append([(model.hf_name(n), p.grad.clone()) for n, p in pipe.named_parameters()])
+        out["grads"].append([(model.hf_name(n), None if p.grad is None else p.grad.clone())
+                             for n, p in pipe.named_parameters()])  # None: frozen
         opt.step()
     out["params"] = [(model.hf_name(n), p.detach().clone()) for n, p in pipe.named_parameters()]
     out["read"] = model.read_keys

@@ -71,13 +71,7 @@ def _worker4(rank: int, world: int, folders: dict, out: str) -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Per architecture: the folder save_pretrained wrote (float64) and the model object."""
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for arch in ARCHS:
-        model = hm.build(arch)
-        model.save_pretrained(root / arch)
-        out[arch] = (str(root / arch), model)
-    return out
+    return hm.saved(tmp_path_factory.mktemp("hf"), ARCHS)
 
 
 def _run(tmp_path_factory, saved, worker, world: int) -> list[dict]:

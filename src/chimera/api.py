@@ -69,6 +69,7 @@ from torch.utils import _pytree as pytree
 from chimera.byo import LayerSource, build_layers, check_partition, refuse_sharded_ties
 from chimera.errors import UserError
 from chimera.ir import Schedule, ScheduleError
+from chimera.models.lora import LoRAOptions, Tuning, refuse_tied_targets, refuse_unused
 from chimera.passes import lower
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.boundary import signature
@@ -85,7 +86,7 @@ from chimera.schedules import build, default_micro_batches, require_runnable
 from chimera.tp import TPGroup, full_tensor, local_slice, parallelize, shard_of
 from chimera.check.validate import validate
 
-__all__ = ["ExecOptions", "LossOptions", "ModelOptions", "Pipeline", "ProbeError", "RunContext",
+__all__ = ["ExecOptions", "LoRAOptions", "LossOptions", "ModelOptions", "Pipeline", "ProbeError", "RunContext",
            "RuntimeOptions", "SpawnError", "balanced_partition", "build_layers", "spawn"]
 REDUCTIONS = ("mean", "sum", "token_mean")
 
@@ -111,7 +112,12 @@ class ModelOptions:
     write it: a mapping of model-wide submodule name patterns (``"*.attn.qkv"``: the layer
     index first, as in ``nn.Sequential(*layers)``) to torch ``ParallelStyle``s or HF
     ``base_model_tp_plan`` strings, or ``tp_plan(index, layer)`` returning one layer's plan
-    (patterns relative to the layer) or None (see :mod:`chimera.tp` for the built-in plans)."""
+    (patterns relative to the layer) or None (see :mod:`chimera.tp` for the built-in plans);
+    ``freeze``: globs over model-wide parameter names (``"0.*"``, ``"*.ln_*"``) whose
+    parameters do not train (no gradient, no optimizer state, no allreduce, not in the
+    gradient norm; a tied weight frozen under any of its names is frozen in every copy);
+    ``lora``: :class:`~chimera.models.lora.LoRAOptions`, adapters on the linear layers its
+    targets name, every base weight frozen (see :mod:`chimera.models.lora`)."""
 
     num_layers: int | None = None
     partition: Sequence | None = None
@@ -120,6 +126,14 @@ class ModelOptions:
     init: Callable[[nn.Module], None] | None = None
     compile: bool | dict = False
     tp_plan: Mapping | Callable | None = None
+    freeze: Sequence[str] = ()
+    lora: LoRAOptions | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.freeze, str):
+            raise UserError(f"freeze must be a list of patterns, got the string {self.freeze!r}")
+        if self.lora is not None and not isinstance(self.lora, LoRAOptions):
+            raise UserError(f"lora must be a LoRAOptions, got {type(self.lora).__name__}")
 
 
 @dataclass(frozen=True)
@@ -236,8 +250,11 @@ def _lowered(schedule: str | Schedule, stages: int, n: int, options: dict | None
 
 
 def _build_stage(source: LayerSource, ranges: list[range], ties, device, compile_opts, shard,
-                 stage: int):
-    return source.stage(ranges[stage], ties, device, compile_opts, shard)
+                 tuning: Tuning, stage: int):
+    if not tuning.active:
+        return source.stage(ranges[stage], ties, device, compile_opts, shard)
+    return source.stage(ranges[stage], ties, device, compile_opts, shard, tuning.layer,
+                        tuning.stage)
 
 
 def layer_plan(plan, index: int, layer: nn.Module, used: set | None = None):
@@ -339,24 +356,45 @@ class Pipeline:
         self.ranges = self._partition(source, model.partition)
         self.tp, shard = self._tensor_parallel(model.tp_plan, source.num_layers)
         self.ties = source.ties(self.ranges)
-        refuse_sharded_ties([t.names[0] for t in self.ties] if options.shard_optimizer else [])
+        self.tuning = self._tuning(model)
+        trained = [t.names[0] for t in self.ties if self.tuning.trains(t.names[0])]
+        refuse_sharded_ties(trained if options.shard_optimizer else [])
         device = self.context.device
         if device.type == "cuda":  # NCCL's object collectives (probe, state_dict) use it
             torch.cuda.set_device(device)
         opts = None if not model.compile else ({} if model.compile is True else dict(model.compile))
         stage_of = functools.partial(_build_stage, source, self.ranges, self.ties, device, opts,
-                                     shard)
+                                     shard, self.tuning)
         self.runtime = PipelineRuntime(
             self.schedule, self.grid, stage_of, loss_fn, self.context, options, rows=self.rows,
             example=self._example(example_input, device),
             target_example=self._example(example_target, device))
         del source, stage_of  # the layers a rank does not hold are garbage now
+        if self.tuning.active:
+            self._check_tuning_used()
         if self.tp is not None:  # a replicated parameter counts once in a norm: at t = 0
             self._check_plan_used(model.tp_plan)
             self._equalize_over_tp()
             self.runtime.set_norm_counted(lambda p: self.grid.t == 0 or shard_of(p) is not None)
         self.tie_sync = TieSync(self.ties, self.runtime)  # its groups: same order on every rank
         self.tie_sync.equalize()
+
+    def _tuning(self, model: ModelOptions) -> Tuning:
+        """What trains (``freeze``, ``lora``), refused where it cannot be done right."""
+        if model.lora is not None and self.grid.tensor_parallel > 1:
+            raise UserError(f"LoRA with tensor_parallel={self.grid.tensor_parallel} is not "
+                            "supported: adapters are not sharded; train them with T=1")
+        ties = [t.names for t in self.ties]
+        refuse_tied_targets(model.lora, ties)
+        return Tuning(model.freeze, model.lora, model.seed, ties)
+
+    def _check_tuning_used(self) -> None:
+        """A freeze pattern or LoRA target that named nothing on any rank is refused on every
+        rank (one small gather at construction)."""
+        every: list = [None] * self.transport.get_world_size()
+        self.transport.all_gather_object(every, sorted(self.tuning.used))
+        refuse_unused([{tuple(u) for u in e} for e in every], self.tuning.freeze_patterns,
+                      self.tuning.lora)
 
     def _agree_on_layout(self) -> None:
         """Every rank runs the same lowered schedule on the same grid: the T ranks of a
@@ -469,13 +507,13 @@ class Pipeline:
     # -- parameters ------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
         """What this rank's optimizer updates: give them to your optimizer. Every replica's
-        parameters it holds; with ``shard_optimizer=True``, this rank's slices of them (flat
+        parameters it holds that train (frozen ones are left out); with ``shard_optimizer=True``, this rank's slices of them (flat
         pieces sharing the parameters' memory; their ``.grad`` is the slice of the summed
         gradient), gathered into every replica at the next :meth:`step`, :meth:`eval_step`,
         :meth:`named_parameters`, :meth:`state_dict` or :meth:`sync_parameters`."""
         if self.runtime.shards:
             return [t for t, _ in self.runtime.optimizer_parameters()]
-        return self.runtime.parameters()
+        return [p for p in self.runtime.parameters() if p.requires_grad]
 
     def named_parameters(self):
         """(model-wide name, parameter) for every replica this rank holds: the names of

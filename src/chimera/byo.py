@@ -152,13 +152,17 @@ class LayerSource:
         return out
 
     def stage(self, indices: range, ties: list[Tie], device: torch.device, compile_opts,
-              shard: Callable[[int, nn.Module], nn.Module] | None = None) -> Stage:
-        """The layers ``indices`` as one Stage: built (or copied), materialized, each sharded
-        by ``shard(index, layer)`` (tensor parallelism: whole layers in, this rank's shards
-        out, before ties are made one Parameter again and before compiling), tied, compiled."""
+              shard: Callable[[int, nn.Module], nn.Module] | None = None,
+              adapt: Callable[[int, nn.Module], nn.Module] | None = None,
+              freeze: Callable[[nn.Module], nn.Module] | None = None) -> Stage:
+        """The layers ``indices`` as one Stage: built (or copied), materialized, each given
+        its adapters by ``adapt(index, layer)`` (LoRA) and sharded by ``shard(index, layer)``
+        (tensor parallelism: whole layers in, this rank's shards out, before ties are made one
+        Parameter again and before compiling), tied, frozen by ``freeze(stage)``, compiled."""
         def ready(i: int, layer: nn.Module) -> nn.Module:  # one whole layer alive at a time
             if _is_meta(layer):
                 _materialize(layer, i, device, self.init, layer_seed(self.seed, i))
+            layer = layer if adapt is None else adapt(i, layer)
             return layer if shard is None else shard(i, layer)
 
         if self.layers is not None:
@@ -170,6 +174,8 @@ class LayerSource:
             layers = [ready(i, self._build(i)) for i in indices]
         stage = Stage(dict(zip(indices, layers)))
         retie(stage, ties)
+        if freeze is not None:
+            freeze(stage)
         if compile_opts is not None:
             stage.compile(**compile_opts)
         return stage

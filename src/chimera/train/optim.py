@@ -49,5 +49,6 @@ def make_optimizer(params, cfg: TrainConfig, matrix: list[bool] | None = None) -
               {"params": rest, "weight_decay": 0.0}]
     # fused: one kernel per tensor, ~5x faster than the per-parameter loop on a CPU core, and
     # elementwise like it, so every replica and the reference still update bit-identically
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr,
+    # a rank whose stages are all frozen updates nothing: one empty group (AdamW refuses none)
+    return torch.optim.AdamW([g for g in groups if g["params"]] or groups[1:], lr=o.lr,
                              betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, fused=True)
