@@ -26,6 +26,14 @@ def add_parsers(sub) -> None:
                "chimera export --checkpoint ckpt --out llama-out")
     add_checkpoint_input(p)
     add_folder_output(p)
+    p.add_argument("--merge-lora", action=argparse.BooleanOptionalAction, default=True,
+                   help="a run with LoRA adapters (--lora-rank): merge them into their weights "
+                        "(W + alpha/r B A; the default), or with --no-merge-lora write the base "
+                        "weights alone")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="write the LoRA adapters alone, as peft does (adapter_config.json, "
+                        "adapter_model.safetensors): peft.PeftModel.from_pretrained(base, OUT) "
+                        "loads them onto the base model (an export with --no-merge-lora)")
     p.set_defaults(func=cmd_export)
 
 
@@ -33,7 +41,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from chimera.train.export import export  # start-up time: torch and transformers load when the command runs
 
     check_output(args.out, "--out", directory=True)
-    done = export(args.checkpoint, args.out, args.allow_in_doubt)
+    done = export(args.checkpoint, args.out, args.allow_in_doubt, merge_lora=args.merge_lora,
+                  adapter_only=args.adapter_only)
     for note in done.notes:
         print(f"chimera export: {note}", file=sys.stderr)
     print(f"wrote {done.folder}/: {', '.join(done.files)} ({done.model}, step {done.step} of "

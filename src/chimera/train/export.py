@@ -9,7 +9,9 @@ gives the run's logits. The run's tokenizer (the byte tokenizer for a run on byt
 beside them with the files ``AutoTokenizer`` reads (``chimera.train.export_tokenizer``), its
 end-of-text id in ``config.json`` and ``generation_config.json`` (with a note where BERT
 masked with an id that is not its mask token). Every file is an ordinary one (0644 under
-the usual umask). The folder appears complete or not at all.
+the usual umask). The folder appears complete or not at all. A run with LoRA adapters is
+exported merged, as its base weights, or as the adapter folder ``peft`` loads
+(``chimera.train.export_lora``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from chimera.data.text import load_tokenizer, mask_id_of
 from chimera.errors import UserError
 from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError
+from chimera.train.export_lora import prepare, write_adapter
 from chimera.train.export_tokenizer import stamp_ids, write_tokenizer
 from chimera.train.checkpoint.serve import choose
 from chimera.train.generate import source_from_meta
@@ -39,10 +42,13 @@ class Exported:
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike,
-           allow_in_doubt: bool = False) -> Exported:
+           allow_in_doubt: bool = False, merge_lora: bool = True,
+           adapter_only: bool = False) -> Exported:
     """Write the model of the checkpoint at ``path`` to the folder ``out`` (which must not
     exist or be empty). Raises ValueError (CheckpointError included) with one line; a
-    checkpoint in doubt or not judged yet only with ``allow_in_doubt`` (``serve.choose``)."""
+    checkpoint in doubt or not judged yet only with ``allow_in_doubt`` (``serve.choose``).
+    With LoRA adapters: merged into their weights (``merge_lora``), or left out (the base
+    model), or, with ``adapter_only``, the adapters alone as ``peft`` writes them."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out}: exists and is not an empty folder")
@@ -57,8 +63,13 @@ def export(path: str | os.PathLike, out: str | os.PathLike,
         raise CheckpointError(str(exc)) from None
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
+    lora = (meta.get("run") or {}).get("lora")
     try:
-        notes = _write(source, state, meta, tmp)
+        if adapter_only:
+            write_adapter(source, state, lora, tmp)
+            notes = []
+        else:
+            notes = _write(source, prepare(source, state, lora, merge_lora), meta, tmp)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)

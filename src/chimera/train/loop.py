@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chimera.api import ExecOptions, LossOptions, ModelOptions, Pipeline, micro_count
+from chimera.api import ExecOptions, LoRAOptions, LossOptions, ModelOptions, Pipeline, micro_count
 from chimera.check.validate import validate
 from chimera.data import VAL_FRACTION, Corpus, get_batch, split_corpus
 from chimera.data.formats import open_data
@@ -162,7 +162,9 @@ class Trainer:
             model=ModelOptions(num_layers=source.num_layers, seed=cfg.optim.seed, ties=source.ties,
                                partition=stage_ranges(cfg, source, schedule.stages),
                                compile=cfg.run.compile,
-                               tp_plan=source.tp_plan() if cfg.pipeline.tensor_parallel > 1 else None),
+                               tp_plan=source.tp_plan() if cfg.pipeline.tensor_parallel > 1 else None,
+                               freeze=cfg.net.freeze,
+                               lora=LoRAOptions(**cfg.net.lora) if cfg.net.lora else None),
             loss=LossOptions("token_mean" if source.sums else "mean",
                              token_count=source.token_count),
             options=ExecOptions(recompute=cfg.pipeline.recompute, autocast=self.autocast,
@@ -372,7 +374,7 @@ class Trainer:
     def _saved(self, p: torch.Tensor) -> torch.Tensor:
         """What a checkpoint holds for parameter ``p``: itself, or with bf16-master its master
         (the float32 weights the optimizer state belongs to)."""
-        return p if self.master is None else self.master.master_of()[id(p)]
+        return p if self.master is None else self.master.master_of().get(id(p), p)  # frozen: itself
 
     def replica_parameters(self) -> list[tuple[str, int, torch.Tensor]]:
         """(model-wide name, pipe, parameter) for every replica this rank holds (masters,

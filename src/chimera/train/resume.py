@@ -28,7 +28,8 @@ ACCEPTED = {
     "data_parallel": "-W", "micro_batches": "-N", "micro_batch_size": "-B", "grad_accum": "--grad-accum",
 }
 REFUSES = ("a resume refuses a change of the model, --seq-len, the vocabulary, the batch "
-           "W*N*B*K, --seed or --data (chimera train --help, --resume)")
+           "W*N*B*K, what trains (--freeze, --lora-*), --seed or --data (chimera train --help, "
+           "--resume)")
 MODEL_FLAGS = {"seq_len": "--seq-len", "vocab_size": "--vocab-size (the data's vocabulary)"}
 SUMMARY = ("a resume accepts, and announces, changes to --steps, the learning rate and its "
            "schedule, AdamW's settings, --clip, --dtype and the layout (same W*N*B*K); it refuses "
@@ -40,8 +41,14 @@ def record(cfg) -> dict:
     """What ``meta.json`` records of the run (``run``), for the next resume to compare."""
     out = {k: cfg.get(k) for k in ACCEPTED if k != "warmup_steps" and k != "micro_batches"}
     out.update(warmup_steps=cfg.warmup_steps, micro_batches=cfg.n_micro, seed=cfg.optim.seed,
-               step_batch=cfg.step_batch, data=_where(cfg.corpus.data))
+               step_batch=cfg.step_batch, data=_where(cfg.corpus.data), **tuning(cfg))
     return out
+
+
+def tuning(cfg) -> dict:
+    """What trains: the frozen patterns and the LoRA adapters (``chimera export`` merges
+    them with these settings)."""
+    return {"freeze": list(cfg.net.freeze), "lora": cfg.net.lora}
 
 
 def _where(path: str | None) -> str | None:
@@ -59,6 +66,10 @@ def compare(meta: dict, cfg, fingerprint: dict) -> tuple[list[str], list[str]]:
     if batch is not None and batch != cfg.step_batch:
         refused.append(_line("the batch of a step (W*N*B*K sequences)", batch, cfg.step_batch,
                              "-W -N -B --grad-accum"))
+    was_tuned = {k: run.get(k) or ([] if k == "freeze" else None) for k in ("freeze", "lora")}
+    if was_tuned != tuning(cfg):
+        refused.append(_line("what trains", was_tuned, tuning(cfg),
+                             "--freeze, --lora-rank, --lora-alpha, --lora-targets"))
     if "seed" in data and data["seed"] != cfg.optim.seed:
         refused.append(_line("seed", data["seed"], cfg.optim.seed, "--seed"))
     was = run["data"] if "data" in run else _where(data.get("source"))

@@ -111,6 +111,18 @@ class Net:
     wire_dtype: Literal["bf16", "float16"] | None = knob(
         None, "send floating activations and gradients between stages in this dtype (half the "
         "bytes of float32; cast back on arrival)", default_text="as computed")
+    freeze: tuple[str, ...] = knob((), "parameters that do not train: globs over model-wide names "
+                                   "'<layer>.<name in the layer>' (e.g. '0.*' the embedding, "
+                                   "'*.ln_*'); no gradient, no optimizer state, no allreduce",
+                                   metavar="PATTERN")
+    lora_rank: int = knob(0, "LoRA adapters of rank R on --lora-targets, every base weight frozen "
+                          "(0: no adapters)", metavar="R")
+    lora_alpha: float = knob(16.0, "LoRA's alpha: the adapters' update is scaled by alpha / R",
+                             metavar="A")
+    lora_targets: tuple[str, ...] = knob((), "the linear layers that get adapters: globs over "
+                                         "model-wide module names (e.g. '*.q_proj')", metavar="PATTERN",
+                                         default_text="the attention query and value projections: "
+                                         "q_proj, v_proj (Llama), c_attn (HF GPT-2), attn.qkv (GPT-2 presets)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -118,6 +130,25 @@ class Net:
         _whole(self, "seq_len", optional=True)
         _choice(self, "dtype", DTYPES)
         _choice(self, "wire_dtype", tuple(WIRE_DTYPES))
+        for name in ("freeze", "lora_targets"):  # "a,b" as well as several words
+            object.__setattr__(self, name, _patterns(getattr(self, name)))
+        _whole(self, "lora_rank", low=0)
+        _real(self, "lora_alpha", low=0.0, open_low=True)
+        if self.lora_targets and not self.lora_rank:
+            raise ConfigError("--lora-targets needs --lora-rank R (the adapters' rank)")
+
+    @property
+    def lora(self) -> dict | None:
+        """The adapters' settings (``chimera.models.lora.LoRAOptions``'s fields), None without."""
+        if not self.lora_rank:
+            return None
+        return dict(rank=self.lora_rank, alpha=float(self.lora_alpha),
+                    targets=list(self.lora_targets) or None)
+
+
+def _patterns(given) -> tuple[str, ...]:
+    given = (given,) if isinstance(given, str) else given
+    return tuple(n.strip() for item in given for n in str(item).split(",") if n.strip())
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,18 @@ def _tensors(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
              whole: dict | None = None) -> dict[str, torch.Tensor]:
     """Flat DCP state of ``params``: each parameter and its AdamW state, by name. ``whole``:
     the whole AdamW state of parameters a sharded optimizer holds in slices (by parameter),
-    so a checkpoint does not depend on sharding."""
+    so a checkpoint does not depend on sharding. A frozen parameter has no AdamW state (the
+    optimizer does not hold it): only itself."""
     state = {}
+    trained = {id(q) for group in optimizer.param_groups for q in group["params"]}
     for name, p in params.items():
+        state[f"model.{name}"] = p.detach()
+        if id(p) not in trained and p not in (whole or {}):
+            continue
         adam = (whole or {}).get(p)
         if adam is None:
             init_adam_state(optimizer, p)  # a skipped first step leaves none yet
             adam = optimizer.state[p]
-        state[f"model.{name}"] = p.detach()
         for key in _OPTIM_KEYS:
             state[f"optim.{name}.{key}"] = adam[key]
     return state
@@ -146,7 +150,8 @@ def _sharded(trainer, params: dict[str, torch.Tensor], state: dict):
         if shard is None:
             continue
         for key in (f"model.{name}", f"optim.{name}.exp_avg", f"optim.{name}.exp_avg_sq"):
-            yield key, shard, state[key]
+            if key in state:  # (a frozen parameter has no AdamW state)
+                yield key, shard, state[key]
 
 
 def _whole_shape(local: torch.Tensor, shard) -> tuple:
@@ -186,9 +191,11 @@ def _copy_to_other_replicas(trainer, replicas: dict[str, list[torch.Tensor]]) ->
     """A rank holding two replicas of a stage loaded the first; the others copy it."""
     with torch.no_grad():
         for ps in replicas.values():
-            src = trainer.optimizer.state[ps[0]]
+            src = trainer.optimizer.state.get(ps[0])
             for p in ps[1:]:
                 p.copy_(ps[0])
+                if not src:  # frozen: no AdamW state
+                    continue
                 init_adam_state(trainer.optimizer, p)
                 for key in _OPTIM_KEYS:
                     trainer.optimizer.state[p][key].copy_(src[key])
