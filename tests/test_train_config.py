@@ -29,7 +29,8 @@ CHANGED = dict(model="bert-tiny", seq_len=32, partition="0-1,2-3", dtype="float6
                tensorboard="tb", peak_flops=2e11, log_json="log.jsonl", trace="t.json",
                png="t.png", trace_step=3, progress=False, skip_nonfinite=True, skip_limit=4,
                spike_factor=3.0, eval_every=2, eval_batches=3, checkpoint_dir="ck",
-               checkpoint_every=2, keep_checkpoints=5, resume=True, resume_allow=("data",))
+               checkpoint_every=2, keep_checkpoints=5, resume=True, resume_allow=("data",),
+               freeze=("0.*", "*.ln_1.*"), lora_rank=4, lora_alpha=8.0, lora_targets=("*.attn.qkv",))
 ARGV = ["--model", "bert-tiny", "--seq-len", "32", "--partition", "0-1,2-3", "--dtype", "float64",
         "--wire-dtype", "bf16", "--vocab-size", "300", "--text-field", "body", "-s", "chimera",
         "-D", "4", "-N", "8", "-B", "2", "-W", "2", "-T", "2", "--sync", "end", "--recompute",
@@ -43,7 +44,8 @@ ARGV = ["--model", "bert-tiny", "--seq-len", "32", "--partition", "0-1,2-3", "--
         "--trace-step", "3", "--no-progress", "--skip-nonfinite", "--skip-limit", "4",
         "--spike-factor", "3", "--eval-every", "2", "--eval-batches", "3", "--checkpoint-dir",
         "ck", "--checkpoint-every", "2", "--keep-checkpoints", "5", "--resume",
-        "--resume-allow", "data"]
+        "--resume-allow", "data", "--freeze", "0.*", "*.ln_1.*", "--lora-rank", "4",
+        "--lora-alpha", "8", "--lora-targets", "*.attn.qkv"]
 
 
 def test_every_field_is_written_once_with_a_default_and_help():
