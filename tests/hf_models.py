@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 import transformers
-from transformers import BertConfig, GPT2Config, LlamaConfig
+from transformers import BertConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 V, T = 37, 8  # vocabulary, longest sequence
+WINDOW = 4  # sliding_window of the Mistral and Qwen3 configs: shorter than T
 MASK_ID = 3  # BERT's [MASK] in these batches
 
 
@@ -23,6 +24,16 @@ def config(arch: str, attn: str):
         return LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                            bos_token_id=0, eos_token_id=0, pad_token_id=None, attn_implementation=attn)
+    small = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                 bos_token_id=0, eos_token_id=0, pad_token_id=None, attn_implementation=attn)
+    if arch == "qwen2":  # q/k/v biases, tied head (the small Qwen2s' default), full attention
+        return Qwen2Config(**small, tie_word_embeddings=True)
+    if arch == "mistral":  # every layer slides: a window of 4 in sequences of up to 8
+        return MistralConfig(**small, sliding_window=WINDOW)
+    if arch == "qwen3":  # q/k norms, head_dim 8 != 16 / 4; layer 0 full, layer 1 sliding
+        return Qwen3Config(**small, head_dim=8, use_sliding_window=True, sliding_window=WINDOW,
+                           max_window_layers=1)
     if arch == "bert":  # tied decoder weight and bias
         return BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
                           intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
@@ -30,14 +41,27 @@ def config(arch: str, attn: str):
     raise KeyError(arch)
 
 
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
-ATTN = {"gpt2": "sdpa", "llama": "eager", "bert": "eager"}  # eager Llama: the causal-mask trap
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM",
+           "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# eager Llama and Qwen2: the causal-mask trap; sdpa where a window is: eager HF gives NaN on
+# the rows of a right-padded sequence whose window holds padding only (and NaN gradients)
+ATTN = {"gpt2": "sdpa", "llama": "eager", "bert": "eager", "qwen2": "eager", "mistral": "sdpa",
+        "qwen3": "sdpa"}
+FAMILIES = ("qwen2", "mistral", "qwen3")  # the Llama-like families beyond Llama
 
 
 def build(arch: str, attn: str | None = None, dtype=torch.float64, seed: int = 0):
+    """HF's model of ``config(arch)``, initialized by HF from ``seed``; the new families'
+    biases and norm weights (zeros and ones from HF) perturbed, so that they matter."""
     torch.manual_seed(seed)
     cls = getattr(transformers, CLASSES[arch])
-    return cls(config(arch, attn or ATTN[arch])).to(dtype).train()
+    model = cls(config(arch, attn or ATTN[arch])).to(dtype).train()
+    if arch in FAMILIES:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    p.add_(0.1 * torch.randn(p.shape, dtype=p.dtype))
+    return model
 
 
 def saved(root, archs) -> dict:
@@ -90,6 +114,7 @@ def loss_of(arch: str, logits, labels):
 # (attention key biases: softmax ignores a shift of all scores; ~1e-20 here): with the
 # default 1e-8, Adam's normalization turns that noise into lr-sized, run-dependent steps
 LR, DECAY, EPS = 0.05, 0.1, 1e-6
+TOL = dict(rtol=1e-10, atol=1e-12)  # float64: a pipelined run against one process
 
 
 def reference(model, arch: str, rows: int) -> dict:
@@ -124,3 +149,18 @@ def pipelined(model, pipe, arch: str, rows: int) -> dict:
     out["read"] = model.read_keys
     out["held"] = sorted({i for (_, s) in pipe.runtime.modules for i in pipe.ranges[s]})
     return out
+
+
+def check_pipelined(got: list[dict], ref: dict) -> None:
+    """``pipelined``'s results of every rank against ``reference``: every rank's every copy
+    of every parameter (tied ones under both names), gradients of each step and parameters
+    after the last at 1e-10, the losses too."""
+    import pytest
+
+    for rank, res in enumerate(got):
+        for k in range(3):
+            for name, g in res["grads"][k]:
+                assert torch.allclose(g, ref["grads"][k][name], **TOL), (rank, k, name)
+        assert res["losses"] == pytest.approx(ref["losses"], rel=1e-10)
+        for name, p in res["params"]:
+            assert torch.allclose(p, ref["params"][name], **TOL), (rank, name)

@@ -24,7 +24,6 @@ from chimera import hf  # noqa: E402
 from chimera.runtime.boundary import call_layer  # noqa: E402
 from chimera.runtime.context import ExecOptions  # noqa: E402
 
-TOL = dict(rtol=1e-10, atol=1e-12)
 ARCHS = ("gpt2", "llama", "bert")
 N, B = 4, 2  # micro-batches, micro-batch size
 MAIN2 = ([(a, s, 2, 1) for a in ARCHS for s in ("chimera", "1f1b")]  # (arch, schedule, D, W)
@@ -98,28 +97,17 @@ def refs(saved):
             for a in ARCHS for w in (1, 2) if w == 1 or a == "llama"}
 
 
-def _check(got: list[dict], ref: dict) -> None:
-    """Every rank's every copy of every parameter (tied ones under both names)."""
-    for rank, res in enumerate(got):
-        for k in range(3):
-            for name, g in res["grads"][k]:
-                assert torch.allclose(g, ref["grads"][k][name], **TOL), (rank, k, name)
-        assert res["losses"] == pytest.approx(ref["losses"], rel=1e-10)
-        for name, p in res["params"]:
-            assert torch.allclose(p, ref["params"][name], **TOL), (rank, name)
-
-
 @pytest.mark.parametrize("case", [_name(*c) for c in MAIN2])
 def test_hf_model_trains_as_hf_in_one_process_d2(world2, refs, case):
     """Padded batches, a new sequence length mid-run, ties, GQA/RoPE, token types: the
     gradients of each of 3 AdamW steps and the parameters after them, at 1e-10."""
-    _check([r[case] for r in world2], refs[(case.split("-")[0], 1)])
+    hm.check_pipelined([r[case] for r in world2], refs[(case.split("-")[0], 1)])
 
 
 @pytest.mark.parametrize("case", [_name(*c) for c in MAIN4])
 def test_hf_model_trains_as_hf_in_one_process_d4(world4, refs, case):
     arch, w = case.split("-")[0], int(case.split("-")[-1])
-    _check([r[case] for r in world4], refs[(arch, w)])
+    hm.check_pipelined([r[case] for r in world4], refs[(arch, w)])
 
 
 def _expected_reads(saved_folder: str, model: hf.HFModel, held: list[int]) -> set[str]:
@@ -315,11 +303,12 @@ def test_export_in_one_process_reloads(tmp_path):
 def test_refused_with_one_line(tmp_path):
     """Unsupported architectures and configs, non-local or non-safetensors sources, weights
     that do not fit the config: a ValueError naming the problem (and what is supported)."""
-    from transformers import BertForSequenceClassification, MistralConfig, MixtralConfig
+    from transformers import BertForSequenceClassification, MixtralConfig, Phi3Config
 
-    for cfg, words in ((MistralConfig(), "model_type 'mistral'"), (MixtralConfig(), "model_type 'mixtral'")):
+    for cfg, words in ((Phi3Config(), "model_type 'phi3'"), (MixtralConfig(), "model_type 'mixtral'")):
         for arch in (None, "LlamaForCausalLM"):
-            supported = ".*supports GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM"
+            supported = (".*supports GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
+                         "MistralForCausalLM, Qwen3ForCausalLM, BertForMaskedLM")
             with pytest.raises(ValueError, match=words + supported):
                 hf.load(cfg, architecture=arch)
     llama = hm.config("llama", "eager")

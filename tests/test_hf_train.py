@@ -70,6 +70,9 @@ CASES = [  # (model, schedule, D, extra)
     ("hf-llama-tiny", "chimera", 4, {"recompute": True}), ("hf-llama-tiny", "1f1b", 4, {}),
     ("hf-llama-tiny", "chimera", 2, {"data_parallel": 2, "shard_optimizer": True}),
     ("bert", "chimera", 2, {}),
+    # the Llama-like families' presets (hf-mistral-tiny: sequences longer than its window, 32)
+    ("hf-qwen2-tiny", "zb-v", 2, {}), ("hf-mistral-tiny", "chimera-zb", 2, {"seq_len": 40}),
+    ("hf-qwen3-tiny", "chimera", 2, {}),
 ]
 
 
@@ -94,7 +97,8 @@ def test_pipelines_match_the_single_process_reference(root, model, schedule, d, 
         assert r["max_replicas"] == 2 * r["min_replicas"]
 
 
-@pytest.mark.parametrize("model", ["gpt2", "hf-llama-tiny", "bert"])
+@pytest.mark.parametrize("model", ["gpt2", "hf-llama-tiny", "bert", "hf-qwen2-tiny", "hf-mistral-tiny",
+                                   "hf-qwen3-tiny"])
 def test_the_reference_computes_hfs_own_model(root, model):
     """The trainer's single-process model is HF's: the same weights in HF's own model give
     the same loss and gradients (1e-10) on the trainer's batch (next-token targets; BERT's
@@ -156,6 +160,17 @@ def test_presets_are_the_configs_they_name():
     c = llama.config
     assert (c.model_type, c.vocab_size, c.num_key_value_heads, c.num_attention_heads) == ("llama", 256, 2, 4)
     assert llama.ties == () and llama.kind == "gpt2" and llama.sums
+    byte_text = DataInfo(format="text", vocab_size=256, is_bytes=True, text=True)
+    qwen2, mistral, qwen3 = (open_source(f"hf-{f}-tiny", byte_text) for f in ("qwen2", "mistral", "qwen3"))
+    assert (qwen2.arch, qwen2.config.vocab_size) == ("Qwen2ForCausalLM", 256)
+    assert qwen2.ties == (("0.embed_tokens.weight", "5.lm_head.weight"),) == qwen3.ties
+    assert any(n.endswith("q_proj.bias") for n in qwen2.model.source.state_dict())
+    assert (mistral.arch, mistral.config.sliding_window, mistral.seq_len) == ("MistralForCausalLM", 32, 64)
+    assert (qwen3.arch, qwen3.config.head_dim, qwen3.config.sliding_window) == ("Qwen3ForCausalLM", 32, None)
+    assert callable(qwen2.tp_plan()) and callable(mistral.tp_plan())
+    with pytest.raises(ValueError, match="^--tensor-parallel: hf-qwen3-tiny \\(Qwen3ForCausalLM\\): "
+                       "Qwen3's q/k norms"):
+        qwen3.tp_plan()
 
 
 # -- checkpoints: HF names, a tie once, resumed on another layout ------------------------

@@ -203,10 +203,31 @@ def as_module(layer, index: int) -> nn.Module:
     """A layer as a Module: a function is wrapped (as ``nn.Sequential`` would refuse it, but
     an activation between layers is a natural thing to list); anything else is refused."""
     if isinstance(layer, nn.Module):
+        _refuse_hf_part(layer, index)
         return layer
     if callable(layer):
         return FunctionLayer(layer)
     raise UserError(f"layer {index} is a {type(layer).__name__}, not an nn.Module or a function")
+
+
+# transformers' base classes of a whole model and of its decoder/encoder layers (by name: no
+# import of transformers here)
+_HF_PARTS = {("transformers.modeling_utils", "PreTrainedModel"): "model",
+             ("transformers.modeling_layers", "GradientCheckpointingLayer"): "layer"}
+
+
+def _refuse_hf_part(layer: nn.Module, index: int) -> None:
+    """A Hugging Face model, or one of its decoder layers, listed as a layer: its layers need
+    the attention mask and rotary embeddings its model's ``forward`` makes (called alone, a
+    Llama layer fails on its missing position embeddings and an eager one attends to the
+    future); chimera.hf calls them as HF's forward does."""
+    kind = next((_HF_PARTS[(c.__module__, c.__name__)] for c in type(layer).__mro__
+                 if (c.__module__, c.__name__) in _HF_PARTS), None)
+    if kind is not None:
+        raise UserError(f"layer {index} is Hugging Face's {type(layer).__name__} (a {kind} of a "
+                        "transformers model, which needs the masks and position embeddings its "
+                        "model's forward makes): pipeline the model with chimera.hf instead, "
+                        "hf.load(model).pipeline(schedule=..., stages=...)")
 
 
 def _carry_compile(original: nn.Module, copied: nn.Module, index: int) -> None:

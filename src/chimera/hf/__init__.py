@@ -1,5 +1,6 @@
 """Hugging Face models as pipeline layers: ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
-``BertForMaskedLM`` (optional extra ``hf``: ``pip install 'chimera-pipeline[hf]'``).
+``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM``, ``BertForMaskedLM``
+(``ARCHS``; optional extra ``hf``: ``pip install 'chimera-pipeline[hf]'``).
 
 Sketch (every rank runs ``main``; ``ids``, ``mask``: a padded batch, the same on every rank;
 the folder was written by ``save_pretrained``, or holds only a ``config.json``)::

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import (create_bidirectional_mask, create_causal_mask,
+                                        create_sliding_window_causal_mask)
 
 from chimera.errors import UserError
 
@@ -46,14 +47,15 @@ def _positions(h: torch.Tensor, position_ids):
     return torch.arange(h.shape[1], device=h.device).unsqueeze(0)
 
 
-def _causal_mask(config, h: torch.Tensor, mask, positions):
-    """HF's causal mask for this batch. HF's decoder ``forward`` makes a KV cache when
-    ``config.use_cache`` (the GPT-2 and Llama default, in training too), and with a cache its
-    mask ignores position ids (no packed-sequence detection); without one, position ids that
-    restart mark packed sequences (block-diagonal attention). The same here, without a cache."""
+def _causal_mask(config, h: torch.Tensor, mask, positions, make=create_causal_mask):
+    """HF's causal mask for this batch (``make``: HF's mask function, the sliding-window one
+    for a layer that attends to the last ``config.sliding_window`` tokens only). HF's decoder
+    ``forward`` makes a KV cache when ``config.use_cache`` (the GPT-2 and Llama default, in
+    training too), and with a cache its mask ignores position ids (no packed-sequence
+    detection); without one, position ids that restart mark packed sequences (block-diagonal
+    attention). The same here, without a cache."""
     packed = None if getattr(config, "use_cache", False) else positions
-    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=mask, cache=None,
-                              position_ids=packed)
+    return make(config=config, inputs_embeds=h, attention_mask=mask, cache=None, position_ids=packed)
 
 
 class Embed(HFLayer):
@@ -124,7 +126,10 @@ def gpt2_plan(config) -> list[tuple[type, dict[str, str]]]:
             (GPT2Head, {"ln_f": "transformer.ln_f", "lm_head": "lm_head"})]
 
 
-# -- Llama (LlamaForCausalLM) ---------------------------------------------------------------
+# -- Llama (LlamaForCausalLM) and the families made of its parts ----------------------------
+# Qwen2 (q/k/v biases), Mistral (sliding-window attention), Qwen3 (q/k norms): the same
+# embedding, decoder-layer call, final norm and head under the same names; only the modules
+# inside the decoder layer and the mask of sliding-window layers differ.
 class LlamaEmbed(Embed):
     absolute_positions = False  # RoPE: no table to overrun
 
@@ -136,9 +141,11 @@ class LlamaBlock(HFLayer):
     """A decoder layer with its own copy of the rotary embedding (buffers only, recomputed
     from the config, not in the state dict): cos/sin are computed where they are used."""
 
+    make_mask = staticmethod(create_causal_mask)
+
     def forward(self, h, mask, pos):
         p = _positions(h, pos)
-        causal = _causal_mask(self.config, h, mask, p)
+        causal = _causal_mask(self.config, h, mask, p, self.make_mask)
         rope = self.rotary_emb(h, position_ids=p)
         h = self.layer(h, attention_mask=causal, position_ids=p, cache=None, use_cache=False,
                        position_embeddings=rope)
@@ -150,11 +157,31 @@ class LlamaHead(HFLayer):
         return self.lm_head(self.norm(h))
 
 
-def llama_plan(config) -> list[tuple[type, dict[str, str]]]:
+class SlidingBlock(LlamaBlock):
+    """A decoder layer that attends to the last ``config.sliding_window`` positions only
+    (HF's sliding-window causal mask; padding and packing as in ``LlamaBlock``)."""
+
+    make_mask = staticmethod(create_sliding_window_causal_mask)
+
+
+def llama_plan(config, sliding=lambda k: False) -> list[tuple[type, dict[str, str]]]:
+    """``sliding(k)``: decoder layer k has sliding-window attention."""
     return [(LlamaEmbed, {"embed_tokens": "model.embed_tokens"}),
-            *[(LlamaBlock, {"layer": f"model.layers.{k}", "rotary_emb": "model.rotary_emb"})
+            *[(SlidingBlock if sliding(k) else LlamaBlock,
+               {"layer": f"model.layers.{k}", "rotary_emb": "model.rotary_emb"})
               for k in range(config.num_hidden_layers)],
             (LlamaHead, {"norm": "model.norm", "lm_head": "lm_head"})]
+
+
+def mistral_plan(config) -> list[tuple[type, dict[str, str]]]:
+    """Mistral: every layer slides when ``config.sliding_window`` is set (HF's MistralModel)."""
+    return llama_plan(config, lambda k: config.sliding_window is not None)
+
+
+def qwen_plan(config) -> list[tuple[type, dict[str, str]]]:
+    """Qwen2, Qwen3: per layer, ``config.layer_types`` (sliding from ``max_window_layers`` on
+    when ``use_sliding_window``)."""
+    return llama_plan(config, lambda k: config.layer_types[k] == "sliding_attention")
 
 
 # -- BERT (BertForMaskedLM) -----------------------------------------------------------------

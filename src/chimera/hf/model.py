@@ -29,20 +29,32 @@ from chimera.hf.weights import (Checkpoint, cast_parameters, check_shapes, clear
 ARCHS = {
     "GPT2LMHeadModel": ("gpt2", L.gpt2_plan, True),
     "LlamaForCausalLM": ("llama", L.llama_plan, True),
+    "Qwen2ForCausalLM": ("qwen2", L.qwen_plan, True),
+    "MistralForCausalLM": ("mistral", L.mistral_plan, True),
+    "Qwen3ForCausalLM": ("qwen3", L.qwen_plan, True),
     "BertForMaskedLM": ("bert", L.bert_plan, False),
 }
 SUPPORTED = ", ".join(ARCHS)
+SLIDING = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # honour sliding_window
 # the tensor-parallel plan of each pipeline layer class (chimera.tp's, at the layer's own
 # names: HF's block sits in chimera.hf's GPT2Block as `block`, its decoder layer in
-# LlamaBlock as `layer`); BERT has none yet
+# LlamaBlock as `layer`). Llama's plan covers Qwen2 (a column-parallel bias is cut with its
+# columns) and Mistral (the same module names; the window is in the mask).
+_DECODER_TP = lambda: tp.prefixed(tp.llama_decoder_plan(), "layer.")  # noqa: E731
 TP_PLANS = {
     L.GPT2Embed: lambda: tp.embedding_plan("wte"),
     L.GPT2Block: lambda: tp.prefixed(tp.hf_gpt2_block_plan(), "block."),
     L.GPT2Head: lambda: tp.head_plan("lm_head"),
     L.LlamaEmbed: lambda: tp.embedding_plan("embed_tokens"),
-    L.LlamaBlock: lambda: tp.prefixed(tp.llama_decoder_plan(), "layer."),
+    L.LlamaBlock: _DECODER_TP,
+    L.SlidingBlock: _DECODER_TP,
     L.LlamaHead: lambda: tp.head_plan("lm_head"),
 }
+# architectures without one, and why
+NO_TP = {"BertForMaskedLM": "BERT has no tensor-parallel plan yet",
+         "Qwen3ForCausalLM": "Qwen3's q/k norms act on each rank's heads and would need their "
+                             "gradients summed over the TP ranks, which chimera.tp does not do yet"}
+TP_ARCHS = ", ".join(a for a in ARCHS if a not in NO_TP)
 ATTENTION = ("eager", "sdpa")
 
 
@@ -179,9 +191,9 @@ class HFModel:
         """Layer ``index``'s tensor-parallel plan (``ModelOptions.tp_plan``): the embedding
         by vocabulary, each block Megatron-style, the head column-parallel, logits gathered."""
         make = TP_PLANS.get(type(layer))
-        if make is None:
-            raise UserError(f"tensor parallel: {self.arch} has no tensor-parallel plan yet; "
-                            f"{', '.join(a for a in ARCHS if a != 'BertForMaskedLM')} have one")
+        if self.arch in NO_TP or make is None:
+            why = NO_TP.get(self.arch, f"{self.arch} has no tensor-parallel plan yet")
+            raise UserError(f"tensor parallel: {why}; {TP_ARCHS} have one")
         return make()
 
     def pipeline_kwargs(self, model: ModelOptions | None = None,
@@ -252,10 +264,12 @@ def load(source, *, dtype: torch.dtype | None = None, attn_implementation: str |
 
     ``dtype``: the parameters' dtype (default: the model's own, float32 from a config or a
     folder). ``attn_implementation``: "eager" or "sdpa" (default: HF's choice). ``architecture``:
-    overrides the config's ``architectures`` (one of GPT2LMHeadModel, LlamaForCausalLM,
+    overrides the config's ``architectures`` (one of ``ARCHS``: GPT2LMHeadModel,
+    LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM,
     BertForMaskedLM). ``labels_shifted``: the targets of a causal model are already the next
     tokens (``targets[:, t]`` follows ``inputs[:, t]``, as ``chimera train``'s batches), not
-    HF's labels (the input ids, shifted inside the loss). Local files only: nothing is downloaded.
+    HF's labels (the input ids, shifted inside the loss). Local files only: nothing is
+    downloaded.
     """
     from transformers import PretrainedConfig, PreTrainedModel  # start-up time (see _on_meta)
 
@@ -338,8 +352,7 @@ def check_config(arch: str, config) -> None:
         if getattr(config, key, None):
             raise UserError(f"mixture-of-experts configs ({key}={getattr(config, key)}) are not "
                              "supported")
-    if getattr(config, "sliding_window", None) or getattr(config, "use_sliding_window", False):
-        raise UserError("sliding-window attention is not supported (full causal attention only)")
+    _check_window(arch, config)
     if getattr(config, "add_cross_attention", False):
         raise UserError(f"{arch} with add_cross_attention=True is not supported")
     if arch == "BertForMaskedLM" and config.is_decoder:
@@ -348,3 +361,24 @@ def check_config(arch: str, config) -> None:
     if rope in ("dynamic", "longrope"):
         raise UserError(f"rope_type {rope!r} changes with the sequence length and is not supported "
                          "(default, linear, llama3 and yarn are)")
+
+
+def _check_window(arch: str, config) -> None:
+    """Sliding-window attention where HF's model has it (``SLIDING``); elsewhere HF would
+    ignore a ``sliding_window`` the config carries, which is refused rather than trained."""
+    window = getattr(config, "sliding_window", None)
+    if arch not in SLIDING:
+        if window or getattr(config, "use_sliding_window", False):
+            raise UserError(f"sliding-window attention is not supported for {arch} (HF's {arch} "
+                            f"ignores it); {', '.join(SLIDING)} honour it")
+        return
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise UserError(f"sliding_window must be a positive integer or None, got {window!r}")
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        other = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if other or len(types) < config.num_hidden_layers:
+            raise UserError(f"layer_types {other or types} not supported: one of full_attention, "
+                            f"sliding_attention per layer")
+        if "sliding_attention" in types and window is None:
+            raise UserError("layer_types has sliding_attention layers but sliding_window is None")

@@ -2,7 +2,8 @@
 
 ``--model hf:PATH`` reads a ``config.json`` (or a folder holding one; with ``save_pretrained``
 safetensors beside it, those are the starting weights, each rank reading its stages' tensors);
-``hf-llama-tiny`` and ``hf-gpt2-small`` are configs built here. Batches come from
+``hf-llama-tiny``, ``hf-qwen2-tiny``, ``hf-mistral-tiny``, ``hf-qwen3-tiny`` and
+``hf-gpt2-small`` are configs built here. Batches come from
 ``chimera.data.get_batch``: causal models get targets that are already the next tokens
 (``labels_shifted=True``), BERT masked tokens with the tokenizer's mask id (``[MASK]``),
 or, where it has none, one after the data's ids.
@@ -25,7 +26,7 @@ from chimera import rng
 from chimera.byo import layer_seed, merge_ties, seeded
 from chimera.data import model_vocab
 from chimera.errors import UserError
-from chimera.hf.model import HFModel, check_config, load
+from chimera.hf.model import NO_TP, TP_ARCHS, HFModel, check_config, load
 from chimera.models.source import HF_PREFIX, HF_PRESETS, ModelSource
 
 # HF initializes with torch's global RNG, and patches torch.nn.init while it does: one layer
@@ -144,9 +145,9 @@ class HFSource(ModelSource):
         return self.model.loss_fn(output, targets)
 
     def tp_plan(self):
-        if self.kind == "bert":
-            raise UserError(f"--tensor-parallel: {self.name} (BERT) has no tensor-parallel plan "
-                            "yet; GPT-2 presets, hf-llama-* and hf-gpt2-* models have one")
+        if self.arch in NO_TP:
+            raise UserError(f"--tensor-parallel: {self.name} ({self.arch}): {NO_TP[self.arch]}; "
+                            f"GPT-2 presets and Hugging Face {TP_ARCHS} models have one")
         return self.model.tp_plan
 
     def global_name(self, name: str) -> str:

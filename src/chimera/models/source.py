@@ -25,6 +25,19 @@ HF_PRESETS = {
                            num_attention_heads=4, num_key_value_heads=2,
                            max_position_embeddings=256), 64),
     "hf-gpt2-small": ("GPT2LMHeadModel", {}, 1024),  # GPT2Config(): 12 x 768, tied, 124M at 50257
+    # hf-llama-tiny's shape in the Llama-like families, each with what sets it apart
+    "hf-qwen2-tiny": ("Qwen2ForCausalLM",  # q/k/v biases, head tied to the embedding
+                      dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256, tie_word_embeddings=True), 64),
+    "hf-mistral-tiny": ("MistralForCausalLM",  # sliding-window attention: the last 32 tokens
+                        dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256, sliding_window=32), 64),
+    "hf-qwen3-tiny": ("Qwen3ForCausalLM",  # q/k norms, head_dim 32 (4 x 32 > hidden 64), tied
+                      dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           max_position_embeddings=256, tie_word_embeddings=True), 64),
 }
 
 
