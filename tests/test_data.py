@@ -252,7 +252,21 @@ def assert_windows_of(seen, ids, vocab):
 
 
 def train_split(ids):
+    """A source of one document (or of ids with no end-of-text id): its last 5% held out."""
     return ids[:len(ids) - max(1, int(len(ids) * 0.05))]
+
+
+def train_documents(documents):
+    """A source of several documents (arrays): the ones the seeded choice keeps, in order."""
+    from chimera.data.documents import held_out_mask
+
+    held = held_out_mask(len(documents), 0.05)
+    assert held.any() and not held.all()
+    return np.concatenate([d for d, h in zip(documents, held) if not h])
+
+
+def byte_docs(docs):
+    return [np.frombuffer((d + "\n").encode(), np.uint8) for d in docs]
 
 
 def encode(tokenizer_json, docs):
@@ -308,8 +322,8 @@ def test_tokenize_cli_on_jsonl_and_datasets_text(fmt, tmp_path, capsys):
     assert main(["tokenize", "--data", str(root / "docs.jsonl"), "--text-field", "body",
                  "--tokenizer", str(tok), "--out", str(tmp_path / "j"), "--no-progress"]) == 0
     assert "chimera train --data" in capsys.readouterr().out
-    ids = np.concatenate([np.fromfile(tmp_path / "j" / n, "<u2") for n in ("train.bin", "val.bin")])
-    assert ids.tolist() == encode(tok, docs)
+    train = np.fromfile(tmp_path / "j" / "train.bin", "<u2")
+    assert train.tolist() == train_documents([np.array(encode(tok, [d])) for d in docs]).tolist()
     (tmp_path / "one.txt").write_text(text)
     assert main(["tokenize", "--data", str(tmp_path / "one.txt"), "--vocab-size", "300",
                  "--out", str(tmp_path / "again"), "--no-progress"]) == 0
@@ -354,21 +368,19 @@ def test_train_on_jsonl_as_bytes_and_tokens(fmt, monkeypatch, tmp_path):
     root, _, _, docs = fmt
     argv = ["--data", str(root / "docs.jsonl"), "--text-field", "body"]
     seen = train_batches(argv, monkeypatch, tmp_path)
-    text = "".join(d + "\n" for d in docs).encode()
-    assert_windows_of(seen, train_split(np.frombuffer(text, np.uint8)), 256)
+    assert_windows_of(seen, train_documents(byte_docs(docs)), 256)
     tok = root / "tok" / "tokenizer.json"
     seen = train_batches([*argv, "--tokenizer", str(tok)], monkeypatch, tmp_path)
-    assert_windows_of(seen[-2:], train_split(encode(tok, docs)), 300)
+    assert_windows_of(seen[-2:], train_documents([np.array(encode(tok, [d])) for d in docs]), 300)
 
 
 def test_train_on_a_datasets_folder(fmt, monkeypatch, tmp_path):
     root, _, ids, docs = fmt
     seen = train_batches(["--data", str(root / "ds-ids"), "--vocab-size", "1000"],
                          monkeypatch, tmp_path)
-    assert_windows_of(seen, train_split(ids), 1000)
+    assert_windows_of(seen, train_documents([ids[i:i + 97] for i in range(0, len(ids), 97)]), 1000)
     seen = train_batches(["--data", str(root / "ds-text")], monkeypatch, tmp_path)
-    text = "".join(d + "\n" for d in docs).encode()
-    assert_windows_of(seen[-2:], train_split(np.frombuffer(text, np.uint8)), 256)
+    assert_windows_of(seen[-2:], train_documents(byte_docs(docs)), 256)
 
 
 def test_bert_on_token_ids_gets_a_mask_id_after_the_vocabulary(fmt):
@@ -660,14 +672,14 @@ def test_every_format_detect_returns_has_one_entry(fmt, tmp_path):
                 assert not named, f"{module.name}:{node.lineno} compares with {named}: use FORMATS"
 
 
-def _toy_ids(spec, column, vocab, progress):
+def _toy_ids(spec, column, vocab, progress, eos=None):
     """A toy format: token ids written as decimal numbers."""
     from chimera.data.tokens import check_ids
 
     ids = np.array(open(spec.path).read().split(), dtype=np.int64)
     if vocab is not None:
         check_ids(ids, vocab, spec.path)
-    return ids, None
+    return ids, None, None
 
 
 def _toy_text(spec, check_size):

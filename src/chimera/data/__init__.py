@@ -25,10 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from chimera.data.documents import split_documents
 from chimera.errors import UserError
 
 DEFAULT_MAX_BYTES = 4 * 2**20
-VAL_FRACTION = 0.05              # the last 5% of the corpus is held out
+VAL_FRACTION = 0.05              # held out: 5% of the documents (chimera.data.documents)
 # the stdlib's held-out files: one in HELD_OUT_ONE_IN, chosen by a seeded hash of the path
 # (its tail is codec tables, text of another kind than the rest)
 HELD_OUT_ONE_IN, HELD_OUT_SEED = 20, 0
@@ -87,6 +88,15 @@ def check_not_binary(path: Path, data: bytes) -> None:
     if at >= 0:
         raise UserError(f"{str(path)!r} is binary (a NUL byte at offset {at:,}), not text: "
                          "token files are .bin (with --token-dtype) or .npy")
+
+
+def file_ends(path: str | os.PathLike, length: int) -> np.ndarray | None:
+    """Where each file's document ends in the ``length`` bytes ``load_corpus`` read from
+    ``path`` (a file and a newline each); None if they are not those bytes."""
+    p = Path(path)
+    files = text_files(p) if p.is_dir() else [p]
+    ends = np.cumsum([f.stat().st_size + 1 for f in files], dtype=np.int64)
+    return ends if len(ends) and ends[-1] == length else None
 
 
 def _read_files(files: list[Path], max_bytes: int | None) -> bytes:
@@ -199,9 +209,10 @@ def check_total_size(where: str, files: list[Path], max_bytes: int | None) -> No
                          f"{MAX_CORPUS_BYTES:,} (every rank holds it in memory)")
 
 
-def split_corpus_bytes(n: int) -> tuple[range, range]:
-    """Positions of the training and the held-out split of an ``n``-byte corpus."""
-    cut = n - max(1, int(n * VAL_FRACTION))
+def split_corpus_bytes(n: int, fraction: float = VAL_FRACTION) -> tuple[range, range]:
+    """Positions of the training and the held-out split of an ``n``-byte corpus cut at its
+    last ``fraction`` (0: nothing held out)."""
+    cut = n if fraction == 0 else n - max(1, int(n * fraction))
     return range(0, cut), range(cut, n)
 
 
@@ -225,14 +236,20 @@ class Corpus:
     mask_id: int | None = None
 
     @classmethod
-    def of_bytes(cls, data: torch.Tensor, where: str) -> "Corpus":
-        """Byte tokens, the last ``VAL_FRACTION`` held out."""
-        return cls.from_tokens(data, BYTE_VOCAB, where, is_bytes=True)
+    def of_bytes(cls, data: torch.Tensor, where: str, **split) -> "Corpus":
+        """Byte tokens, held out as ``from_tokens`` does."""
+        return cls.from_tokens(data, BYTE_VOCAB, where, is_bytes=True, **split)
 
     @classmethod
-    def from_tokens(cls, tokens, vocab_size: int, where: str, **kw) -> "Corpus":
-        """One array of ids, the last ``VAL_FRACTION`` held out."""
-        train, val = split_corpus_bytes(len(tokens))
+    def from_tokens(cls, tokens, vocab_size: int, where: str, *, ends=None,
+                    fraction: float = VAL_FRACTION, **kw) -> "Corpus":
+        """One array of ids: where ``ends`` marks two or more documents, a seeded ``fraction``
+        of them held out whole (``chimera.data.documents``), else its last ``fraction`` of ids;
+        ``fraction`` 0 holds out nothing (the held-out data comes from elsewhere)."""
+        split = None if ends is None or fraction == 0 else split_documents(tokens, ends, fraction)
+        if split is not None:
+            return cls(*split, vocab_size, where, **kw)
+        train, val = split_corpus_bytes(len(tokens), fraction)
         return cls(tokens[:train.stop], tokens[val.start:], vocab_size, where, **kw)
 
     def __len__(self) -> int:

@@ -5,9 +5,10 @@ The folder it writes is what ``chimera train --data DIR`` reads:
 - ``tokenizer.json``: a HF ``tokenizers`` byte-level BPE (GPT-2's pre-tokenizer), so every
   text encodes and the ids decode back to exactly that text, with one special token,
   ``<|endoftext|>`` (id 0), which follows every document in the ids;
-- ``train.bin`` and ``val.bin``: the ids (uint16 below 65,536 ids, else uint32), the last
-  ``VAL_FRACTION`` of them in ``val.bin``: the same cut a single file gets (the stdlib's
-  held-out files for the default corpus);
+- ``train.bin`` and ``val.bin``: the ids (uint16 below 65,536 ids, else uint32), a seeded
+  ``VAL_FRACTION`` of the documents in ``val.bin``, whole: the same choice ``chimera train``
+  makes of the text itself (``chimera.data.documents``; one document: its last ids; the
+  stdlib's held-out files for the default corpus);
 - ``meta.json``: format, dtype, vocabulary size, token counts, the tokenizer's file name,
   its mask token's id (``mask_id``: BERT masks with it; null for a trained BPE, which
   has none) and its end-of-text id (``eos_id``).
@@ -30,6 +31,7 @@ import numpy as np
 
 from chimera.data import text
 from chimera.data import BYTE_VOCAB, VAL_FRACTION, split_corpus_bytes
+from chimera.data.documents import held_out_mask, runs
 from chimera.data.formats import FORMATS, DataSpec, describe, detect, text_pieces
 from chimera.data.meta import MAX_VOCAB, META, META_FORMAT
 from chimera.data.tokens import id_dtype
@@ -104,17 +106,22 @@ def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress:
     dtype = id_dtype(vocab)
     train, held = FORMATS[fmt].pieces(spec, False)
     total = FORMATS[fmt].size(spec)
-    with open(tmp / FILES["train"], "wb") as f:  # every id goes to train.bin; a tail may move to val.bin
-        n = _stream_ids(tokenizer, train, vocab, f, progress, total)
+    ends: list = []  # where each document ends in train.bin
+    with open(tmp / FILES["train"], "wb") as f:  # every id goes to train.bin; some move to val.bin
+        n = _stream_ids(tokenizer, train, vocab, f, progress, total, ends)
         cut = n if held is not None else None
         if held is not None:  # the stdlib's held-out files follow, and are val.bin
             n += _stream_ids(tokenizer, held, vocab, f)
     if n < 2:
         raise UserError(f"{spec.path or 'the text'} makes {n} token(s): too little to split")
-    split = (f"the last {VAL_FRACTION:.0%} of the ids is val.bin" if cut is None else
-             "val.bin holds a seeded choice of the files (1 in 20)")
-    cut = split_corpus_bytes(n)[0].stop if cut is None else cut
-    _move_tail(tmp / FILES["train"], tmp / FILES["val"], cut, dtype)
+    if cut is None and len(ends) >= 2:
+        split = f"val.bin holds a seeded choice of {VAL_FRACTION:.0%} of the documents"
+        cut = _move_documents(tmp / FILES["train"], tmp / FILES["val"], np.array(ends), dtype)
+    else:
+        split = (f"the last {VAL_FRACTION:.0%} of the ids is val.bin (one document)" if cut is None
+                 else "val.bin holds a seeded choice of the files (1 in 20)")
+        cut = split_corpus_bytes(n)[0].stop if cut is None else cut
+        _move_tail(tmp / FILES["train"], tmp / FILES["val"], cut, dtype)
     meta = {"format": META_FORMAT, "version": 1, "dtype": str(np.dtype(dtype).name),
             "vocab_size": vocab, "tokenizer": "tokenizer.json",
             "mask_id": text.mask_id_of(tokenizer), "eos_id": text.eos_id_of(tokenizer),
@@ -127,13 +134,36 @@ def _write(tokenizer, spec: DataSpec, fmt: str, vocab: int, tmp: Path, progress:
 
 
 def _stream_ids(tokenizer, pieces, vocab: int, f, progress: bool = False,
-                total: int | None = None) -> int:
-    """Write the ids of ``pieces`` to the open file ``f``, a batch at a time; their count."""
+                total: int | None = None, ends: list | None = None) -> int:
+    """Write the ids of ``pieces`` to the open file ``f``, a batch at a time; their count
+    (``ends``: gets where each document ends)."""
     n = 0
-    for ids in text.encode_chunks(tokenizer, pieces, vocab, progress, total):
+    for ids in text.encode_chunks(tokenizer, pieces, vocab, progress, total, ends):
         ids.tofile(f)
         n += len(ids)
     return n
+
+
+def _move_documents(train: Path, val: Path, ends: np.ndarray, dtype: np.dtype) -> int:
+    """The held-out documents of ``train`` (``held_out_mask``) go to ``val``, the others
+    close up in place (each run is written no later than it is read); the ids left."""
+    held = held_out_mask(len(ends), VAL_FRACTION)
+    width, kept = np.dtype(dtype).itemsize, 0
+    with open(train, "r+b") as src, open(val, "wb") as dst:
+        for start, length, out in sorted(
+                [(s, n, None) for s, n in zip(*runs(held, ends, False))]
+                + [(s, n, dst) for s, n in zip(*runs(held, ends, True))], key=lambda r: r[0]):
+            for lo in range(0, length, COPY_CHUNK):
+                src.seek((start + lo) * width)
+                ids = np.fromfile(src, dtype=dtype, count=min(COPY_CHUNK, length - lo))
+                if out is None:
+                    src.seek((kept + lo) * width)
+                    ids.tofile(src)
+                else:
+                    ids.tofile(out)
+            kept += int(length) if out is None else 0
+    os.truncate(train, kept * width)
+    return kept
 
 
 def _move_tail(train: Path, val: Path, cut: int, dtype: np.dtype) -> None:

@@ -55,8 +55,9 @@ def pick_column(spec) -> str:
     return want
 
 
-def token_ids(spec, column: str, vocab: int) -> np.ndarray:
-    """The ids of an ``input_ids`` column (lists of integers), rows concatenated, checked."""
+def token_ids(spec, column: str, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of an ``input_ids`` column (lists of integers), rows concatenated, checked; and
+    where each row (a document) ends in them."""
     import pyarrow as pa  # optional extra (hf)
     import pyarrow.compute as pc
 
@@ -73,7 +74,10 @@ def token_ids(spec, column: str, vocab: int) -> np.ndarray:
     if ids.size == 0:
         raise UserError(f"--data {spec.path}: column {column!r} holds no token ids")
     check_ids(ids, vocab, spec.path)
-    return ids.astype(id_dtype(vocab))
+    lengths = np.concatenate([pc.list_value_length(chunk).to_numpy(zero_copy_only=False)
+                              for chunk in col.chunks])
+    ends = np.cumsum(lengths, dtype=np.int64)
+    return ids.astype(id_dtype(vocab)), ends[lengths > 0]
 
 
 def text_pieces(spec, check_size: bool = True):

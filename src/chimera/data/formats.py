@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from chimera.data import datasets, text
-from chimera.data import BYTE_VOCAB, Corpus, check_corpus_path, load_corpus
+from chimera.data import BYTE_VOCAB, VAL_FRACTION, Corpus, check_corpus_path, file_ends, load_corpus
+from chimera.data.documents import check_fraction, eos_ends
 from chimera.data.meta import MAX_VOCAB, meta_mask, read_meta, token_dtype
 from chimera.data.meta import META, META_FORMAT  # noqa: F401  (imported from here, as before)
 from chimera.data.tokens import TOKEN_DTYPES, TokenFile, bin_file, npy_file
@@ -72,8 +73,18 @@ class DataSpec:
     vocab_size: int | None = None    # ids are below it; the model's vocabulary
     text_field: str | None = None    # the text of a .jsonl object or a datasets row
     tokenizer: str | None = None     # a tokenizer.json (HF tokenizers) for text
+    val_data: str | None = None      # held-out data read as path is (None: held out of path)
+    val_fraction: float | None = None  # the documents held out of path (None: VAL_FRACTION)
 
     def __post_init__(self) -> None:
+        if self.val_fraction is not None:
+            check_fraction(self.val_fraction)
+            if self.path is None:
+                raise UserError("--val-fraction applies to --data: the standard library's "
+                                 "held-out files are a fixed choice (1 in 20)")
+            if self.val_data is not None and self.val_fraction:
+                raise UserError("--val-fraction and --val-data both say what is held out: "
+                                 "give one (with --val-data every document of --data trains)")
         if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
             raise UserError(f"--token-dtype must be one of {', '.join(TOKEN_DTYPES)}, "
                              f"got {self.token_dtype!r}")
@@ -87,6 +98,17 @@ class DataSpec:
     def field(self) -> str:
         return self.text_field or "text"
 
+    @property
+    def fraction(self) -> float:
+        """The share of documents of ``path`` held out: none when ``val_data`` is held out."""
+        if self.val_data is not None:
+            return 0.0
+        return VAL_FRACTION if self.val_fraction is None else self.val_fraction
+
+    def validation(self) -> "DataSpec":
+        """``val_data`` read with the flags ``path`` is read with, all of it held out."""
+        return dataclasses.replace(self, path=self.val_data, val_data=None, val_fraction=0.0)
+
 
 @dataclass(frozen=True)
 class DataInfo:
@@ -99,6 +121,7 @@ class DataInfo:
     tokenizer: str | None = None
     column: str | None = None  # the column read (a datasets folder)
     mask_id: int | None = None  # the tokenizer's mask token: BERT masks with it
+    eos_id: int | None = None   # the end-of-text id that ends each document of token ids
 
 
 # ---------------------------------------------------------------------------------------
@@ -131,8 +154,9 @@ class Format:
     name: str
     claims: Callable[[Path | None], bool]  # the path is of this format; may refuse a near miss
     pieces: Callable | None = None  # (spec, check_size) -> (training pieces, held-out or None)
-    ids: Callable | None = None     # (spec, column, vocab or None: no id check, progress)
-                                    # -> (ids, held-out ids or None: the last ids are)
+    ids: Callable | None = None     # (spec, column, vocab or None: no id check, progress,
+                                    # eos id or None) -> (ids, held-out ids or None: held out
+                                    # of ids, where its documents end or None: not known)
     column: Callable | None = None  # (spec) -> the column read
     read_bytes: Callable | None = None  # (spec, seq_len) -> uint8 tensor (else: the pieces)
     meta_of: Callable | None = None  # (path) -> (folder, file) a chimera meta.json may cover
@@ -209,23 +233,33 @@ def _inside(p: Path) -> tuple[Path, str]:
     return p, "train.bin"
 
 
-def _bin_ids(spec: DataSpec, column, vocab: int | None, progress: bool):
-    return bin_file(Path(spec.path), token_dtype(spec, read_meta(spec.path, _beside)), vocab, progress), None
+def _eos_split(ids, held, eos: int | None):
+    """Token ids whose documents end with ``eos`` (when it is known and nothing else is held
+    out): where each ends, found by a read of the ids."""
+    return ids, held, (None if held is not None or eos is None else eos_ends(ids, eos))
 
 
-def _folder_ids(spec: DataSpec, column, vocab: int | None, progress: bool):
+def _bin_ids(spec: DataSpec, column, vocab: int | None, progress: bool, eos: int | None = None):
+    dtype = token_dtype(spec, read_meta(spec.path, _beside))
+    return _eos_split(bin_file(Path(spec.path), dtype, vocab, progress), None, eos)
+
+
+def _folder_ids(spec: DataSpec, column, vocab: int | None, progress: bool, eos: int | None = None):
     p = Path(spec.path)  # nanoGPT's layout: train.bin, and val.bin held out
     dtype = token_dtype(spec, read_meta(spec.path, _inside))
-    held = bin_file(p / "val.bin", dtype, vocab, progress) if (p / "val.bin").is_file() else None
-    return bin_file(p / "train.bin", dtype, vocab, progress), held
+    held = None
+    if (p / "val.bin").is_file() and spec.val_data is None:
+        held = bin_file(p / "val.bin", dtype, vocab, progress)
+    return _eos_split(bin_file(p / "train.bin", dtype, vocab, progress), held, eos)
 
 
-def _npy_ids(spec: DataSpec, column, vocab: int | None, progress: bool):
-    return npy_file(Path(spec.path), vocab, progress), None
+def _npy_ids(spec: DataSpec, column, vocab: int | None, progress: bool, eos: int | None = None):
+    return _eos_split(npy_file(Path(spec.path), vocab, progress), None, eos)
 
 
-def _column_ids(spec: DataSpec, column: str, vocab: int | None, progress: bool):
-    return datasets.token_ids(spec, column, vocab), None
+def _column_ids(spec: DataSpec, column: str, vocab: int | None, progress: bool, eos=None):
+    ids, ends = datasets.token_ids(spec, column, vocab)  # each row a document
+    return ids, None, ends
 
 
 def _load_bytes(spec: DataSpec, seq_len: int | None):
@@ -291,18 +325,36 @@ def _json_refusal(p: Path) -> str:
 # Which vocabulary (without reading the ids)
 
 def describe(spec: DataSpec) -> DataInfo:
-    """The format of ``spec`` and its vocabulary; refuses flags that do not apply."""
+    """The format of ``spec`` and its vocabulary (and of ``--val-data``, which must read as
+    the same vocabulary); refuses flags that do not apply."""
+    info = _describe(spec)
+    if spec.val_data is not None:
+        try:
+            held = _describe(spec.validation())
+        except UserError as exc:
+            raise UserError(f"--val-data: {exc}") from None
+        if (held.is_bytes, held.vocab_size) != (info.is_bytes, info.vocab_size):
+            raise UserError(f"--val-data {spec.val_data} reads as {_ids_of(held)}, --data as "
+                             f"{_ids_of(info)}: held-out data must be in the training vocabulary")
+    return info
+
+
+def _ids_of(info: DataInfo) -> str:
+    return "bytes" if info.is_bytes else f"ids of a vocabulary of {info.vocab_size}"
+
+
+def _describe(spec: DataSpec) -> DataInfo:
     fmt = FORMATS[detect(spec)]
     _check_flags(spec, fmt)
     column = fmt.column(spec) if fmt.column is not None else None
     as_text = fmt.ids is None or column == spec.field
     if fmt.mapped:
         fmt.ids(spec, column, None, False)  # dtype, shape and size: a header and a stat
-    known, mask_id = {}, None
+    known, mask_id, eos_id = {}, None, None
     if spec.tokenizer is not None:
         tokenizer = text.load_tokenizer(spec.tokenizer)
         known[f"--tokenizer {spec.tokenizer}"] = tokenizer.get_vocab_size()
-        mask_id = text.mask_id_of(tokenizer)
+        mask_id, eos_id = text.mask_id_of(tokenizer), text.eos_id_of(tokenizer)
     meta = read_meta(spec.path, fmt.meta_of)
     if meta is not None:
         known[meta["path"]] = meta["vocab_size"]
@@ -314,8 +366,8 @@ def describe(spec: DataSpec) -> DataInfo:
     vocab = _resolve_vocab(spec, known)
     if spec.tokenizer is None and meta is not None:
         return DataInfo(fmt.name, vocab, False, as_text, meta["tokenizer_path"], column,
-                        meta_mask(meta))
-    return DataInfo(fmt.name, vocab, False, as_text, spec.tokenizer, column, mask_id)
+                        meta_mask(meta), meta.get("eos_id"))
+    return DataInfo(fmt.name, vocab, False, as_text, spec.tokenizer, column, mask_id, eos_id)
 
 
 def _what(spec: DataSpec) -> str:
@@ -352,41 +404,55 @@ def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = Fa
               scan: bool = True) -> Corpus:
     """Read ``spec`` into a ``Corpus`` (token files memory-mapped); check every id is below
     the vocabulary (``scan=False``: not the ids of token files, which another process of the
-    run reads through) and the training split holds one sequence of ``seq_len`` + 1."""
-    info = describe(spec)
-    fmt = FORMATS[info.format]
-    if info.text:  # as bytes or through a tokenizer
-        corpus = _text(spec, fmt, info, seq_len, progress)
-    else:
-        vocab = info.vocab_size if scan or not fmt.mapped else None
-        train, val = fmt.ids(spec, info.column, vocab, progress)
-        corpus = _of_ids(train, val, info, spec.path, tokenizer=info.tokenizer)
+    run reads through) and the training split holds one sequence of ``seq_len`` + 1. The
+    held-out split is ``--val-data`` whole, else whole documents of ``--data``
+    (``Corpus.from_tokens``)."""
+    corpus = _open(spec, describe(spec), seq_len, progress, scan)
+    if spec.val_data is not None:
+        held = spec.validation()
+        corpus = dataclasses.replace(corpus, val=_open(held, _describe(held), None, progress,
+                                                       scan).train)
     _check_length(corpus, seq_len)
     return corpus
 
 
+def _open(spec: DataSpec, info: DataInfo, seq_len: int | None, progress: bool,
+          scan: bool) -> Corpus:
+    fmt = FORMATS[info.format]
+    if info.text:  # as bytes or through a tokenizer
+        return _text(spec, fmt, info, seq_len, progress)
+    vocab = info.vocab_size if scan or not fmt.mapped else None
+    train, val, ends = fmt.ids(spec, info.column, vocab, progress, info.eos_id)
+    return _of_ids(train, val, info, spec, ends, tokenizer=info.tokenizer)
+
+
 def _text(spec: DataSpec, fmt: Format, info: DataInfo, seq_len: int | None,
           progress: bool) -> Corpus:
-    where = _what(spec)
+    where, split = _what(spec), {"fraction": spec.fraction}
     if info.is_bytes:
-        if fmt.read_bytes is not None:
-            return Corpus.of_bytes(fmt.read_bytes(spec, seq_len), where)
-        return Corpus.of_bytes(text.pieces_as_bytes(text_pieces(spec, fmt.name), where), where)
+        if fmt.read_bytes is not None:  # the stdlib (its held-out files last), a text file or folder
+            data = fmt.read_bytes(spec, seq_len)
+            ends = None if spec.path is None else file_ends(spec.path, len(data))
+            return Corpus.of_bytes(data, where, ends=ends, **split)
+        data, ends = text.pieces_as_bytes(text_pieces(spec, fmt.name), where)
+        return Corpus.of_bytes(data, where, ends=ends, **split)
     tokenizer = text.load_tokenizer(spec.tokenizer)
     pieces, held = fmt.pieces(spec, True)
-    ids = text.encode_all(tokenizer, pieces, info.vocab_size, progress, fmt.size(spec))
+    ids, ends = text.encode_all(tokenizer, pieces, info.vocab_size, progress, fmt.size(spec))
     if len(ids) == 0:
         raise UserError(f"{where} holds no text")
-    held = None if held is None else text.encode_all(tokenizer, held, info.vocab_size)
-    return _of_ids(ids, held, info, where, tokenizer=spec.tokenizer)
+    held = None if held is None else text.encode_all(tokenizer, held, info.vocab_size)[0]
+    return _of_ids(ids, held, info, spec, ends, tokenizer=spec.tokenizer)
 
 
-def _of_ids(train, val, info: DataInfo, where: str, tokenizer: str | None) -> Corpus:
-    """A ``Corpus`` of ids, ``val`` held out (None: the last ids of ``train`` are)."""
+def _of_ids(train, val, info: DataInfo, spec: DataSpec, ends, tokenizer: str | None) -> Corpus:
+    """A ``Corpus`` of ids, ``val`` held out (None: held out of ``train``, by the documents
+    that end at ``ends`` where they are known)."""
     facts = dict(tokenizer=tokenizer, mask_id=info.mask_id)
-    if val is None:
-        return Corpus.from_tokens(train, info.vocab_size, where, **facts)
-    return Corpus(train, val, info.vocab_size, where, **facts)
+    if val is None or spec.fraction == 0:
+        return Corpus.from_tokens(train, info.vocab_size, _what(spec), ends=ends,
+                                  fraction=spec.fraction, **facts)
+    return Corpus(train, val, info.vocab_size, _what(spec), **facts)
 
 
 def text_pieces(spec: DataSpec, fmt: str, check_size: bool = True):

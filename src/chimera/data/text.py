@@ -212,24 +212,38 @@ def _jsonl(p: Path, field: str, check_size: bool = True) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------
 # Bytes or ids
 
-def pieces_as_bytes(pieces: Iterable[str], where: str) -> torch.Tensor:
-    """UTF-8 bytes of the pieces, as a uint8 tensor (what bytes-mode training reads)."""
-    data = bytearray()
+def pieces_as_bytes(pieces: Iterable[str], where: str) -> tuple[torch.Tensor, np.ndarray]:
+    """UTF-8 bytes of the pieces, as a uint8 tensor (what bytes-mode training reads), and
+    where each document ends in them (after each ``DocEnd``)."""
+    data, ends = bytearray(), []
     for piece in pieces:
         data += piece.encode("utf-8")
+        if isinstance(piece, DocEnd):
+            ends.append(len(data))
         if len(data) > MAX_CORPUS_BYTES:
             raise UserError(f"the text of {where} is more than the limit of "
                              f"{MAX_CORPUS_BYTES:,} bytes (every rank holds it in memory)")
     if not data.strip():
         raise UserError(f"{where} holds no text")
-    return torch.frombuffer(data, dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8), np.array(ends, dtype=np.int64)
+
+
+def as_plain_text(tokenizer):
+    """``tokenizer`` reading special tokens written in the text (a literal ``<|endoftext|>``)
+    as the plain text they are: only the end-of-text id this module puts after a document marks
+    one, so text that talks about a separator does not make one."""
+    tokenizer.encode_special_tokens = True
+    return tokenizer
 
 
 def encode_chunks(tokenizer, pieces: Iterable[str], vocab: int, progress: bool = False,
-                  total: int | None = None) -> Iterator[np.ndarray]:
-    """The ids of the pieces, a batch of pieces at a time: no special tokens added, but the
-    tokenizer's end-of-text token (if it has one) after each document."""
-    eos, bar = eos_id_of(tokenizer), None
+                  total: int | None = None, ends: list | None = None) -> Iterator[np.ndarray]:
+    """The ids of the pieces, a batch of pieces at a time: no special tokens added (one
+    written in the text is text: ``as_plain_text``), but the tokenizer's end-of-text token (if
+    it has one) after each document. ``ends``: a list that gets where each document ends,
+    counted from the first id."""
+    eos, bar, done = eos_id_of(tokenizer), None, 0
+    as_plain_text(tokenizer)
     if progress and (total is None or total >= BAR_BYTES):
         from tqdm import tqdm  # only when a bar is drawn
 
@@ -240,7 +254,11 @@ def encode_chunks(tokenizer, pieces: Iterable[str], vocab: int, progress: bool =
             batch.append(piece)
             size += len(piece)
         if batch and (piece is None or size >= BATCH_CHARS):
-            yield _encode(tokenizer, batch, vocab, eos)
+            ids, batch_ends = _encode(tokenizer, batch, vocab, eos)
+            if ends is not None:
+                ends.extend(done + batch_ends)
+            done += len(ids)
+            yield ids
             if bar is not None:
                 bar.update(sum(len(p.encode("utf-8")) for p in batch))
             batch, size = [], 0
@@ -248,16 +266,19 @@ def encode_chunks(tokenizer, pieces: Iterable[str], vocab: int, progress: bool =
         bar.close()
 
 
-def _encode(tokenizer, batch: list[str], vocab: int, eos: int | None) -> np.ndarray:
+def _encode(tokenizer, batch: list[str], vocab: int, eos: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of a batch of pieces, and where in them each document ends."""
     # the fast batch skips character offsets: only the ids are kept
     encoded = tokenizer.encode_batch_fast([str(p) for p in batch], add_special_tokens=False)
     ends = [[eos] if eos is not None and isinstance(p, DocEnd) else [] for p in batch]
+    sizes = np.cumsum([len(e.ids) + len(end) for e, end in zip(encoded, ends)], dtype=np.int64)
+    doc_ends = sizes[[isinstance(p, DocEnd) for p in batch]]
     ids = np.fromiter(itertools.chain.from_iterable(
         itertools.chain(e.ids, end) for e, end in zip(encoded, ends)), dtype=np.int64)
     if ids.size and ids.max() >= vocab:  # before narrowing: an id must not wrap around
         raise UserError(f"the tokenizer made id {int(ids.max())}, outside the vocabulary of "
                          f"{vocab} ids")
-    return ids.astype(id_dtype(vocab))
+    return ids.astype(id_dtype(vocab)), doc_ends
 
 
 def _then_none(items: Iterable):
@@ -266,7 +287,10 @@ def _then_none(items: Iterable):
 
 
 def encode_all(tokenizer, pieces: Iterable[str], vocab: int, progress: bool = False,
-               total: int | None = None) -> np.ndarray:
-    """All ids of the pieces in one array (in memory: large text goes to chimera tokenize)."""
-    chunks = list(encode_chunks(tokenizer, pieces, vocab, progress, total))
-    return np.concatenate(chunks) if chunks else np.zeros(0, id_dtype(vocab))
+               total: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """All ids of the pieces in one array (in memory: large text goes to chimera tokenize),
+    and where each document ends in it."""
+    ends: list = []
+    chunks = list(encode_chunks(tokenizer, pieces, vocab, progress, total, ends))
+    ids = np.concatenate(chunks) if chunks else np.zeros(0, id_dtype(vocab))
+    return ids, np.array(ends, dtype=np.int64)

@@ -51,11 +51,7 @@ def stages_total(cfg) -> int:
 
 def data_spec(cfg):
     """--data and the flags that say how to read it (``chimera.data.formats.DataSpec``)."""
-    from chimera.data.formats import DataSpec  # lazy: chimera.data imports torch
-
-    c = cfg.corpus
-    return _cached(cfg, "data_spec", lambda: DataSpec(c.data, c.token_dtype, c.vocab_size,
-                                                      c.text_field, c.tokenizer))
+    return _cached(cfg, "data_spec", cfg.corpus.spec)
 
 
 def data_info(cfg):

@@ -77,9 +77,9 @@ def check_heldout(corpus: torch.Tensor, kind: str, seq_len: int) -> None:
     held = len(split_corpus(corpus, "val"))
     need = seq_len + 1 if kind == "gpt2" else seq_len
     if held < need:
-        raise UserError(f"--eval-every: the held-out split (the last {VAL_FRACTION:.0%} of the "
-                         f"data) has {held} tokens, fewer than one sequence of {need}; give more "
-                         "data or drop --eval-every")
+        raise UserError(f"--eval-every: the held-out split (--val-data, else --val-fraction of "
+                         f"the documents, {VAL_FRACTION:.0%} by default) has {held} tokens, fewer "
+                         f"than one sequence of {need}; hold out more or drop --eval-every")
 
 
 def peak_rss_mb() -> float:

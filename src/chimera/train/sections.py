@@ -177,12 +177,25 @@ class Corpus:
                                  "chimera tokenize trains one", metavar="FILE",
                                  default_text="text is read as bytes, 256 ids; with --model hf:DIR, "
                                  "DIR/tokenizer.json if there is one")
+    val_data: str | None = knob(None, "held-out data for --eval-every, read as --data is (the same "
+                                "flags and vocabulary); every document of --data then trains",
+                                metavar="FILE|DIR", default_text="documents held out of --data")
+    val_fraction: float | None = knob(None, "the share of --data's documents (files of a folder, "
+                                      ".jsonl objects, datasets rows, spans of token ids ending "
+                                      "in the end-of-text id) held out, a seeded choice of whole "
+                                      "documents (one document: its last ids); 0: none",
+                                      metavar="F", default_text="0.05")
 
-    def __post_init__(self) -> None:
+    def spec(self):
+        """These fields as a ``chimera.data.formats.DataSpec``."""
         from chimera.data.formats import DataSpec  # lazy: chimera.data imports torch
 
-        try:  # the values of --token-dtype, --vocab-size, --text-field (no file is read)
-            DataSpec(self.data, self.token_dtype, self.vocab_size, self.text_field, self.tokenizer)
+        return DataSpec(self.data, self.token_dtype, self.vocab_size, self.text_field,
+                        self.tokenizer, self.val_data, self.val_fraction)
+
+    def __post_init__(self) -> None:
+        try:  # the values of --token-dtype, --vocab-size, --text-field... (no file is read)
+            self.spec()
         except UserError as exc:
             raise ConfigError(str(exc)) from None
 
