@@ -20,7 +20,7 @@ from chimera.errors import UserError
 from chimera.ir import Schedule, ScheduleError
 from chimera.passes import lower
 from chimera.schedules import build as build_scheme
-from chimera.train import resume
+from chimera.train import compiler, resume
 from chimera.train.sections import ConfigError
 
 
@@ -125,8 +125,8 @@ def preflight(cfg):
     """Every check that reads files or builds something, so that a run that cannot start fails
     here, before any process starts: --data exists and its format and vocabulary (from layout
     and metadata), the model and its cut into stages, the GPUs, the schedule (built, lowered
-    and validated), and --checkpoint-dir (writable; its newest checkpoint verified for
-    --resume, refused without it). Returns ``cfg``; a second call does nothing."""
+    and validated), --compile's compiler, and --checkpoint-dir (writable; its newest
+    checkpoint verified for --resume, refused without it). Returns ``cfg``; a second call does nothing."""
     return _cached(cfg, "preflight", lambda: _preflight(cfg))
 
 
@@ -137,6 +137,8 @@ def _preflight(cfg):
     _check_model(cfg)
     _check_tensor_parallel(cfg)
     _check_gpus(cfg)
+    if cfg.run.compile:
+        _check_compiler(cfg)
     if not cfg.pipeline.reference:
         schedule(cfg)
     _check_checkpoint_dir(cfg)
@@ -220,6 +222,16 @@ def _check_gpus(cfg) -> None:
     if cfg.world > torch.cuda.device_count() and "WORLD_SIZE" not in os.environ:
         raise ConfigError(f"--device cuda: the layout needs {cfg.world} GPUs (one per rank), "
                           f"{torch.cuda.device_count()} are visible")
+
+
+def _check_compiler(cfg) -> None:
+    """--compile: the compiler torch.compile needs on the run's device (``train.compiler``)."""
+    device = cfg.run.device
+    if device == "auto":
+        import torch  # lazy: the config checks run before torch loads
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    compiler.check(device)
 
 
 def _check_checkpoint_dir(cfg) -> None:

@@ -28,7 +28,7 @@ from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.context import RunContext
 from chimera.runtime.transport import TorchDist
 from chimera.runtime.workers import end_group, free_port
-from chimera.train import build, checkpoint, faults
+from chimera.train import build, checkpoint, compiler, faults
 from chimera.train.checkpoint import CheckpointManager
 from chimera.train.checkpoint.keeper import Keeper
 from chimera.train.config import TrainConfig
@@ -43,7 +43,7 @@ class TrainingFailed(RuntimeError):
 
 # What ends a run with a message instead of a traceback (exit code 1).
 FAILURES = (CommTimeout, NonFiniteLoss, checkpoint.NonFiniteCheckpoint, checkpoint.CheckpointError,
-            checkpoint.CheckpointIOError)
+            checkpoint.CheckpointIOError, compiler.CompileFailed)
 
 
 # after one rank fails, how long the others get to say where they were before being stopped
@@ -114,6 +114,11 @@ def _train(trainer: Trainer, cfg: TrainConfig, result_path: str | None, hooks) -
         manager.claim(cfg.ckpt.resume)
     try:
         return _train_owning(trainer, cfg, result_path, hooks, manager)
+    except Exception as exc:  # torch.compile's failure: one line, not its traceback
+        failed = compiler.explain(exc, f"rank {trainer.rank}: ")
+        if failed is None:
+            raise
+        raise failed from exc
     finally:
         if manager is not None:
             manager.release()

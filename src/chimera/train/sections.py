@@ -336,7 +336,8 @@ class Run:
     backend: str = knob("auto", "torch.distributed backend: auto (gloo on CPU, nccl on CUDA), "
                         "gloo or nccl")
     compile: bool = knob(False, "torch.compile every stage module (in place: parameter names and "
-                         "checkpoints unchanged; the first steps compile)")
+                         "checkpoints unchanged; the first steps compile); needs a C++ compiler "
+                         "on CPU (g++, or $CXX) and triton on CUDA, checked before the ranks start")
     comm_timeout: float = knob(300.0, "seconds before a p2p or collective wait becomes an error "
                                "naming the rank, action and peer")
     emulate_nccl: Literal["pair", "rank", "strict"] | None = knob(
