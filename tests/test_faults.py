@@ -231,3 +231,55 @@ def test_sigterm_to_rank_1_is_named_not_the_rank_that_noticed(data, tmp_path, cl
     assert launcher.returncode == 1, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("chimera train: rank 1 failed first (killed by SIGTERM)"), err
+
+
+def test_the_start_up_gets_the_rendezvous_timeout_and_the_steps_the_comm_timeout(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from chimera.train.launch import _init_group
+    from chimera.train.sections import Run
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    seen = []
+    real = dist.init_process_group
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda *a, **kw: seen.append(kw["timeout"]) or real(*a, **kw))
+    _init_group("gloo", 0, 1, Run(comm_timeout=3, rendezvous_timeout=120), torch.device("cpu"))
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert seen == [datetime.timedelta(seconds=120)]  # connecting: the start-up's limit
+        assert backend.options._timeout == datetime.timedelta(seconds=3)  # the steps': --comm-timeout
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rendezvous_that_times_out_is_one_line(monkeypatch):
+    from chimera.train.launch import RendezvousFailed, _init_group
+    from chimera.train.sections import Run
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(RendezvousFailed) as exc:  # rank 1 never comes
+        _init_group("gloo", 0, 2, Run(comm_timeout=300, rendezvous_timeout=1), torch.device("cpu"))
+    message = str(exc.value)
+    assert message.startswith("rank 0: the 2 ranks did not all connect at start-up "
+                              "(--rendezvous-timeout 1s): ") and "\n" not in message, message
+
+
+@pytest.mark.slow
+def test_a_rank_alone_at_start_up_ends_with_one_line_not_a_traceback(data, tmp_path, cli_env):
+    args = [*COMMON, "--data", data, "--steps", "2", "--rendezvous-timeout", "2",
+            "--comm-timeout", "1", *pictures(tmp_path)]
+    rank = start_rank(cli_env, 0, free_port(), args, tmp_path)  # WORLD_SIZE 2: rank 1 never comes
+    try:
+        rc = rank.wait(timeout=limit(120))
+    finally:
+        stop([rank])
+    err = (tmp_path / "err0.txt").read_text()
+    assert rc == 1 and "Traceback" not in err, err
+    lines = [l for l in err.splitlines() if l.startswith("chimera train:")]
+    assert lines == [l for l in err.splitlines() if l.strip()] and len(lines) == 1, err
+    assert "did not all connect at start-up (--rendezvous-timeout 2s)" in lines[0], err

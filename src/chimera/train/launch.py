@@ -41,9 +41,16 @@ class TrainingFailed(RuntimeError):
     """A rank of a spawned run failed; its own message went to stderr."""
 
 
-# What ends a run with a message instead of a traceback (exit code 1).
-FAILURES = (CommTimeout, NonFiniteLoss, checkpoint.NonFiniteCheckpoint, checkpoint.CheckpointError,
-            checkpoint.CheckpointIOError, compiler.CompileFailed)
+class RendezvousFailed(RuntimeError):
+    """The ranks did not all connect at start-up within --rendezvous-timeout."""
+
+
+# What ends a run with a message instead of a traceback (exit code 1); a rank that failed on
+# communication (a peer gone) exits with workers.PEER_EXIT, so the launcher names the cause.
+COMM_FAILURES = (CommTimeout, RendezvousFailed)
+FAILURES = COMM_FAILURES + (NonFiniteLoss, checkpoint.NonFiniteCheckpoint,
+                            checkpoint.CheckpointError, checkpoint.CheckpointIOError,
+                            compiler.CompileFailed)
 
 
 # after one rank fails, how long the others get to say where they were before being stopped
@@ -76,8 +83,8 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
     if cfg.reference:
         trainer = Trainer(cfg, run_context(cfg, device), corpus)
         return _train(trainer, cfg, result_path, hooks)
-    _init_group(backend, rank, world, datetime.timedelta(seconds=cfg.run.comm_timeout), device)
     try:
+        _init_group(backend, rank, world, cfg.run, device)
         trainer = Trainer(cfg, RunContext(TorchDist(), device, options), corpus)
         result = _train(trainer, cfg, result_path, hooks)
     except FAILURES as exc:  # say why now: a launcher may SIGTERM us once any rank has exited
@@ -89,8 +96,22 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
     return result
 
 
-def _init_group(backend: str, rank: int, world: int, timeout: datetime.timedelta,
-                device: torch.device) -> None:
+def _init_group(backend: str, rank: int, world: int, run, device: torch.device) -> None:
+    """The default group, connected within ``run.rendezvous_timeout`` (the group's first
+    barrier included: every rank is there), then given ``run.comm_timeout`` for the steps."""
+    start = datetime.timedelta(seconds=run.rendezvous_timeout)
+    try:
+        _connect(backend, rank, world, start, device)
+        dist.barrier(**({"device_ids": [device.index]} if backend == "nccl" else {}))
+    except (RuntimeError, TimeoutError) as exc:  # torch's DistError family, a store timeout
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RendezvousFailed(f"rank {rank}: the {world} ranks did not all connect at start-up "
+                               f"(--rendezvous-timeout {run.rendezvous_timeout:g}s): {first}") from None
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=run.comm_timeout))
+
+
+def _connect(backend: str, rank: int, world: int, timeout: datetime.timedelta,
+             device: torch.device) -> None:
     # device_id binds the group to this rank's GPU: NCCL creates its communicator now (not
     # inside the first iteration) and barriers know their device
     kw = {"device_id": device} if backend == "nccl" else {}
@@ -273,7 +294,7 @@ def _spawn_entry(rank: int, world: int, cfg: TrainConfig, port: int, result_path
     except FAILURES as exc:
         if not getattr(exc, "reported", False):
             print(f"chimera train: {exc}", file=sys.stderr, flush=True)
-        sys.exit(workers.PEER_EXIT if isinstance(exc, CommTimeout) else 1)  # a peer's failure, or its own
+        sys.exit(workers.PEER_EXIT if isinstance(exc, COMM_FAILURES) else 1)  # a peer's failure, or its own
 
 
 def _shared_ids(cfg: TrainConfig, corpus: Corpus | None, path: str) -> Corpus | None:

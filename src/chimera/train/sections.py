@@ -338,8 +338,12 @@ class Run:
     compile: bool = knob(False, "torch.compile every stage module (in place: parameter names and "
                          "checkpoints unchanged; the first steps compile); needs a C++ compiler "
                          "on CPU (g++, or $CXX) and triton on CUDA, checked before the ranks start")
-    comm_timeout: float = knob(300.0, "seconds before a p2p or collective wait becomes an error "
-                               "naming the rank, action and peer")
+    comm_timeout: float = knob(300.0, "seconds before a p2p or collective wait of a step becomes "
+                               "an error naming the rank, action and peer")
+    rendezvous_timeout: float = knob(300.0, "seconds the ranks get to connect at start-up (the "
+                                     "process group and its first barrier), apart from "
+                                     "--comm-timeout: a loaded machine may take long to start "
+                                     "them all")
     emulate_nccl: Literal["pair", "rank", "strict"] | None = knob(
         None, "emulate NCCL's p2p and collective semantics on gloo: pair (a stream per pair of "
         "ranks), rank (one p2p stream per rank) or strict (one stream per rank for p2p and "
@@ -391,10 +395,11 @@ class Run:
         _choice(self, "device", DEVICES)
         object.__setattr__(self, "trace", self.trace or "")  # None: no trace
         object.__setattr__(self, "png", self.png or "")
-        _real(self, "comm_timeout", 0.0)
-        if not MIN_COMM_TIMEOUT_S <= self.comm_timeout <= MAX_COMM_TIMEOUT_S:
-            raise ConfigError(f"--comm-timeout must be between {MIN_COMM_TIMEOUT_S:g} and "
-                              f"{MAX_COMM_TIMEOUT_S:g} seconds, got {self.comm_timeout!r}")
+        for name in ("comm_timeout", "rendezvous_timeout"):
+            _real(self, name, 0.0)
+            if not MIN_COMM_TIMEOUT_S <= getattr(self, name) <= MAX_COMM_TIMEOUT_S:
+                raise ConfigError(f"{flag(name)} must be between {MIN_COMM_TIMEOUT_S:g} and "
+                                  f"{MAX_COMM_TIMEOUT_S:g} seconds, got {getattr(self, name)!r}")
         _whole(self, "device_plan", low=0, optional=True)
         for name, choices in (("emulate_nccl", ("pair", "rank", "strict")),
                               ("malloc", ("keep", "default"))):
