@@ -253,7 +253,8 @@ def _record(plan: CommPlan, rank: int, w: int, bucket_bytes: int,
     from chimera.runtime.grid import ProcessGrid
     from chimera.runtime.p2p import Mailbox
     from chimera.runtime.pipeline import PipelineRuntime
-    from chimera.runtime.sync import CommChoices, GradSync, ReplicaGrads
+    from chimera.collectives import Choices
+    from chimera.runtime.sync import GradSync, ReplicaGrads, plan_collectives
 
     fake = _RecordingDist()  # the transport every part is given
     s = plan.schedule
@@ -262,12 +263,15 @@ def _record(plan: CommPlan, rank: int, w: int, bucket_bytes: int,
     modules = {key: torch.nn.Linear(WIDTH, WIDTH) for key in grid.held()}
     runtime = PipelineRuntime.__new__(PipelineRuntime)  # the parts gather_parameters reads
     runtime.grid, runtime.gathering, runtime.transport = grid, {}, fake
-    runtime.choices = CommChoices(bucket_bytes, True)  # the device plan (the fake is NCCL)
+    runtime.choices = Choices(bucket_bytes, True)  # the device plan (the fake is NCCL)
     runtime.grads = {key: ReplicaGrads(m, None, len(grid.stage_ranks[key[1]]) if sharded else 1)
                      for key, m in modules.items()}
-    runtime.shards = runtime._shards() if sharded else {}
-    sync = runtime.sync = GradSync(runtime.grads, grid.stage_groups, rank, None, bucket_bytes,
-                                   fake, runtime.shards)
+    runtime.collectives = plan_collectives(
+        runtime.grads, {s: len(r) for s, r in grid.stage_ranks.items()}, runtime.choices,
+        {(a.pipe, a.stage) for a in plan.early[grid.d]}, sharded)
+    runtime.shards = runtime._shards()
+    sync = runtime.sync = GradSync(runtime.grads, grid.stage_groups, rank, None, runtime.choices,
+                                   fake, runtime.shards, runtime.collectives)
     spec = BoundarySpec.of(torch.nn.Linear(WIDTH, WIDTH)(torch.zeros(ROWS, WIDTH)))
     mailbox = Mailbox(plan, grid, lambda m: (spec.nbytes(backward=m.kind is Op.RECV_B),),
                       torch.uint8, torch.device("cpu"), None, fake)
@@ -323,7 +327,7 @@ HONEST = [(name, opts, d) for name, opts in
 
 @pytest.mark.parametrize("name,options,d", HONEST, ids=[f"{n}-{o}-D{d}" for n, o, d in HONEST])
 def test_runtime_calls_equal_the_replayed_calls(name, options, d):
-    from chimera.runtime.sync import BUCKET_BYTES
+    from chimera.collectives import BUCKET_BYTES
 
     # bucket_bytes 0: one allreduce per replica at its Launch (the CPU plan); otherwise
     # buckets inside the last backward where the plan allows (the device plan; at 8 bytes the
@@ -359,7 +363,7 @@ def test_sharded_runtime_calls_equal_the_replayed_calls(name, options, d):
     """With the optimizer sharded the replay's two iterations are the runtime's: reduce-scatters
     at the Launches (never bucketed), all-gathers after the step, each waited for at its
     replica's first forward of the next iteration."""
-    from chimera.runtime.sync import BUCKET_BYTES
+    from chimera.collectives import BUCKET_BYTES
 
     plan = plan_comm(lower(build(name, d, 2 * d, **options)))
     for w in (1, 2):

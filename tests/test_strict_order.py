@@ -367,17 +367,18 @@ def test_device_plan_switch(monkeypatch):
     import torch
 
     from chimera.errors import UserError
-    from chimera.runtime.sync import BUCKET_BYTES, CommChoices, comm_choices
+    from chimera.collectives import BUCKET_BYTES, Choices
+    from chimera.runtime.sync import comm_choices
 
     from chimera.runtime.context import RuntimeOptions
     from chimera.runtime.nccl_emulation import DEVICE_PLAN_ENV
 
     cpu = torch.device("cpu")
-    assert comm_choices(cpu) == CommChoices(0, False)  # the CPU path
-    assert comm_choices(cpu, device_collectives=True) == CommChoices(BUCKET_BYTES, True)
-    assert comm_choices(torch.device("cuda", 0)) == CommChoices(BUCKET_BYTES, True)
-    assert comm_choices(cpu, device_plan=1) == CommChoices(BUCKET_BYTES, True)
-    assert comm_choices(cpu, device_plan=4096) == CommChoices(4096, True)
+    assert comm_choices(cpu) == Choices(0, False)  # the CPU path
+    assert comm_choices(cpu, device_collectives=True) == Choices(BUCKET_BYTES, True)
+    assert comm_choices(torch.device("cuda", 0)) == Choices(BUCKET_BYTES, True)
+    assert comm_choices(cpu, device_plan=1) == Choices(BUCKET_BYTES, True)
+    assert comm_choices(cpu, device_plan=4096) == Choices(4096, True)
     # the environment variable is one way to set the option, read where a run starts
     for text, plan in (("", 0), ("1", 1), ("4096", 4096)):
         monkeypatch.setenv(DEVICE_PLAN_ENV, text)

@@ -79,6 +79,7 @@ def test_a_gradient_hook_on_another_thread_runs_as_its_rank():
 
     import torch
 
+    from chimera.collectives import Choices
     from chimera.runtime.sync import GradSync, ReplicaGrads
     from chimera.runtime.transport import current
     from chimera.runtime.virtual import VirtualWorld, run_virtual
@@ -86,7 +87,7 @@ def test_a_gradient_hook_on_another_thread_runs_as_its_rank():
     def body(rank):
         layer = torch.nn.Linear(2, 2, dtype=torch.float64)
         group = current().new_group([0, 1])
-        sync = GradSync({(0, 0): ReplicaGrads(layer)}, {0: group}, rank, None, bucket_bytes=8,
+        sync = GradSync({(0, 0): ReplicaGrads(layer)}, {0: group}, rank, None, Choices(8, True),
                         transport=current())
         sync.arm(0, 0)  # a bucket per parameter, launched by its gradient hook
         x = torch.full((1, 2), float(rank + 1), dtype=torch.float64)

@@ -4,7 +4,9 @@
 (:class:`~chimera.runtime.p2p.Mailbox`, :class:`~chimera.runtime.sync.GradSync`, the shards,
 ``PipelineRuntime.gather_parameters``): posts, sends, waits, and the stage collectives with
 their sizes, buckets as separate collectives. :mod:`chimera.check.rendezvous` replays them under
-NCCL's rules; a test records the real runtime's calls and compares them with these.
+NCCL's rules; a test records the real runtime's calls and compares them with these. What a
+replica's collectives are (kinds, sizes, buckets, when) is :mod:`chimera.collectives`', read by
+the runtime too; this module places them in the rank's sequence of calls.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chimera.check.comm_plan import CommPlan, Launch, Message, Post
+from chimera.collectives import (AFTER_STEP, ALL_GATHER, ALL_REDUCE, AT_LAUNCH, IN_BACKWARD,
+                                 REDUCE_SCATTER, Choices, replica_collectives)
 from chimera.ir import Action, Op, Schedule
 from chimera.check.validation_error import ValidationError
 
 ISEND, IRECV, WAIT = "isend", "irecv", "wait"
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
 # collectives only a recorded run has (start-up, the trainer's and the API's own calls)
 OTHERS = ("broadcast", "broadcast_object_list", "all_gather_object", "barrier")
 COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER) + OTHERS
@@ -98,24 +101,33 @@ def pipeline_calls(plan: CommPlan, d: int, data_parallel: int, buckets: bool,
     gathers: dict[tuple[int, int], int] = {}  # replica -> its all-gather not waited for yet
     it = _Iteration(calls, gathers, plan, d, data_parallel, sizes, sharded)
     for _ in range(2 if sharded else 1):
-        it.run(buckets and not sharded)
+        it.run(buckets)
     return calls
 
 
 class _Iteration:
-    """Appends the calls of one iteration of pipeline rank ``d``; with ``sharded``, a
-    replica's first forward waits for its pending all-gather, and the iteration ends with the
-    next all-gathers (a stage with nothing to train has no shard: an allreduce, no gather)."""
+    """Appends the calls of one iteration of pipeline rank ``d``: each replica's collectives
+    (:func:`chimera.collectives.replica_collectives`) where they are issued; with ``sharded``,
+    a replica's first forward waits for its pending all-gather, and the iteration ends with
+    the next all-gathers."""
 
     def __init__(self, calls, gathers, plan: CommPlan, d: int, data_parallel: int, sizes,
                  sharded: bool):
         self.calls, self.gathers, self.plan, self.d = calls, gathers, plan, d
         self.dp, self.sizes, self.sharded = data_parallel, sizes, sharded
 
+    def collectives(self, key: tuple[int, int], buckets: bool, early: set) -> tuple:
+        """What replica ``key`` issues: the device plan's choices (``buckets``: bucketing
+        allowed at all; a sharded replica reduce-scatters), as the runtime's."""
+        choices = Choices(1 if buckets else 0, True)
+        members = len(stage_group(self.plan.schedule, key[1], self.dp))
+        return replica_collectives(bucket_sizes(self.sizes, key[1]), members, choices,
+                                   early=key in early, sharded=self.sharded)
+
     def run(self, buckets: bool) -> None:
         calls, s, d = self.calls, self.plan.schedule, self.d
-        early_b = self.plan.early[d] if buckets else frozenset()
-        early = {(a.pipe, a.stage) for a in early_b}
+        early = {(a.pipe, a.stage) for a in self.plan.early[d]}
+        mine = {key: self.collectives(key, buckets, early) for key in s.placement.held(d)}
         posted: dict[Message, int] = {}
         sends: list[int] = []  # STEP waits for the sends, then the collectives (Executor._step)
         waits: list[int] = []
@@ -124,8 +136,7 @@ class _Iteration:
                 posted[step.message] = len(calls)
                 calls.append(Issued(IRECV, i, step.message.ranks(s)[0], step.message))
             elif isinstance(step, Launch):
-                if (step.pipe, step.stage) not in early:
-                    self._reduce(waits, i, step.stage)
+                self._issue(waits, i, step.stage, mine[(step.pipe, step.stage)], AT_LAUNCH)
             elif step.op in (Op.SEND_F, Op.SEND_B):
                 msg = Message.of(step, s.stages)
                 sends.append(len(calls))
@@ -134,43 +145,35 @@ class _Iteration:
                 calls.append(Issued(WAIT, i, target=_posted(self.plan, d, i, step, posted)))
             elif step.op is Op.F and (step.pipe, step.stage) in self.gathers:
                 calls.append(Issued(WAIT, i, target=self.gathers.pop((step.pipe, step.stage))))
-            elif step.op is Op.B and step in early_b:
-                for size in bucket_sizes(self.sizes, step.stage):  # GradSync's buckets
-                    self._collective(waits, ALL_REDUCE, i, step.stage, size)
+            elif step.op is Op.B and step in self.plan.early[d]:
+                self._issue(waits, i, step.stage, mine[(step.pipe, step.stage)], IN_BACKWARD)
             elif step.op is Op.STEP:
                 calls += [Issued(WAIT, i, target=t) for t in sends + waits]
-                if self.sharded:
-                    self._gather_parameters(i)
+                self._gather_parameters(i, mine)
 
-    def _reduce(self, waits: list[int], i: int, stage: int) -> None:
-        """The collective at a Launch: one allreduce of the flat buffer (one element at least),
-        or a sharded replica's reduce-scatter."""
-        parts = bucket_sizes(self.sizes, stage)
-        kind = REDUCE_SCATTER if self.sharded and parts else ALL_REDUCE
-        self._collective(waits, kind, i, stage, max(sum(parts), 1))
+    def _issue(self, waits: list[int], i: int, stage: int, collectives, when: str) -> None:
+        for c in collectives:
+            if c.when == when:
+                self._collective(waits, c.kind, i, stage, c.size)
 
-    def _gather_parameters(self, i: int) -> None:
+    def _gather_parameters(self, i: int, mine: dict) -> None:
         """As ``PipelineRuntime.gather_parameters`` after the optimizer step: wait for gathers
-        no forward waited for, then one all-gather per sharded replica, stages in order."""
-        calls, s = self.calls, self.plan.schedule
+        no forward waited for, then the all-gathers of the replicas that have one, stages in
+        order."""
+        calls = self.calls
         calls += [Issued(WAIT, i, target=t) for t in self.gathers.values()]
         self.gathers.clear()
-        for p, stage in sorted(s.placement.held(self.d), key=lambda k: (k[1], k[0])):
-            if not bucket_sizes(self.sizes, stage):
-                continue  # nothing to train: no shard
-            index = len(calls)
-            if self._collective([], ALL_GATHER, i, stage, sum(bucket_sizes(self.sizes, stage))):
-                self.gathers[(p, stage)] = index
+        for key in sorted(mine, key=lambda k: (k[1], k[0])):
+            for c in mine[key]:
+                if c.when == AFTER_STEP:
+                    self.gathers[key] = len(calls)
+                    self._collective([], c.kind, i, key[1], c.size)
 
-    def _collective(self, issued: list[int], kind: str, i: int, stage: int, size: int) -> bool:
-        """Append ``kind`` over ``stage``'s group (and its index to ``issued``); a group of one
-        rank has nothing to reduce or gather and makes no call."""
-        group = stage_group(self.plan.schedule, stage, self.dp)
-        if len(group) == 1:
-            return False
+    def _collective(self, issued: list[int], kind: str, i: int, stage: int, size: int) -> None:
+        """Append ``kind`` over ``stage``'s group (and its index to ``issued``)."""
         issued.append(len(self.calls))
-        self.calls.append(Issued(kind, i, group=group, stage=stage, size=size))
-        return True
+        self.calls.append(Issued(kind, i, group=stage_group(self.plan.schedule, stage, self.dp),
+                                 stage=stage, size=size))
 
 
 def _posted(plan: CommPlan, d: int, i: int, step: Action, posted: dict[Message, int]) -> int:

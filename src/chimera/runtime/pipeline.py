@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from chimera import rng
+from chimera.collectives import AFTER_STEP
 from chimera.check.comm_plan import Message, plan_comm
 from chimera.errors import UserError
 from chimera.ir import Op, Schedule, ScheduleError
@@ -23,7 +24,7 @@ from chimera.runtime.context import ExecOptions, RunContext
 from chimera.runtime.nccl_emulation import agree, emulation, p2p_transport
 from chimera.runtime.p2p import Mailbox, peers_text, wait_work
 from chimera.runtime.shard import StageShard
-from chimera.runtime.sync import GradSync, ReplicaGrads, comm_choices
+from chimera.runtime.sync import GradSync, ReplicaGrads, comm_choices, plan_collectives
 from chimera.runtime.transport import ReduceOp, Transport
 from chimera.sim.engine import Deadlock, simulate
 
@@ -161,15 +162,19 @@ class PipelineRuntime:
         self.grads = {key: ReplicaGrads(m, self.device, multiple[key]) for key, m in self.modules.items()}
         self.trainable = self._trainable()
         self.plan = plan_comm(schedule)
+        # what each replica issues, and when (chimera.collectives: the checks read the same)
+        self.collectives = plan_collectives(
+            self.grads, {s: len(r) for s, r in grid.stage_ranks.items()}, self.choices,
+            {(a.pipe, a.stage) for a in self.plan.early[grid.d]}, shard)
         grid.warm_up(self.plan, self.device, self.transport)
         self._equalize_replicas()
-        self.shards = self._shards() if shard else {}
+        self.shards = self._shards()
         # NCCL: no timed (CPU-blocking, polling) waits; its timeout and watchdog catch hangs
         self.timeout = context.options.comm_timeout if self.transport.timed_waits else None
         self.emulation = emulation(self.transport, context.options)  # None: no NCCL emulation
         self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout,
-                             self.choices.bucket_bytes, self.emulation or self.transport,
-                             self.shards)
+                             self.choices, self.emulation or self.transport, self.shards,
+                             self.collectives)
         self.executor = Executor(schedule, self.modules, loss_fn, self.sync, options, self.device,
                                  early=self.plan.early[grid.d])
         self.eval_schedule = forward_only(schedule)
@@ -220,12 +225,13 @@ class PipelineRuntime:
                                         zip(flat.split([t.numel() for t in same]), same)])
 
     def _shards(self) -> dict:
-        """ZeRO-1 (chimera.runtime.shard): per replica with a group and something to train,
-        this rank's slice (a frozen stage is frozen on every replica: none has a shard)."""
+        """ZeRO-1 (chimera.runtime.shard): this rank's slice of each replica whose collectives
+        gather parameters after the step (sharded, with a group and something to train: a
+        frozen stage is frozen on every replica, none has a shard)."""
         out = {}
         for key, g in self.grads.items():
             group = self.grid.stage_groups.get(key[1])
-            if group is not None and g.params:
+            if any(c.when == AFTER_STEP for c in self.collectives[key]):
                 out[key] = StageShard.build(g.params, g.offsets, g.flat.numel(),
                                             self.grid.stage_ranks[key[1]], self.grid.rank, group,
                                             self.choices.reduce_scatter, self.transport)

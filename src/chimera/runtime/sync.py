@@ -4,7 +4,8 @@ Each replica's parameters get ``.grad`` views into one flat buffer (as DDP's
 ``gradient_as_bucket_view``), so backward accumulates straight into it and SYNC launches a
 single allreduce over the stage's replica group without copies. STEP waits for all of them.
 
-On the device path (:func:`comm_choices`), a replica whose stage the plan lets bucket
+What each replica issues, and when, is :mod:`chimera.collectives`' (one definition that the
+checks and the simulator read too). On the device path (:func:`comm_choices`), a replica whose stage the plan lets bucket
 (:attr:`chimera.check.comm_plan.CommPlan.early`: decided per stage, so every replica of the stage
 does the same) does not wait for its Launch: during its last backward, hooks launch the
 allreduce of each bucket (a contiguous slice of the flat buffer, last layers first: the
@@ -20,48 +21,29 @@ it); that leaves mostly stage 0, whose last backward sends nothing.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from chimera.collectives import (AT_LAUNCH, Choices, Collective, bucketed, buckets, choices,
+                                 flat_size, replica_collectives)
 from chimera.runtime.p2p import peers_text, wait_work
 from chimera.runtime.transport import Transport
 
-BUCKET_BYTES = 4 * 2**20  # allreduce granularity inside the last backward (0: one allreduce at SYNC)
-
-
-@dataclass(frozen=True)
-class CommChoices:
-    """What the device path and the CPU path decide differently about a replica's gradient
-    collectives. ``bucket_bytes``: bucket size inside the last backward, where the plan
-    allows (:attr:`chimera.check.comm_plan.CommPlan.early`; 0: one allreduce at the Launch);
-    ``reduce_scatter``: a sharded replica reduces by reduce-scatter (else by an allreduce of
-    its whole buffer, whose owned slice is copied out)."""
-
-    bucket_bytes: int
-    reduce_scatter: bool
-
 
 def comm_choices(device: torch.device, device_collectives: bool = False,
-                 device_plan: int = 0) -> CommChoices:
-    """The device path's choices on CUDA or where the transport's collectives run on the
-    device (NCCL); the CPU path's elsewhere, where buckets measured no faster
-    (benchmarks/RESULTS.md, "Making the runtime fast") and gloo's reduce-scatter is slower
-    than its allreduce (:mod:`chimera.runtime.shard`).
-
-    ``device_plan`` (:class:`chimera.runtime.context.RuntimeOptions`; ``--device-plan`` or
-    ``CHIMERA_DEVICE_PLAN``): 1 makes a CPU run take the device path's choices, so CPU tests
-    issue exactly the collectives a GPU run issues; above 1 it also sets the bucket size in
-    bytes, so a tiny test model is cut into several buckets. Every rank must have the same
-    (:func:`chimera.runtime.nccl_emulation.agree`)."""
-    if device.type == "cuda" or device_collectives or device_plan:
-        return CommChoices(device_plan if device_plan > 1 else BUCKET_BYTES, True)
-    return CommChoices(0, False)
+                 device_plan: int = 0) -> Choices:
+    """:func:`chimera.collectives.choices` for a run on ``device`` whose transport runs its
+    collectives on the device (``device_collectives``: NCCL) or not; ``device_plan``
+    (:class:`chimera.runtime.context.RuntimeOptions`; ``--device-plan`` or
+    ``CHIMERA_DEVICE_PLAN``) forces the device path's choices on CPU. Every rank must have the
+    same (:func:`chimera.runtime.nccl_emulation.agree`)."""
+    return choices(device.type == "cuda" or device_collectives, device_plan)
 
 
 class ReplicaGrads:
-    """The flat gradient buffer of one (pipe, stage) replica.
+    """The flat gradient buffer of one (pipe, stage) replica (its size:
+    :func:`chimera.collectives.flat_size`).
 
     ``.grad`` of each parameter is a view into ``flat``. PyTorch habits detach it:
     ``optimizer.zero_grad()`` sets ``.grad`` to None by default, and user code may assign a
@@ -72,13 +54,11 @@ class ReplicaGrads:
 
     def __init__(self, module: nn.Module, device: torch.device | None = None, multiple: int = 1):
         self.params = [p for p in module.parameters() if p.requires_grad]
-        numel = sum(p.numel() for p in self.params)
-        numel = -(-numel // multiple) * multiple  # a reduce-scatter over n needs n | size
         dtype = self.params[0].dtype if self.params else torch.float32
         # a frozen stage's one-element buffer lives on the runtime's device too (NCCL)
         device = self.params[0].device if self.params else (device or torch.device("cpu"))
-        # one element at least: a frozen stage still takes part in its replicas' allreduce
-        self.flat = torch.zeros(max(numel, 1), dtype=dtype, device=device)
+        self.flat = torch.zeros(flat_size([p.numel() for p in self.params], multiple),
+                                dtype=dtype, device=device)
         self.offsets, self.views, offset = [], [], 0
         for p in self.params:
             view = self.flat[offset:offset + p.numel()].view_as(p)
@@ -101,25 +81,35 @@ class ReplicaGrads:
             self.flat.zero_()
 
     def buckets(self, cap_bytes: int) -> list[tuple[int, int, list[nn.Parameter]]]:
-        """(start, end, parameters) of consecutive slices of at least ``cap_bytes`` (the last
-        may be smaller), from the end of the buffer to its start."""
-        out, end, members, size = [], self.flat.numel(), [], 0
-        for p, offset in zip(reversed(self.params), reversed(self.offsets)):
-            members.append(p)
-            size += p.numel() * p.element_size()
-            if size >= cap_bytes:
-                out.append((offset, end, members))
-                end, members, size = offset, [], 0
-        if members:
-            out.append((0, end, members))
-        return out
+        """(start, end, parameters) of the buffer's buckets, from its end to its start
+        (:func:`chimera.collectives.buckets`)."""
+        return [(start, end, self.params[first:last]) for start, end, first, last in
+                buckets([p.numel() for p in self.params], self.flat.element_size(), cap_bytes,
+                        self.flat.numel())]
+
+    def bucket_sizes(self, cap_bytes: int) -> tuple[int, ...]:
+        """Element counts of the buckets in launch order; () with nothing to train."""
+        return tuple(end - start for start, end, _ in self.buckets(max(cap_bytes, 1)))
 
     def zero(self) -> None:
         self.attach(keep=False)
 
 
+def plan_collectives(grads: dict[tuple[int, int], ReplicaGrads], members: dict[int, int],
+                     choices: Choices, early=None, sharded: bool = False
+                     ) -> dict[tuple[int, int], tuple[Collective, ...]]:
+    """Per replica, what it issues in an iteration (:func:`chimera.collectives.
+    replica_collectives`): ``members`` per stage its group's size, ``early`` the replicas the
+    plan lets reduce inside their last backward (``CommPlan.early``; None: every one)."""
+    return {key: replica_collectives(g.bucket_sizes(choices.bucket_bytes), members.get(key[1], 1),
+                                     choices, early=early is None or key in early, sharded=sharded)
+            for key, g in grads.items()}
+
+
 class GradSync:
-    """Launches each replica's allreduce where the CommPlan puts its Launch; waits at STEP.
+    """Issues each replica's collectives (:func:`plan_collectives`) where the CommPlan puts
+    them: inside its last backward (``arm``, bucket by bucket) or at its Launch (``start``);
+    waits at STEP.
 
     Launches follow the plan's global order of collectives on every rank (what NCCL needs of
     communicators used concurrently); ``arm`` is called only for replicas the plan allows to
@@ -127,43 +117,48 @@ class GradSync:
     """
 
     def __init__(self, grads: dict[tuple[int, int], ReplicaGrads], groups: dict[int, object],
-                 rank: int, timeout_s: float | None, bucket_bytes: int,
-                 transport: Transport, shards: dict | None = None):
+                 rank: int, timeout_s: float | None, choices: Choices, transport: Transport,
+                 shards: dict | None = None, collectives: dict | None = None):
         self.grads, self.groups, self.rank = grads, groups, rank
         self.shards = shards or {}  # (pipe, stage) -> StageShard: its slice of the group's sum (ZeRO-1)
         # the stage collectives' transport (the NCCL emulation's collective stream, under it);
         # held, not looked up: bucket hooks may run on autograd's device thread
         self.transport = transport
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = choices.bucket_bytes
         self.inflight: list[tuple[object, tuple[int, int]]] = []
         self.early: dict[tuple[int, int], _EarlySync] = {}
         self.peers = {stage: self.transport.get_process_group_ranks(g) for stage, g in groups.items() if g}
+        if collectives is None:  # every replica may bucket where ``arm`` is called
+            collectives = plan_collectives(grads, {s: len(r) for s, r in self.peers.items()},
+                                           choices, sharded=bool(self.shards))
+        self.collectives = collectives
 
     def arm(self, pipe: int, stage: int) -> None:
         """Called right before the replica's last backward: reduce buckets as they finish."""
-        group = self.groups.get(stage)
-        if group is not None and self.bucket_bytes > 0 and (pipe, stage) not in self.shards:
-            self.early[(pipe, stage)] = _EarlySync(self, pipe, stage, group)
+        if bucketed(self.collectives[(pipe, stage)]):
+            self.early[(pipe, stage)] = _EarlySync(self, pipe, stage, self.groups[stage])
 
     def launch(self, pipe: int, stage: int, tensor: torch.Tensor, group) -> None:
         work = self.transport.all_reduce(tensor, group=group, async_op=True)
         self.inflight.append((work, (pipe, stage)))
 
     def start(self, pipe: int, stage: int) -> None:
+        """At the replica's Launch: finish its buckets, or issue its collective (an allreduce
+        of its flat buffer, or its shard's reduce)."""
         early = self.early.pop((pipe, stage), None)
         if early is not None:
             early.finish()
             return
-        group = self.groups.get(stage)
-        if group is None:  # the only replica of this stage: nothing to reduce
-            return
-        shard = self.shards.get((pipe, stage))
-        if shard is not None:
-            work = shard.reduce(self.grads[(pipe, stage)].flat, self.transport)
-            self.inflight.append((work, (pipe, stage)))
-            return
-        self.launch(pipe, stage, self.grads[(pipe, stage)].flat, group)
+        for c in self.collectives[(pipe, stage)]:
+            if c.when != AT_LAUNCH:
+                continue
+            shard = self.shards.get((pipe, stage))
+            if shard is not None:
+                work = shard.reduce(self.grads[(pipe, stage)].flat, self.transport)
+                self.inflight.append((work, (pipe, stage)))
+            else:
+                self.launch(pipe, stage, self.grads[(pipe, stage)].flat, self.groups[stage])
 
     def wait_all(self) -> None:
         for work, (pipe, stage) in self.inflight:
