@@ -1,0 +1,120 @@
+"""`chimera train --lora-rank` / `--freeze`, checkpoints and `chimera export` of adapters: the
+merged folder (AutoModelForCausalLM) gives the logits of peft's PeftModel over the base export
+and the adapter folder; resume keeps the adapters; a resume that changes what trains is
+refused. Single-process runs (``--schedule none``, in this process); the pipelined gradients
+are tests/test_lora.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers", reason="chimera export needs transformers (pip install '.[hf]')")
+peft = pytest.importorskip("peft", reason="the adapter folder is checked with peft (test extra)")
+
+import torch  # noqa: E402
+
+from chimera.cli import main  # noqa: E402
+from chimera.train import checkpoint as ckpt  # noqa: E402
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(200))
+LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
+# (model flags, extra flags): Llama's q/v projections (the default targets); HF GPT-2's
+# Conv1D c_attn (the default) and c_proj; a GPT-2 preset's attn.qkv with its embedding frozen
+RUNS = {"llama": (["--model", "hf-llama-tiny", "--seq-len", "16"], LORA),
+        "hf-gpt2": (["--seq-len", "16"], LORA + ["--lora-targets", "*.c_attn", "*.attn.c_proj"]),
+        "preset": (["--model", "gpt2-tiny", "--seq-len", "16"], LORA + ["--freeze", "0.*"])}
+
+
+def _train(root, name: str, *extra: str) -> int:
+    model, tuning = RUNS[name]
+    if name == "hf-gpt2":
+        model = ["--model", f"hf:{root / 'gcfg'}", *model]
+    return main(["train", "--schedule", "none", "--stages", "1", "--no-progress", "--data",
+                 str(root / "text.txt"), "-B", "2", "--checkpoint-dir", str(root / name / "ck"),
+                 *model, *tuning, *extra])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from transformers import GPT2Config
+
+    root = tmp_path_factory.mktemp("lora-export")
+    (root / "text.txt").write_text(TEXT)
+    GPT2Config(vocab_size=257, n_embd=16, n_layer=2, n_head=2, n_positions=32).save_pretrained(root / "gcfg")
+    old = os.getcwd()
+    os.chdir(root)
+    try:
+        for name in RUNS:
+            assert _train(root, name, "--steps", "2") == 0
+            assert _train(root, name, "--steps", "3", "--resume") == 0  # adapters and AdamW back
+            for how in ("merged", "base", "adapter"):
+                flags = {"merged": [], "base": ["--no-merge-lora"], "adapter": ["--adapter-only"]}[how]
+                assert main(["export", "--checkpoint", str(root / name / "ck"),
+                             "--out", str(root / name / how), *flags]) == 0
+    finally:
+        os.chdir(old)
+    return root
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_merged_export_equals_peft_on_the_base_and_adapters(runs, name):
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(runs / name / "merged").eval()
+    base = AutoModelForCausalLM.from_pretrained(runs / name / "base").eval()
+    ids = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, before = merged(ids).logits, base(ids).logits
+        got = peft.PeftModel.from_pretrained(base, runs / name / "adapter").eval()(ids).logits
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), (got - want).abs().max()
+    assert (want - before).abs().max() > 1e-4  # the adapters trained: merging changed the model
+    files = sorted(p.name for p in (runs / name / "adapter").iterdir())
+    assert files == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((runs / name / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert config["fan_in_fan_out"] == (name != "llama")  # HF GPT-2 stores Conv1D in x out
+
+
+def test_checkpoint_holds_adamw_state_of_the_adapters_only(runs):
+    """Frozen weights are saved (the base) but have no optimizer state; the resumed run
+    continued from the adapters it saved (step 3 of 3)."""
+    for name in RUNS:
+        folder = ckpt.latest(runs / name / "ck")
+        keys = ckpt.read_index(folder)
+        optim = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in keys if k.startswith("optim.")}
+        model = {k[len("model."):] for k in keys if k.startswith("model.")}
+        assert optim and all(".lora_" in k for k in optim), (name, sorted(optim)[:3])
+        assert optim == {k for k in model if ".lora_" in k}, name
+        assert json.loads((folder / "meta.json").read_text())["step"] == 3
+
+
+def test_resume_refuses_a_change_of_what_trains(runs, capsys):
+    old = os.getcwd()
+    os.chdir(runs)
+    try:
+        with pytest.raises(SystemExit) as exit:
+            _train(runs, "llama", "--steps", "4", "--resume", "--lora-rank", "8")
+    finally:
+        os.chdir(old)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "what trains" in err and "'rank': 4" in err and "'rank': 8" in err
+
+
+def test_adapter_only_without_adapters_is_refused(runs, tmp_path, capsys):
+    old = os.getcwd()
+    os.chdir(runs)
+    try:
+        assert main(["train", "--schedule", "none", "--stages", "1", "--no-progress", "--steps",
+                     "1", "--seq-len", "16", "--data", str(runs / "text.txt"), "-B", "2",
+                     "--checkpoint-dir", str(tmp_path / "ck")]) == 0
+    finally:
+        os.chdir(old)
+    with pytest.raises(SystemExit) as exit:
+        main(["export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "a"),
+              "--adapter-only"])
+    assert exit.value.code == 2 and "no LoRA adapters" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
