@@ -39,11 +39,12 @@ from chimera.api import ExecOptions, ModelOptions, Pipeline
 from chimera.bench import prices
 from chimera.bench.links import LateSends, PricedTransport, late_torch_sends
 from chimera.bench.prices import layer_count, layer_weights, stage_costs  # noqa: F401 (re-exported)
-from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row
+from chimera.bench.rows import BenchConfig, Row
 from chimera.bench.profiler import allreduce_time, ping
 from chimera.bench.start import start_together
+from chimera.bench.torch_orders import from_pipeline_order, torch_placement
 from chimera.bench.torchpp import TorchPipeline
-from chimera.ir import Action, Op, Placement, Schedule
+from chimera.ir import Schedule
 from chimera.models.emulated import (EmulatedCost, WaitLog, emulated_batch, emulated_layers,
                                      emulated_pieces)
 from chimera.passes import lower
@@ -51,11 +52,6 @@ from chimera.runtime.context import RunContext
 from chimera.runtime.transport import ReduceOp, Transport
 from chimera.schedules import build, get_scheme
 from chimera.sim import simulate
-
-# torch's computation types -> ours (communication, REDUCE_GRAD, UNSHARD/RESHARD are dropped:
-# our lowering adds the messages; DualPipeV's OVERLAP_F_B is its sub-actions in order)
-_TORCH_OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
-
 
 def cost_of(cfg: BenchConfig) -> EmulatedCost:
     return EmulatedCost.parse(cfg.emulate, rows=cfg.micro_batch_size,
@@ -69,7 +65,7 @@ def our_schedule(cfg: BenchConfig, row: Row) -> Schedule:
     plan = build(row.schedule, cfg.stages, cfg.micro_batches, **opts)
     if not prices.priced(cfg) or "cost" not in get_scheme(row.schedule).options or "cost" in opts:
         return plan
-    c = cost_of(cfg)
+    c = cost_of(cfg)  # compute, the link and the collectives (the measured links come later)
     told = prices.cost_model(cfg, plan, c.forward_s, c.input_grad_s, c.weight_grad_s)
     return build(row.schedule, cfg.stages, cfg.micro_batches, **opts, cost=told)
 
@@ -165,7 +161,7 @@ class EmulatedTorch(TorchPipeline):
         self.cost, self.log = cost_of(cfg), WaitLog()
         make = emulated_layers(self.cost, cfg.stages, layer_count(cfg), cfg.seed, self.log,
                                layer_weights(cfg))
-        placement = torch_placement(cfg, row)
+        placement = torch_placement(row.schedule, cfg.stages)
 
         def module_of(stage: int, n: int) -> nn.Module:
             ranges = prices.cut(cfg, placement, (0,) * cfg.micro_batches)
@@ -190,32 +186,8 @@ class EmulatedTorch(TorchPipeline):
         order = getattr(self.schedule, "pipeline_order", None)
         if not order:
             return None
-        ranks = self.cfg.stages
-        programs = tuple(tuple(_ours(order.get(r, []))) for r in range(ranks))
-        return Schedule(f"torch:{type(self.schedule).__name__}", torch_placement(self.cfg, self.row),
-                        (0,) * self.cfg.micro_batches, programs)
-
-
-def torch_placement(cfg: BenchConfig, row: Row) -> Placement:
-    """The placement of torch's schedule ``row.schedule`` on ``cfg.stages`` ranks."""
-    _, style, per_rank = TORCH_SCHEDULES[row.schedule]
-    ranks = cfg.stages
-    return {"linear": Placement.linear(ranks), "v": Placement.v(ranks),
-            "loop": Placement.loop(ranks, per_rank)}[style]
-
-
-def _ours(actions) -> list[Action]:
-    out = []
-    for a in actions:
-        if a is None:
-            continue
-        if a.sub_actions:
-            out += _ours(a.sub_actions)
-            continue
-        op = _TORCH_OPS.get(a.computation_type.value)
-        if op is not None:
-            out.append(Action(op, 0, a.stage_index, a.microbatch_index))
-    return out
+        return from_pipeline_order(self.row.schedule, type(self.schedule).__name__,
+                                   self.cfg.stages, self.cfg.micro_batches, order)
 
 
 # -- measured link latencies ------------------------------------------------------------------

@@ -75,11 +75,14 @@ def _tail(dag: Dag) -> list[float]:
     return out
 
 
-def _by_op(order: dict, unblock: bool, d: Dag, blocked: bool) -> list[tuple]:
+def _by_op(order: dict, unblock: bool, d: Dag, blocked: bool, drain: int = 0) -> list[tuple]:
     """By op, then oldest micro-batch first. ``unblock``: while a forward that has arrived
-    waits for memory, W (which frees it) goes first."""
+    waits for memory, W (which frees it) goes first. ``drain`` (1 or -1): a rank's W's go
+    by stage (shallowest or deepest first), so one of its stages has all its weight
+    gradients early and its replica allreduce overlaps the rest of the work."""
     rank = {**order, Op.W: -1} if unblock and blocked else order
-    return [(rank[op], m, s) for op, m, s in zip(d.op, d.micro, d.stage)]
+    return [(rank[op], drain * s, m) if drain and op is Op.W else (rank[op], m, s)
+            for op, m, s in zip(d.op, d.micro, d.stage)]
 
 
 def _by_stage(sign: int, d: Dag, blocked: bool) -> list[tuple]:
@@ -93,7 +96,12 @@ def _by_tail(tail: list[float], d: Dag, blocked: bool) -> list[tuple]:
 
 
 def make_rule(name: str, dag: Dag) -> Rule:
-    """Priority keys of all tasks (least first on a rank), given whether a forward is blocked."""
+    """Priority keys of all tasks (least first on a rank), given whether a forward is blocked.
+    ``RULE+drain`` / ``RULE+rdrain`` (RULE by op): W's by stage, shallowest / deepest first."""
+    base, _, drain = name.partition("+")
+    if drain in ("drain", "rdrain") and base in ("ifw", "fiw", "ifw-unblock", "fiw-unblock"):
+        return partial(_by_op, _OP_ORDER[base[:3]], base.endswith("-unblock"),
+                       drain=1 if drain == "drain" else -1)
     if name in ("ifw", "fiw", "ifw-unblock", "fiw-unblock"):
         return partial(_by_op, _OP_ORDER[name[:3]], name.endswith("-unblock"))
     if name in ("ifw-shallow", "ifw-deep"):
@@ -107,6 +115,10 @@ RULES = ("ifw", "fiw", "ifw-shallow", "ifw-deep", "critical-path", "ifw-unblock"
 RESERVES = ("one", "1f1b")
 # the variants `auto` plays, keeping the shortest (chosen by benchmarks/zero_bubble.py)
 AUTO = ("fiw-unblock/one", "fiw-unblock/1f1b", "ifw/1f1b")
+# and, where the cost model prices the stages' allreduces, these too (each drains one stage's
+# W's first, so its allreduce overlaps the other stage's work)
+AUTO_SYNC = ("fiw-unblock+drain/one", "fiw-unblock+rdrain/one", "fiw-unblock+drain/1f1b",
+             "fiw-unblock+rdrain/1f1b")
 
 
 def play(placement: Placement, micro_pipe, times: OpTimes, cap: float, variant: str = "fiw-unblock/one"
@@ -149,22 +161,55 @@ def _play_dag(dag: Dag, placement: Placement, hop: float, cap: float, variant: s
     return Play(dag, placement.ranks, ranked[rule], admit, hop).run()
 
 
-def _best_play(dag: Dag, placement: Placement, hop: float, cap: float, variants
-               ) -> tuple[float, list[list[int]], str]:
+def _best_play(dag: Dag, placement: Placement, hop: float, cap: float, variants,
+               sync=None) -> tuple[float, list[list[int]], str]:
     """(makespan at ``hop``, order, variant) of the shortest play. With a hop, each variant is
     also played blind to it and priced with it: a greedy play that sees a message coming
     late fills the wait with a W and delays the input gradient that arrives during it, which
     a blind play does not (D=8 N=16 F:I:W 1:2:1, hop 0.05 F: 76.5 told against 70.8 blind;
-    with a hop of a whole F the told play wins)."""
+    with a hop of a whole F the told play wins). ``sync(stage)``: the time of the stage's
+    replica allreduce, when priced: each play is then timed with its allreduces after it
+    (:func:`_with_syncs`)."""
     ranked: dict = {}
     plays = []
     for v in variants:
         game = _play_dag(dag, placement, hop, cap, v, ranked)
-        plays.append((game.makespan, game.order, v))
+        plays.append((game.order, v))
         if hop > 0:
-            blind = _play_dag(dag, placement, 0.0, cap, v, ranked).order
-            plays.append((dag.makespan(blind, hop), blind, f"{v}/blind"))
-    return min(plays, key=lambda x: x[0])
+            plays.append((_play_dag(dag, placement, 0.0, cap, v, ranked).order, f"{v}/blind"))
+    timed = [(_with_syncs(dag, placement, order, hop, sync), order, v) for order, v in plays]
+    return min(timed, key=lambda x: x[0])
+
+
+def _with_syncs(dag: Dag, placement: Placement, order: list[list[int]], hop: float, sync) -> float:
+    """The play's makespan with each stage's allreduce started once every replica's last W
+    has ended, a rank's allreduces one after another (as the simulator times them)."""
+    ends = dag.ends(order, hop)
+    span = max(ends, default=0.0)
+    if sync is None:
+        return span
+    ready: dict[int, float] = {}
+    for t, e in enumerate(ends):
+        if dag.op[t] is Op.W:
+            ready[dag.stage[t]] = max(ready.get(dag.stage[t], 0.0), e)
+    channel = [0.0] * placement.ranks
+    for at, stage in sorted((at, stage) for stage, at in ready.items()):
+        members = placement.replicas(stage)
+        end = max([at] + [channel[r] for r in members]) + sync(stage)
+        for r in members:
+            channel[r] = end
+        span = max(span, end)
+    return span
+
+
+def _syncs_of(cost, placement: Placement):
+    """``stage -> allreduce time`` from a cost model that prices them, else None."""
+    price = getattr(cost, "sync", None)
+    if price is None or not getattr(cost, "overlap_allreduce", True):
+        return None
+    group = len(placement.replicas(0)) * getattr(cost, "data_parallel", 1)
+    times = [price(s, placement.stages, group, placement.ranks) for s in range(placement.stages)]
+    return times.__getitem__ if any(times) else None
 
 
 @register("chimera-zb", "Chimera placement with B split into I and W, list-scheduled by time under "
@@ -200,7 +245,10 @@ def chimera_zb(stages: int, micro_batches: int, pipes: int = 2, cost: str | None
     _check(placement, limit, variants)
     dag = build_dag(placement, micro_pipe, times)  # the same work for every variant
     ranked: dict = {}
-    span, order, chosen = _best_play(dag, placement, first_hop(times), limit, variants)
+    sync = _syncs_of(cost, placement)
+    if sync is not None and rule == "auto":
+        variants = AUTO + AUTO_SYNC
+    span, order, chosen = _best_play(dag, placement, first_hop(times), limit, variants, sync)
     programs = dag.programs(order)
     if exact > 0:
         refined, refined_span, _ = refine(placement, micro_pipe, times, limit, programs, exact)

@@ -87,6 +87,10 @@ class Dag:
         its rank is free and its inputs are there, a cross-rank input ``hop`` after its
         producer ends: the simulator's timing of those programs, here so a play made blind to
         the hop can be priced with it."""
+        return max(self.ends(order, hop), default=0.0)
+
+    def ends(self, order: list[list[int]], hop: float) -> list[float]:
+        """Each task's end under :meth:`makespan`'s timing (index = task id)."""
         end: list[float | None] = [None] * len(self)
         preds: list[list[int]] = [[] for _ in range(len(self))]
         for t, us in enumerate(self.succs):
@@ -105,7 +109,7 @@ class Dag:
                     progressed = True
         if any(p < len(ts) for p, ts in zip(pos, order)):
             raise ScheduleError("a play's order deadlocks when timed")
-        return max(clock, default=0.0)
+        return end
 
 
 def first_hop(times: OpTimes) -> float:
