@@ -135,6 +135,11 @@ def test_a_diverging_run_never_deletes_the_good_checkpoint(run_cli, data, tmp_pa
     for _, path in ckpt.published(tmp_path / "ck"):
         if path != good:
             assert ckpt.health_of(ckpt.read_meta(path))["status"] == "in doubt"
+            doubted = path
+    # the blown-up weights are not served (issue 38): one line naming the good checkpoint
+    r = run_cli("generate", "--checkpoint", doubted, "--prompt", "x", "--max-new-tokens", "2")
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "is in doubt" in r.stderr and f"newest healthy checkpoint {good}" in r.stderr
 
     # skipping the non-finite steps stops after --skip-limit of them, never exits 0
     r = train(run_cli, data, tmp_path, "--steps", "30", "--resume", "--lr", "1e30",
