@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from chimera.collectives import (AFTER_STEP, ALL_REDUCE, AT_LAUNCH, IN_BACKWARD, Choices, Collective,
+                                 replica_collectives)
 from chimera.ir import Op, OpTimes, ScheduleError
 
 
@@ -147,15 +149,36 @@ class CostModel:
         t = self._sized(self.optimizer, stage, stages, ranks)
         return t / group if self.shard_optimizer and group > 1 else t
 
+    def collectives(self, group: int) -> tuple[Collective, ...]:
+        """What one replica of a stage issues over its ``group`` (:mod:`chimera.collectives`,
+        the runtime's definition, on the device path; the simulator times a replica's reduction
+        from its SYNC, so unbucketed): one allreduce, or with ``shard_optimizer`` a
+        reduce-scatter and, after the step, an all-gather. Sizes are shares of the stage."""
+        return replica_collectives((1,), group, Choices(0, True), early=False,
+                                   sharded=self.shard_optimizer)
+
+    def _priced(self, stage: int, stages: int, group: int, ranks: int | None, when) -> float:
+        """The time of ``stage``'s collectives issued ``when``: an allreduce of its gradient
+        bytes in full, a reduce-scatter or an all-gather half of it (each moves half the bytes
+        of a ring allreduce)."""
+        out = 0.0
+        for c in self.collectives(group):
+            if c.when in when:
+                out += self._allreduce(stage, stages, group, ranks) * (
+                    c.size if c.kind == ALL_REDUCE else c.size / 2)
+        return out
+
     def gather(self, stage: int, stages: int, group: int, ranks: int | None = None) -> float:
-        """The parameter all-gather of a sharded stage: half of a ring allreduce."""
-        return self.sync(stage, stages, group, ranks) / 2 if self.shard_optimizer else 0.0
+        """The parameter all-gather of a sharded stage after the step (0 unsharded)."""
+        return self._priced(stage, stages, group, ranks, (AFTER_STEP,))
 
     def sync(self, stage: int, stages: int, group: int, ranks: int | None = None) -> float:
-        """The gradient allreduce of ``stage`` over ``group`` ranks (``ranks``: the
+        """The gradient reduction of ``stage`` over ``group`` ranks (``ranks``: the
         placement's, which sizes a one-entry ``reduce``; None: as many as stages)."""
-        if group <= 1:
-            return 0.0
+        return self._priced(stage, stages, group, ranks, (AT_LAUNCH, IN_BACKWARD))
+
+    def _allreduce(self, stage: int, stages: int, group: int, ranks: int | None) -> float:
+        """A ring allreduce of ``stage``'s gradients over ``group`` ranks."""
         nbytes = self._at(self.weight_bytes, stage, stages)
         by_size = self._sized(self.reduce, stage, stages, stages if ranks is None else ranks)
         return self.allreduce_time + by_size + self.allreduce.allreduce(nbytes, group)
