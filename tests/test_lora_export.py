@@ -118,3 +118,19 @@ def test_adapter_only_without_adapters_is_refused(runs, tmp_path, capsys):
               "--adapter-only"])
     assert exit.value.code == 2 and "no LoRA adapters" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("name", ["llama", "preset"])
+def test_generate_loads_the_adapters_merged(runs, name):
+    """``chimera generate``'s model of a LoRA checkpoint computes the merged export's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from chimera.train.generate import load
+
+    loaded = load(runs / name / "ck")
+    merged = AutoModelForCausalLM.from_pretrained(runs / name / "merged").eval()
+    ids = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = loaded.model(ids), merged(ids).logits
+    got = got.logits if hasattr(got, "logits") else got
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), (got - want).abs().max()

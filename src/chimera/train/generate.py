@@ -38,6 +38,7 @@ from chimera.errors import UserError
 from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError
 from chimera.train.checkpoint.serve import choose
+from chimera.train.export_lora import prepare as merge_adapters
 
 BYTE_VOCAB = 256
 MAX_NEW_TOKENS = 100_000        # a bound a run prints within minutes, not a typo's 10^12
@@ -172,7 +173,8 @@ def load_named(model: nn.Module, source, state: dict[str, torch.Tensor], where: 
 def load(path: str | os.PathLike, device: torch.device | str = "cpu",
          allow_in_doubt: bool = False) -> Loaded:
     """Verify the checkpoint (sizes and SHA-256 of its files, its index), rebuild its model
-    and load the weights, in the dtype they were trained in. Raises CheckpointError; one in
+    and load the weights, in the dtype they were trained in (LoRA adapters merged into their
+    weights). Raises CheckpointError; one in
     doubt or not judged yet only with ``allow_in_doubt`` (``checkpoint.serve.choose``)."""
     where, notes = choose(path, allow_in_doubt)
     meta = checkpoint.verify(where)
@@ -181,6 +183,7 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu",
         state = checkpoint.load_model_state(where)
     except checkpoint.CheckpointIOError as exc:
         raise CheckpointError(str(exc)) from None
+    state = merge_adapters(source, state, (meta.get("run") or {}).get("lora"), merge=True)
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) != 1:
         raise CheckpointError(f"checkpoint {where}: parameters in several dtypes {sorted(map(str, dtypes))}")
