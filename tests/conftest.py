@@ -3,6 +3,9 @@
 - ``cli_env`` / ``run_cli``: the environment of a ``python -m chimera`` subprocess (this
   checkout's ``src`` first on the path, no fault injection inherited) and a runner for one;
 - ``data``: a small text corpus on disk (60 kB of the standard library's argparse source);
+- ``limits.limit(seconds)`` (``tests/limits.py``): every time limit a test puts on processes
+  (a subprocess, spawned ranks, a hand-written deadline, a comm timeout that only bounds a
+  hang), scaled by the machine's load and ``CHIMERA_TEST_TIME_SCALE``;
 - ``regen_goldens``: true under ``pytest --regen-goldens``, when the golden files are
   rewritten from the current code instead of compared (``tests/test_golden_schedules.py``).
 
@@ -20,6 +23,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from limits import limit
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -46,10 +51,11 @@ def cli_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def run_cli(cli_env):
-    """``run_cli(*args, timeout=300)``: ``python -m chimera *args``, output captured as text."""
+    """``run_cli(*args, timeout=300)``: ``python -m chimera *args``, output captured as text
+    (``timeout``: seconds on an idle machine, scaled by ``limits.limit``)."""
     def run(*args, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "chimera", *map(str, args)], capture_output=True,
-                              text=True, timeout=timeout, env=env or cli_env)
+                              text=True, timeout=limit(timeout), env=env or cli_env)
     return run
 
 

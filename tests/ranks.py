@@ -28,6 +28,7 @@ import torch
 
 import chimera.api as chimera
 from chimera.runtime.virtual import run_virtual
+from limits import limit
 
 
 def run_ranks(worker: Callable[[int, int], object], world: int, processes: bool = False,
@@ -48,7 +49,8 @@ def run_ranks(worker: Callable[[int, int], object], world: int, processes: bool 
 
 
 def _bounded(start: Callable[[], None], timeout_s: float) -> None:
-    """``start()`` on a thread of its own; after ``timeout_s`` its ranks are killed."""
+    """``start()`` on a thread of its own; after ``limit(timeout_s)`` its ranks are killed."""
+    timeout_s = limit(timeout_s)
     failed: list[BaseException] = []
 
     def body() -> None:
@@ -63,8 +65,8 @@ def _bounded(start: Callable[[], None], timeout_s: float) -> None:
     if thread.is_alive():
         for proc in multiprocessing.active_children():
             proc.kill()
-        thread.join(30)
-        pytest.fail(f"spawned ranks still running after {timeout_s}s")
+        thread.join(limit(30))
+        pytest.fail(f"spawned ranks still running after {timeout_s:.0f}s")
     if failed:
         raise failed[0]
 

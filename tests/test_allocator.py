@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from limits import limit
 
 # each test probes a fresh interpreter (per-process allocator state): make test-slow
 pytestmark = pytest.mark.slow
@@ -16,7 +17,7 @@ PROBE = ("from chimera.runtime.allocator import keep_freed_memory as k\n"
 
 
 def _probe(cli_env, **env) -> str:
-    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60,
+    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=limit(60),
                        env={**cli_env, **env})
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()

@@ -10,6 +10,7 @@ from torch import nn
 
 import chimera.api as chimera
 from ranks import run_ranks
+from limits import limit
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -93,7 +94,7 @@ def test_byo_gradients_on_spawned_gloo_processes():
 @pytest.mark.slow
 def test_example_runs(cli_env):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "byo_model.py")],
-                       capture_output=True, text=True, timeout=300, env=cli_env)
+                       capture_output=True, text=True, timeout=limit(300), env=cli_env)
     assert r.returncode == 0, r.stderr
     losses = [float(l.split()[-1]) for l in r.stdout.splitlines() if l.startswith("step")]
     assert len(losses) == 5 and losses[-1] < losses[0]

@@ -14,6 +14,7 @@ import chimera.api as chimera
 from chimera import rng
 from chimera.byo import FunctionLayer, as_module
 from ranks import run_ranks
+from limits import limit
 
 N, B = 4, 2  # micro-batches, rows each: a mini-batch of 8
 
@@ -163,7 +164,7 @@ def test_spawn_says_why_a_child_could_not_rebuild_its_function(tmp_path, cli_env
             except chimera.SpawnError as exc:
                 print(str(exc).splitlines()[0])
     """))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=limit(120),
                        env=cli_env)
     assert "No module named 'only_in_the_parent'" in r.stdout, r.stdout + r.stderr
     assert "could not be rebuilt in the new process" in r.stdout
@@ -209,7 +210,7 @@ def test_a_rank_given_another_shape_is_refused_on_every_rank(tmp_path, cli_env):
     script = tmp_path / "mixed.py"
     script.write_text(MIXED)
     subprocess.run([sys.executable, str(script), str(tmp_path / "said")], env=cli_env,
-                   capture_output=True, text=True, timeout=120)
+                   capture_output=True, text=True, timeout=limit(120))
     for rank in (0, 1):
         said = (tmp_path / f"said.{rank}").read_text()
         assert said.startswith("UserError") and "different mini-batches" in said, (rank, said)

@@ -19,6 +19,7 @@ import chimera.api as chimera
 from chimera import rng
 from chimera.ir import ScheduleError
 from ranks import run_ranks
+from limits import limit
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 MAIN2 = [("chimera", 2, 1), ("1f1b", 2, 1), ("zb-h1", 2, 1)]  # (schedule, D, W) at world 2
@@ -387,7 +388,7 @@ def test_byo_example_gpt_runs(cli_env):
     import sys
     root = os.path.join(os.path.dirname(__file__), "..")
     r = subprocess.run([sys.executable, os.path.join(root, "examples", "gpt_tied.py")],
-                       capture_output=True, text=True, timeout=300, env=cli_env)
+                       capture_output=True, text=True, timeout=limit(300), env=cli_env)
     assert r.returncode == 0, r.stderr
     assert "exported" in r.stdout and "matches the pipeline" in r.stdout, r.stdout
 

@@ -19,6 +19,7 @@ import pytest
 from chimera.cli import main
 from chimera.ir import ScheduleError
 from chimera.train import ConfigError, TrainConfig, build
+from limits import limit
 
 PROFILE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "profile-gpt2-bench.json")
 
@@ -416,7 +417,7 @@ def test_a_library_bug_shows_its_traceback_and_exits_1(cli_env):
             "from chimera.cli import main\n"
             "raise SystemExit(main(sys.argv[1:]))\n")
     r = subprocess.run([sys.executable, "-c", code, "simulate", "-s", "1f1b", "-D", "2"],
-                       capture_output=True, text=True, timeout=120, env=cli_env)
+                       capture_output=True, text=True, timeout=limit(120), env=cli_env)
     assert r.returncode == 1
     assert "Traceback (most recent call last)" in r.stderr
     assert r.stderr.strip().splitlines()[-1] == "ValueError: an internal invariant"

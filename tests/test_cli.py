@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import limits
 
 
 def test_schedules_lists_every_scheme(run_cli):
@@ -124,7 +125,7 @@ def _run_on_small_disk(cli_env, limit, *args):
     import sys
 
     return subprocess.run([sys.executable, "-m", "chimera", *map(str, args)], capture_output=True,
-                          text=True, timeout=300, env=cli_env, preexec_fn=_small_disk(limit))
+                          text=True, timeout=limits.limit(300), env=cli_env, preexec_fn=_small_disk(limit))
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from chimera.models import emulated
 from chimera.models.emulated import (EmulatedCost, EmulatedLayer, emulated_batch, emulated_layers,
                                      emulated_stages)
 from chimera.runtime.split_backward import backward_input, backward_weight
+from limits import limit
 
 
 class FakeClock:
@@ -419,7 +420,7 @@ def test_wake_cost_script_writes_its_table(cli_env, tmp_path):
         port = s.getsockname()[1]
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wake_cost.py"), "--reps", "3",
                         "--out", str(tmp_path), "--port", str(port)],
-                       env=cli_env, capture_output=True, text=True, timeout=120)
+                       env=cli_env, capture_output=True, text=True, timeout=limit(120))
     assert r.returncode == 0, r.stderr
     data = json.loads((tmp_path / "wake_cost.json").read_text())
     assert [row["sleep_ms"] for row in data["piece"]] == [row["sleep_ms"] for row in data["isend"]]

@@ -23,6 +23,7 @@ from ranks import run_ranks  # noqa: E402
 from chimera import hf  # noqa: E402
 from chimera.runtime.boundary import call_layer  # noqa: E402
 from chimera.runtime.context import ExecOptions  # noqa: E402
+from limits import limit
 
 ARCHS = ("gpt2", "llama", "bert")
 N, B = 4, 2  # micro-batches, micro-batch size
@@ -167,7 +168,7 @@ def test_hf_example_runs():
 
     root = os.path.join(os.path.dirname(__file__), "..")
     r = subprocess.run([sys.executable, os.path.join(root, "examples", "hf_llama.py")],
-                       capture_output=True, text=True, timeout=300,
+                       capture_output=True, text=True, timeout=limit(300),
                        env={**os.environ, "PYTHONPATH": os.path.join(root, "src")})
     assert r.returncode == 0, r.stderr
     assert "transformers reloads the export: its logits match" in r.stdout, r.stdout

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from limits import limit
+
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "chimera"
 
@@ -202,7 +204,7 @@ def test_every_module_imports_first_and_alone(cli_env):
         "print('\\n'.join(failed))\n"
         "print('imported', len(names) - len(failed))\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=cli_env, timeout=300)
+                          env=cli_env, timeout=limit(300))
     assert proc.returncode == 0 and f"imported {len(names)}" in proc.stdout, proc.stdout + proc.stderr
 
 

@@ -38,8 +38,9 @@ from chimera.runtime.transport import TorchDist, Transport
 from chimera.schedules import build
 from chimera.check.validate import validate
 from ranks import run_ranks
+from limits import limit
 
-WIDTH, B, STEPS, TIMEOUT_S = 4, 2, 2, 60.0
+WIDTH, B, STEPS, TIMEOUT_S = 4, 2, 2, limit(60.0)
 D2 = [("chimera", {}, 4), ("chimera", {"strategy": "doubling"}, 4),
       ("chimera", {"strategy": "halving"}, 2), ("1f1b", {}, 4), ("interleaved", {"chunks": 2}, 4),
       ("zb-h1", {}, 4), ("zb-v", {}, 4), ("dualpipev", {}, 4), ("dualpipe", {}, 4),
@@ -306,7 +307,7 @@ def _train_cli(cli_env, tmp_path, env_value, device_plan=""):
     if env_value:
         env[ENV] = env_value
     r = subprocess.run([sys.executable, "-m", "chimera", "train", "--steps", "2", "--no-progress",
-                        "--log-json", str(log)], capture_output=True, text=True, timeout=300, env=env)
+                        "--log-json", str(log)], capture_output=True, text=True, timeout=limit(300), env=env)
     assert r.returncode == 0, r.stderr
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 

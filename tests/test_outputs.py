@@ -10,6 +10,7 @@ import pytest
 
 from conftest import ROOT
 from chimera.cli import build_parser
+from limits import limit
 
 
 def _outdir():
@@ -52,7 +53,7 @@ def test_a_script_run_from_the_repo_root_leaves_the_committed_results_alone(tmp_
     before = committed.read_bytes() if committed.exists() else None
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scheme_table.py"), "4", "4"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=limit(120))
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "out" / "scheme_table_D4_N4.md").is_file()
     assert (committed.read_bytes() if committed.exists() else None) == before

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from chimera.collectives import Choices
 from chimera.runtime.sync import GradSync, ReplicaGrads
 from chimera.runtime.transport import TorchDist
+from limits import limit
 from ranks import run_ranks
 
 
@@ -19,7 +20,7 @@ def _model() -> torch.nn.Module:
 def _grads(rank: int, bucket_bytes: int, group) -> tuple[torch.Tensor, int]:
     model = _model()
     grads = ReplicaGrads(model)
-    sync = GradSync({(0, 0): grads}, {0: group}, rank, timeout_s=60,
+    sync = GradSync({(0, 0): grads}, {0: group}, rank, timeout_s=limit(60),
                     choices=Choices(bucket_bytes, True), transport=TorchDist())
     for micro in range(3):  # accumulate two micro-batches, reduce in the third
         x = torch.full((4, 16), float(rank + micro + 1), dtype=torch.float64)

@@ -12,6 +12,7 @@ import pytest
 from chimera.models import get_config
 
 from chimera.train import checkpoint as ckpt
+from limits import limit
 
 # every test starts `chimera train` processes and signals them: make test-slow
 pytestmark = pytest.mark.slow
@@ -55,7 +56,7 @@ def start_training(cli_env, data, tmp_path, ignore_sigint=False):
     pre = lambda: signal.signal(signal.SIGINT, mode)  # noqa: E731
     proc = subprocess.Popen(argv, env=cli_env, preexec_fn=pre, stdout=subprocess.DEVNULL,
                             stderr=open(tmp_path / "err.txt", "w"))
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + limit(120)
     while not (log.exists() and len(log.read_text().splitlines()) >= 3):
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()
         time.sleep(0.05)
@@ -75,7 +76,7 @@ def test_a_signal_to_the_launcher_ends_every_rank(data, tmp_path, sig, ignore_si
         # the launcher stops its ranks in STOP_S (5 s) and exits: seconds on an idle machine;
         # the margin is for a loaded one (20 s was once too short beside two test suites and
         # a CPU hog); the bug this guards against waited forever
-        assert proc.wait(timeout=60) == code, (tmp_path / "err.txt").read_text()
+        assert proc.wait(timeout=limit(60)) == code, (tmp_path / "err.txt").read_text()
         while any(alive(r) for r in ranks) and time.monotonic() - sent < 30:
             time.sleep(0.05)
         gone = time.monotonic() - sent
@@ -113,7 +114,7 @@ def test_the_watchdog_alone_ends_an_orphan(tmp_path, cli_env):
         worker = int(middle.stdout.readline())  # printed once bound to its parent
         os.kill(middle.pid, signal.SIGKILL)
         middle.wait()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + limit(10)
         while alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(worker)
@@ -132,13 +133,13 @@ def test_a_second_process_on_the_same_directory_is_refused(cli_env, data, tmp_pa
         argv = [sys.executable, "-m", "chimera", "train", "--steps", "2", "--no-progress",
                 "--data", data, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
                 "1", "--resume", "--png", str(tmp_path / "u.png"), "--trace", str(tmp_path / "u.json")]
-        second = subprocess.run(argv, env=cli_env, capture_output=True, text=True, timeout=120)
+        second = subprocess.run(argv, env=cli_env, capture_output=True, text=True, timeout=limit(120))
         assert second.returncode == 2, second.stderr
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1 and "is in use by run" in lines[0], lines
         assert proc.poll() is None  # the first run goes on
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        proc.wait(timeout=limit(30))
     newest = ckpt.latest(tmp_path / "ck")
     ckpt.verify(newest, "gpt2-tiny", ckpt.model_fingerprint(get_config("gpt2-tiny")))

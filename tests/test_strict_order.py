@@ -19,6 +19,7 @@ from chimera.ir import Action, Op, ScheduleError
 from chimera.passes import SYNC_MODES, lower
 from chimera.schedules import build, schemes
 from ranks import run_ranks
+from limits import limit
 
 RUNNABLE = [s.name for s in schemes(runnable=True)]
 FROZEN = {0: ()}  # stage 0 has nothing to train: no buckets, no shard
@@ -422,7 +423,7 @@ def test_cli_sharded_under_strict_emulation(tmp_path, cli_env):
         log = tmp_path / f"log-{emulate}.jsonl"
         r = subprocess.run([sys.executable, "-m", "chimera", "train", "--steps", "2",
                             "--shard-optimizer", "--no-progress", "--log-json", str(log)],
-                           capture_output=True, text=True, timeout=300, env=env)
+                           capture_output=True, text=True, timeout=limit(300), env=env)
         assert r.returncode == 0, r.stderr
         return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 

@@ -15,6 +15,7 @@ import pytest
 from chimera.errors import UserError
 from chimera.train.config import TrainConfig
 from chimera.train.equivalence import check_virtual
+from limits import limit
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -123,7 +124,7 @@ def _train(tmp_path, name: str, *args) -> list[dict]:
     log = tmp_path / f"{name}.jsonl"
     cmd = [os.path.join(os.path.dirname(sys.executable), "chimera"), "train", "--dtype", "float64",
            "--no-progress", "--trace", "", "--png", "", "--log-json", str(log), *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=limit(600), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     return [json.loads(line) for line in log.read_text().splitlines()]
 

@@ -10,6 +10,7 @@ import pytest
 from chimera.schedules import schemes
 from chimera.train.config import TrainConfig
 from chimera.train.equivalence import check_virtual
+from limits import limit
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 VARIANTS = {"chimera": [{}, {"strategy": "doubling"}, {"strategy": "halving"}, {"pipes": 4}],
@@ -50,7 +51,7 @@ def test_a_failing_virtual_rank_fails_the_run_instead_of_hanging():
 def test_gpu_check_runs_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"),
                         "--device", "cpu", "--out", str(tmp_path), "--profile-model", "gpt2-tiny"], capture_output=True,
-                       text=True, timeout=600)
+                       text=True, timeout=limit(600))
     assert r.returncode == 0, r.stdout + r.stderr
     table = (tmp_path / "gpu_check.md").read_text()
     for row in ("train float32", "train bf16", "checkpoint resume", "virtual chimera D=4", "virtual chimera D=2 T=2",
