@@ -20,13 +20,20 @@ def preset(vocab=64):
 
 
 def hf(arch):
+    import transformers
     from chimera.hf.source import HFSource
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config
 
-    config = (GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32)
-              if arch == "GPT2LMHeadModel" else
-              LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    llama_like = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    windows = {"MistralForCausalLM": dict(sliding_window=3),  # shorter than the rows grow
+               "Qwen3ForCausalLM": dict(head_dim=8, use_sliding_window=True, sliding_window=3,
+                                        max_window_layers=1)}
+    if arch == "GPT2LMHeadModel":
+        config = GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32)
+    else:
+        config_class = getattr(transformers, arch).config_class
+        config = config_class(**llama_like, **windows.get(arch, {}))
     source = HFSource("hf-test", arch, config, 32, 64, torch.float64)
     return source, source.whole(seed=0).double().eval()
 
@@ -36,7 +43,8 @@ def full_logits(model, row):
         return model(torch.tensor([row]))[0, -1]
 
 
-@pytest.mark.parametrize("which", ["preset", "GPT2LMHeadModel", "LlamaForCausalLM"])
+@pytest.mark.parametrize("which", ["preset", "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
+                                   "MistralForCausalLM", "Qwen3ForCausalLM"])
 def test_cached_steps_give_the_whole_sequences_logits(which):
     source, model = preset() if which == "preset" else hf(which)
     loaded = Loaded(model, 32, 64, {}, None, source)

@@ -276,6 +276,27 @@ def test_generate_continues_with_the_runs_tokenizer(demo, capsys):
     assert capsys.readouterr().out.strip() == out.text.strip()
 
 
+@pytest.mark.parametrize("preset,arch", [("hf-qwen2-tiny", "Qwen2ForCausalLM"),
+                                         ("hf-mistral-tiny", "MistralForCausalLM"),
+                                         ("hf-qwen3-tiny", "Qwen3ForCausalLM")])
+def test_family_presets_train_export_and_reload(root, tmp_path, preset, arch):
+    """`chimera train --model hf-<family>-tiny` (sequences of 40: past Mistral's window of 32)
+    and `chimera export`: AutoModelForCausalLM loads the family's class with the
+    checkpoint's logits (the run's own layers), 1e-6 in float32."""
+    from chimera.train.generate import load
+
+    assert main(["train", "--model", preset, "--schedule", "none", "--stages", "1",
+                 "--data", str(root / "text.txt"), "--seq-len", "40", "--steps", "2", "-B", "2",
+                 "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress"]) == 0
+    assert main(["export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(reloaded).__name__ == arch
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = load(tmp_path / "ck").model(ids), reloaded(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 # -- BERT with its tokenizer's [MASK] --------------------------------------------------------
 @pytest.fixture(scope="module")
 def bert_tok(root):
