@@ -150,10 +150,10 @@ def test_a_llama_tokenizer_keeps_its_own_bos(tmp_path):
     tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
     tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
     tok.save(str(tmp_path / "tok.json"))
-    meta = {"data": {"tokenizer": {"path": str(tmp_path / "tok.json"), "sha256": sha256_of(tmp_path / "tok.json")}}}
+    meta = {"data": {"tokenizer": {"file": "tok.json", "sha256": sha256_of(tmp_path / "tok.json")}}}
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "config.json").write_text("{}")
-    ids, notes = write_tokenizer(meta, tmp_path / "out", 8, 16)
+    ids, notes = write_tokenizer(meta, tmp_path, tmp_path / "out", 8, 16)  # the checkpoint's copy
     stamp_ids(tmp_path / "out", ids)
     assert ids == {"eos": 4, "bos": 3} and notes == []
     special = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())

@@ -23,6 +23,7 @@ import re
 import stat
 
 from chimera.schedules import schemes
+from chimera.train import portable
 from chimera.schedules.registry import option_declarations
 from chimera.train.sections import FLAT, SECTIONS, ConfigError
 
@@ -134,7 +135,8 @@ def read(path: str) -> ConfigFile:
         raise ConfigError(f"--config {path}: not TOML: {exc}") from None
     source = ConfigFile(str(path), tables, _key_lines(text))
     check_shape(tables, source)
-    return source
+    # a checkpoint's config.toml: its paths relative to its folder (chimera.train.portable)
+    return dataclasses.replace(source, tables=portable.resolve(tables, path))
 
 
 def _text(path: str) -> str:

@@ -69,7 +69,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike,
             write_adapter(source, state, lora, tmp)
             notes = []
         else:
-            notes = _write(source, prepare(source, state, lora, merge_lora), meta, tmp)
+            notes = _write(source, prepare(source, state, lora, merge_lora), meta, where, tmp)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
@@ -88,7 +88,7 @@ def _check_preset(source, where: Path) -> None:
         raise CheckpointError(f"checkpoint {where} is {source.name}: {exc}") from None
 
 
-def _write(source, state: dict, meta: dict, tmp: Path) -> list[str]:
+def _write(source, state: dict, meta: dict, where: Path, tmp: Path) -> list[str]:
     """Weights, config and tokenizer files into ``tmp``; the notes for the user."""
     if hasattr(source, "export"):
         source.export(state, tmp)
@@ -96,7 +96,7 @@ def _write(source, state: dict, meta: dict, tmp: Path) -> list[str]:
         from chimera.hf.preset import export_preset  # optional extra (hf): transformers
 
         export_preset(source.config, state, tmp)
-    ids, notes = write_tokenizer(meta, tmp, source.vocab_size, source.seq_len, source.kind == "gpt2")
+    ids, notes = write_tokenizer(meta, where, tmp, source.vocab_size, source.seq_len, source.kind == "gpt2")
     stamp_ids(tmp, ids)
     if (tmp / "tokenizer.json").is_file():
         notes += _mask_note(meta, str(tmp / "tokenizer.json"))

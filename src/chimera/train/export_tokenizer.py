@@ -15,12 +15,12 @@ not end text by itself, but a batch pads with it as with any eos).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from chimera.data.text import EOS_TOKENS, eos_id_of, load_tokenizer
 from chimera.train import checkpoint
+from chimera.train.checkpoint import CheckpointError
 
 BYTE_VOCAB = 256
 BYTE_EOS = "<|endoftext|>"
@@ -55,16 +55,16 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def write_tokenizer(meta: dict, folder: Path, vocab: int, context: int,
+def write_tokenizer(meta: dict, source: Path, folder: Path, vocab: int, context: int,
                     causal: bool = True) -> tuple[dict[str, int], list[str]]:
-    """The run's tokenizer (or the byte tokenizer) and its config into ``folder``: (the
+    """The run's tokenizer (the copy in the checkpoint folder ``source``; CheckpointError when
+    it cannot be read) or the byte tokenizer, and its config, into ``folder``: (the
     ids of its ``eos`` and ``bos`` tokens where it has them, notes for the user: a causal
     model's tokenizer without an end-of-text token)."""
-    record = (meta.get("data") or {}).get("tokenizer")
-    path = record.get("path") if isinstance(record, dict) else None
-    if path:
-        if not os.path.isfile(path) or checkpoint.sha256_of(Path(path)) != record.get("sha256"):
-            return {}, [f"the run's tokenizer {path} is gone or changed since the run: not copied"]
+    path, missing = checkpoint.tokenizer_path(meta, source)
+    if missing is not None:  # an export without the tokenizer its ids need is no export
+        raise CheckpointError(f"checkpoint {source}: {missing}: no tokenizer to export")
+    if path is not None:
         shutil.copyfile(path, folder / "tokenizer.json")
         tokenizer = load_tokenizer(path)
     elif vocab == BYTE_VOCAB:

@@ -8,8 +8,8 @@ loads it. Three pieces can be swapped independently:
   source, rebuilt from the config ``meta.json`` records (a chimera preset, or a Hugging Face
   model: its config; ``chimera.hf`` layers, the ones the run trained);
 - the codec that turns text into token ids and back, :func:`codec_for`: bytes by default, a
-  HF ``tokenizers`` file when the run recorded one in ``meta.json`` (``data.tokenizer``:
-  ``{"path", "sha256"}``) or when ``--tokenizer`` names one;
+  HF ``tokenizers`` file when the run recorded one (a checkpoint keeps a copy,
+  ``tokenizer.json``, so a moved folder still decodes) or when ``--tokenizer`` names one;
 - the sampler, :func:`pick`: greedy at temperature 0, otherwise softmax(logits / T) over
   the top k and the top p of the probability, drawn from a generator seeded by ``seed``
   (float64 on the CPU, so a seed gives the same text on any device).
@@ -93,17 +93,10 @@ def codec_for(meta: dict, where: Path, override: str | None = None):
         if not os.path.isfile(override):
             raise UserError(f"--tokenizer {override}: no such file")
         return TokenizerCodec(override)
-    record = (meta.get("data") or {}).get("tokenizer")
-    if not record:
-        return ByteCodec()
-    path = record.get("path") if isinstance(record, dict) else None
-    if not isinstance(path, str) or not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {where} was trained with the tokenizer {path!r}, which "
-                              "is gone: pass --tokenizer FILE")
-    if record.get("sha256") and checkpoint.sha256_of(Path(path)) != record["sha256"]:
-        raise CheckpointError(f"checkpoint {where}: the tokenizer {path} changed since the run "
-                              "(its SHA-256 differs); pass --tokenizer FILE to use it anyway")
-    return TokenizerCodec(path)
+    path, missing = checkpoint.tokenizer_path(meta, where)
+    if missing is not None:
+        raise CheckpointError(f"checkpoint {where}: {missing}; pass --tokenizer FILE")
+    return ByteCodec() if path is None else TokenizerCodec(str(path))
 
 
 # -- the model -----------------------------------------------------------------------------

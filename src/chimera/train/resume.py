@@ -42,7 +42,18 @@ def record(cfg) -> dict:
     out = {k: cfg.get(k) for k in ACCEPTED if k != "warmup_steps" and k != "micro_batches"}
     out.update(warmup_steps=cfg.warmup_steps, micro_batches=cfg.n_micro, seed=cfg.optim.seed,
                step_batch=cfg.step_batch, data=_where(cfg.corpus.data), **tuning(cfg))
+    inside = _in_run(cfg.corpus.data, cfg.ckpt.checkpoint_dir)
+    if inside is not None:  # moves with the run folder: compared where it is then
+        out["data_in_run"] = inside
     return out
+
+
+def _in_run(path: str | None, run: str | None) -> str | None:
+    """``path`` relative to the run folder ``run`` when it lies inside it, else None."""
+    if path is None or run is None:
+        return None
+    relative = os.path.relpath(os.path.abspath(path), os.path.abspath(run))
+    return None if relative.startswith(os.pardir) else relative
 
 
 def tuning(cfg) -> dict:
@@ -73,6 +84,9 @@ def compare(meta: dict, cfg, fingerprint: dict) -> tuple[list[str], list[str]]:
     if "seed" in data and data["seed"] != cfg.optim.seed:
         refused.append(_line("seed", data["seed"], cfg.optim.seed, "--seed"))
     was = run["data"] if "data" in run else _where(data.get("source"))
+    if run.get("data_in_run") is not None and run["data_in_run"] == _in_run(
+            cfg.corpus.data, cfg.ckpt.checkpoint_dir):
+        was = _where(cfg.corpus.data)  # the run folder moved, and its data with it
     if "data" in run or "source" in data:
         if was != _where(cfg.corpus.data) and "data" not in cfg.ckpt.resume_allow:
             refused.append(_line("data", was or "the default corpus",

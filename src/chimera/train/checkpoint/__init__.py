@@ -20,11 +20,12 @@ from chimera.train.checkpoint.disk import (FORMAT, META, CheckpointError, Checkp
 from chimera.train.checkpoint.manager import CheckpointManager, restore, save
 from chimera.train.checkpoint.record import (HEALTHY, IN_DOUBT, UNCONFIRMED, health_of,
                                              model_fingerprint, newest_healthy, owner, read_meta,
-                                             resumable, set_health, tokenizer_record, verify)
+                                             resumable, set_health, tokenizer_path,
+                                             tokenizer_record, verify)
 from chimera.train.checkpoint.state import load_model_state
 
 __all__ = ["FORMAT", "META", "HEALTHY", "IN_DOUBT", "UNCONFIRMED", "CheckpointError",
            "CheckpointIOError", "CheckpointManager", "NonFiniteCheckpoint", "agree", "health_of",
            "latest", "load_model_state", "model_fingerprint", "newest_healthy", "owner",
            "published", "read_index", "read_meta", "restore", "resumable", "save", "set_health",
-           "sha256_of", "step_dir", "tokenizer_record", "verify"]
+           "sha256_of", "step_dir", "tokenizer_path", "tokenizer_record", "verify"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,6 +22,7 @@ from chimera.train.checkpoint.disk import (FORMAT, META, CheckpointError, publis
                                            sha256_of)
 
 CONFIG = "config.toml"  # the run's TrainConfig (TrainConfig.from_toml reads it back)
+TOKENIZER = "tokenizer.json"  # the run's tokenizer, kept inside: a moved checkpoint decodes
 
 # -- health (chimera.train.health): recorded in meta.json, read to resume and to prune -------
 HEALTHY, UNCONFIRMED, IN_DOUBT = "healthy", "unconfirmed", "in doubt"
@@ -146,8 +148,14 @@ def verify(path: str | os.PathLike, model: str | None = None, model_config: dict
 
 def write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, seconds: float,
                 health: dict | None) -> None:
+    from chimera.train.portable import portable_toml  # imports the config, which imports us
+
     cfg = trainer.cfg
-    disk.write_synced(tmp / CONFIG, cfg.to_toml())  # the run: chimera train --config restarts it
+    # the run: chimera train --config restarts it, from wherever the folder is moved
+    disk.write_synced(tmp / CONFIG, portable_toml(cfg, final))
+    tokenizer = tokenizer_record(cfg)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer["source"], tmp / TOKENIZER)
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
              for p in sorted(tmp.iterdir()) if p.is_file()}
     meta = {
@@ -155,7 +163,7 @@ def write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, seconds
         "model": cfg.net.model, "model_config": cfg.get("model_source").fingerprint(),
         "data": {"next_step": int(final.name[len("step-"):]), "seed": cfg.optim.seed,
                  "global_batch": cfg.global_batch, "source": cfg.corpus.data,
-                 "tokenizer": tokenizer_record(cfg), "mask_id": cfg.get("mask_id")},
+                 "tokenizer": tokenizer, "mask_id": cfg.get("mask_id")},
         "layout": {"schedule": cfg.pipeline.schedule, "stages": cfg.pipeline.stages,
                    "data_parallel": cfg.pipeline.data_parallel,
                    "tensor_parallel": cfg.pipeline.tensor_parallel, "world": world,
@@ -172,7 +180,8 @@ def write_meta(trainer, tmp: Path, final: Path, run_id: str, world: int, seconds
 
 def tokenizer_record(cfg) -> dict | None:
     """What ``chimera generate`` needs to turn the run's token ids back into text: the
-    tokenizer file (absolute path) and its SHA-256; None for byte tokens. Reads
+    tokenizer's copy in the checkpoint (``file``), the file it was copied from (``source``,
+    absolute) and its SHA-256; None for byte tokens. Reads
     the data's tokenizer: ``--tokenizer``, or the one ``chimera tokenize`` left beside its
     token files (``DataInfo.tokenizer``); None for byte tokens and for bare token files."""
     if hasattr(cfg, "corpus"):  # a TrainConfig; else anything with a ``tokenizer``
@@ -183,7 +192,26 @@ def tokenizer_record(cfg) -> dict | None:
     if not path:
         return None
     path = Path(path).resolve()
-    return {"path": str(path), "sha256": sha256_of(path)}
+    return {"file": TOKENIZER, "source": str(path), "sha256": sha256_of(path)}
+
+
+def tokenizer_path(meta: dict, folder: str | os.PathLike) -> tuple[Path | None, str | None]:
+    """(the run's tokenizer file, None) for a checkpoint ``folder`` and its ``meta``: the copy
+    inside it, or of a checkpoint written before there was one, the file it names; (None,
+    why) when there is none to read (gone, or changed since the run); (None, None) when the
+    run recorded none (bytes, bare token ids)."""
+    record = (meta.get("data") or {}).get("tokenizer")
+    if not record:
+        return None, None
+    name = record.get("file") if isinstance(record, dict) else None
+    path = Path(folder) / name if isinstance(name, str) else (
+        Path(record["path"]) if isinstance(record, dict) and isinstance(record.get("path"), str)
+        else None)
+    if path is None or not path.is_file():
+        return None, f"the run's tokenizer {str(path)!r} is gone"
+    if record.get("sha256") and sha256_of(path) != record["sha256"]:
+        return None, f"the run's tokenizer {path} changed since the run (its SHA-256 differs)"
+    return path, None
 
 
 def model_fingerprint(model) -> dict:
