@@ -155,3 +155,8 @@ def test_judge_refuses_a_live_runs_folder_and_missing_data(run, tmp_path):
         lease.release()
     with pytest.raises(ValueError, match=r"the run's data .* is not there .*pass --data"):
         judge(run / "step-00000003", data=str(tmp_path / "gone.txt"))
+    with pytest.raises(ckpt.CheckpointError, match="no such directory"):
+        judge(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint in it"):
+        judge(tmp_path / "empty")

@@ -31,6 +31,7 @@ from chimera.train import checkpoint
 from chimera.train.checkpoint import CheckpointError, CheckpointManager, state
 from chimera.train.checkpoint.lease import claim
 from chimera.train.checkpoint.record import CONFIG, UNCONFIRMED, health_of, read_meta
+from chimera.train.checkpoint.serve import folder, steps_in
 from chimera.train.config import TrainConfig
 from chimera.train.health import LossHistory
 
@@ -49,18 +50,12 @@ class Verdict:
 def judge(path: str | os.PathLike, data: str | None = None, device: str = "cpu") -> list[Verdict]:
     """Judge the checkpoint folder ``path``, or every checkpoint of the run folder ``path``
     that was never judged (none: an empty list). Raises CheckpointError (one line)."""
-    p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError(f"--checkpoint {path}: no such directory")
+    p = folder(path)
     if (p / checkpoint.META).exists():
         targets = [p]
     else:
-        found = [folder for _, folder in checkpoint.published(p)]
-        if not found:
-            raise CheckpointError(f"--checkpoint {path}: no checkpoint in it (no step-<n> "
-                                  f"folder and no {checkpoint.META})")
-        targets = [f for f in found if health_of(read_meta(f))["status"] == UNCONFIRMED]
-    return [judge_one(folder, data, device) for folder in targets]
+        targets = [f for f in steps_in(p) if health_of(read_meta(f))["status"] == UNCONFIRMED]
+    return [judge_one(step, data, device) for step in targets]
 
 
 def judge_one(path: Path, data: str | None = None, device: str = "cpu") -> Verdict:

@@ -30,17 +30,14 @@ ALLOW = "--allow-in-doubt"
 def choose(path: str | os.PathLike, allow_in_doubt: bool = False) -> tuple[Path, list[str]]:
     """The checkpoint folder ``--checkpoint path`` serves, and the lines to tell the user
     (notes and warnings). CheckpointError (one line) when it is refused."""
-    p = _folder(path)
+    p = folder(path)
     if (p / META).exists():
         return _step_folder(p, allow_in_doubt)
-    found = [folder for _, folder in published(p)]
-    if not found:
-        raise CheckpointError(f"--checkpoint {path}: no checkpoint in it (no step-<n> folder "
-                              f"and no {META})")
+    found = steps_in(p)
     if allow_in_doubt:
         return _step_folder(found[-1], True)
-    for folder in found:
-        read_meta(folder)  # an unreadable meta.json is refused by name, as --resume does
+    for step in found:
+        read_meta(step)  # an unreadable meta.json is refused by name, as --resume does
     good = newest_healthy(found)
     newer = found[found.index(good) + 1:] if good is not None else found
     if good is None:
@@ -51,7 +48,8 @@ def choose(path: str | os.PathLike, allow_in_doubt: bool = False) -> tuple[Path,
     return good, notes
 
 
-def _folder(path: str | os.PathLike) -> Path:
+def folder(path: str | os.PathLike) -> Path:
+    """``--checkpoint path`` as a folder (CheckpointError when it is missing or a file)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"--checkpoint {path}: no such directory")
@@ -61,6 +59,16 @@ def _folder(path: str | os.PathLike) -> Path:
     return p
 
 
+def steps_in(run: Path) -> list[Path]:
+    """The published checkpoints of the run folder ``run``, oldest first (CheckpointError:
+    none)."""
+    found = [step for _, step in published(run)]
+    if not found:
+        raise CheckpointError(f"--checkpoint {run}: no checkpoint in it (no step-<n> folder "
+                              f"and no {META})")
+    return found
+
+
 def _step_folder(p: Path, allow_in_doubt: bool) -> tuple[Path, list[str]]:
     status = health_of(read_meta(p))["status"]
     if status == HEALTHY:
@@ -68,7 +76,7 @@ def _step_folder(p: Path, allow_in_doubt: bool) -> tuple[Path, list[str]]:
     if allow_in_doubt:
         return p, [f"warning: serving checkpoint {p}, which is {_verdict(p, named=False)} "
                    f"({ALLOW})"]
-    good = newest_healthy([folder for _, folder in published(p.parent)])
+    good = newest_healthy([step for _, step in published(p.parent)])
     where = (f"newest healthy checkpoint {good}" if good is not None else
              f"no healthy checkpoint in {p.parent}")
     raise CheckpointError(f"checkpoint {p} is {_verdict(p, named=False)}: {where}; {_way_out(p)}")
