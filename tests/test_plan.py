@@ -428,3 +428,39 @@ def test_plan_vs_bench_leaves_out_the_sharded_optimizer_rows(tmp_path):
     pairs, times = pvb.measure_w1(1, str(path))
     assert pairs == [("chimera", {}), ("chimera", {"strategy": "doubling"})]
     assert times == {"chimera": 1.0, "chimera (doubling)": 1.1}
+
+
+def test_references_are_ranked_beside_ours_and_the_verdict_says_when_chimera_is_not_the_pick():
+    """Issue 36: schedules the user could run instead (torch's, built by a factory the caller
+    gives: the planner imports no torch) join the ranking; the verdict names the pick."""
+    from chimera.plan.report import table, to_json, verdict
+
+    work = Workload(get_config("gpt2-small"), 8, 32, get_hardware("a100"), name="gpt2-small")
+    made = []
+
+    def zbv(depth, n):
+        made.append((depth, n))
+        return build("zb-v", depth, n)
+    result = Planner(work, ["chimera"], (False,), references={"torch:zbv": zbv}).run(5)
+    assert made and set(result.best) == {"chimera", "torch:zbv"}
+    ours, ref = result.best["chimera"], result.best["torch:zbv"]
+    text = verdict(result)
+    if ours.iteration_s <= ref.iteration_s:
+        assert text.startswith("Chimera's placement is the pick") and "torch:zbv" in text
+    else:
+        assert "NOT the pick" in text and "you can run instead" in text
+    assert "torch:zbv" in table(result) and to_json(result)["verdict"] == text
+    alone = Planner(work, ["1f1b"], (False,), references={"torch:zbv": zbv}).run(3)
+    assert "no scheme on Chimera's placement" in verdict(alone)
+
+
+def test_cli_plan_ranks_the_torch_schedules_named_and_refuses_unknown_ones():
+    code, out = run_cli("plan", "--model", "gpt2-small", "--gpus", "4", "--global-batch", "16",
+                        "--hardware", "a100", "--schemes", "chimera,torch:zbv", "--recompute", "off",
+                        "--json")
+    data = json.loads(out)
+    assert code == 0 and set(data["best_per_scheme"]) == {"chimera", "torch:zbv"}
+    assert "pick" in data["verdict"]
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "gpt2-small", "--gpus", "4", "--global-batch", "16",
+              "--hardware", "a100", "--schemes", "chimera,torch:nope"])

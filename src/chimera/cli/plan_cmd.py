@@ -6,6 +6,7 @@ import argparse
 import json
 
 from chimera.cli.common import positive_float, positive_int
+from chimera.ir import ScheduleError
 from chimera.modelcfg import PRESETS, SIZED_PRESETS, get_sized_config
 from chimera.plan import Planner, PlanError, Workload, get_hardware, load_profile
 from chimera.plan.hardware import PRESETS as HARDWARE
@@ -35,7 +36,8 @@ def add_parsers(sub) -> None:
                    help="measured per-layer costs and links (chimera.profile/1 JSON, as written "
                         "by `chimera profile`) instead of the preset's FLOP model")
     p.add_argument("--schemes", metavar="LIST",
-                   help="comma-separated schemes to consider (default: all registered)")
+                   help="comma-separated schemes to consider (default: all registered, and "
+                        "torch's; torch names them all, torch:NAME one of them)")
     p.add_argument("--recompute", choices=("both", "on", "off"), default="both",
                    help="activation recomputation: try both (default), always, never")
     p.add_argument("--shard-optimizer", choices=("off", "on", "both"), default="off",
@@ -53,6 +55,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--top", "-k", type=positive_int, default=10, help="configurations to list")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--explain", action="store_true", help="say why the winner wins")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave out torch.distributed.pipelining's schedules (ranked beside ours "
+                        "by default, each in its own order, as torch:NAME: references you could "
+                        "run instead; needs torch)")
     p.set_defaults(func=cmd_plan)
 
 
@@ -89,9 +95,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     work = workload_from_args(args)
     names = [s.strip() for s in args.schemes.split(",") if s.strip()] if args.schemes else None
+    refs = _references(args, names)
+    names = [n for n in names if not n.startswith("torch")] if names else None
     recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
     shard = {"both": (False, True), "on": (True,), "off": (False,)}[args.shard_optimizer]
-    planner = Planner(work, names, recompute, shard=shard)
+    planner = Planner(work, names, recompute, shard=shard, references=refs)
     result = planner.run(args.top)
     if args.json:
         data = to_json(result)
@@ -104,3 +112,37 @@ def _plan(args: argparse.Namespace) -> int:
         print()
         print(explain(planner, result))
     return 0
+
+
+def _references(args: argparse.Namespace, names: list[str] | None) -> dict:
+    """torch's schedules to rank beside ours: all of them by default; with --schemes only
+    those it names (``torch`` for all, ``torch:NAME`` for one); none with --no-torch."""
+    if args.no_torch:
+        return {}
+    refs = torch_references()
+    if names is None or "torch" in names:
+        return refs
+    unknown = [n for n in names if n.startswith("torch:") and n not in refs]
+    if unknown:
+        raise PlanError(f"unknown torch schedule(s) {', '.join(unknown)}; known: "
+                        f"{', '.join(refs) or 'none (torch is not installed)'}")
+    return {n: refs[n] for n in names if n in refs}
+
+
+def torch_references() -> dict:
+    """``torch:NAME`` -> factory(D, N) of torch's schedule's own order (empty without torch:
+    importing it is what this costs, once)."""
+    try:  # torch, imported only here: every other plan and command starts without it
+        from chimera.bench.rows import TORCH_SCHEDULES  # noqa: I001 (with torch_order's)
+        from chimera.bench.torch_orders import torch_order  # imports torch
+    except ImportError:
+        return {}
+
+    def factory(name: str):
+        def make(depth: int, n: int):
+            try:
+                return torch_order(name, depth, n)
+            except (ValueError, RuntimeError, AssertionError) as exc:  # torch refuses (D, N)
+                raise ScheduleError(f"torch's {name} at D={depth} N={n}: {exc}") from exc
+        return make
+    return {f"torch:{name}": factory(name) for name in TORCH_SCHEDULES}

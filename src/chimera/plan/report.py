@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from chimera.modelcfg import param_count
 from chimera.plan.hardware import PlanError
-from chimera.plan.search import Candidate, Evaluation, Planner, PlanResult
+from chimera.plan.search import Candidate, Evaluation, Planner, PlanResult, _needs_even_depth
+from chimera.plan.shapes import is_reference
 from chimera.plan.tensor import placement_problem
 from chimera.plan.workload import divisors
 
@@ -64,6 +65,7 @@ def table(result: PlanResult) -> str:
     lines += ["", "best per scheme (speed-up of #1 over it):", columns(tp) + f" {'#1 speed-up':>11}"]
     for e in sorted(result.best.values(), key=lambda e: e.iteration_s):
         lines.append(_row("", e, f" {e.iteration_s / win.iteration_s:>10.2f}x", tp))
+    lines += ["", verdict(result)]
     missing = sorted(set(result.schemes) - set(result.best))
     if missing:
         lines.append(f"no configuration fits or builds for: {', '.join(missing)}")
@@ -75,6 +77,29 @@ def table(result: PlanResult) -> str:
                  + ("; T: tensor-parallel ranks per pipeline rank (P = W*D*T), every figure "
                     "per TP rank" if tp else ""))
     return "\n".join(lines)
+
+
+def verdict(result: PlanResult) -> str:
+    """Whether Chimera's placement (two weight copies, bidirectional) is the pick, against the
+    best of the rest and torch's schedules (references the user could run instead)."""
+    win = result.top[0]
+    bidi = [e for e in result.best.values()
+            if not is_reference(e.candidate.scheme) and _needs_even_depth(e.candidate.scheme)]
+    refs = [e for e in result.best.values() if is_reference(e.candidate.scheme)]
+    best_ref = min(refs, key=lambda e: e.iteration_s) if refs else None
+    if not bidi:
+        return "no scheme on Chimera's placement was searched or fits: it is not the pick here"
+    best_bidi = min(bidi, key=lambda e: e.iteration_s)
+    if best_bidi is win:
+        against = (f"; torch's best, {best_ref.candidate.variant} ({_config(best_ref.candidate)}), "
+                   f"takes {best_ref.iteration_s / win.iteration_s:.2f}x as long") if best_ref else ""
+        return f"Chimera's placement is the pick: {win.candidate.variant}{against}"
+    ratio = best_bidi.iteration_s / win.iteration_s
+    who = (f"torch.distributed.pipelining's {win.candidate.variant[len('torch:'):]}, a schedule "
+           f"you can run instead," if is_reference(win.candidate.scheme) else win.candidate.variant)
+    by = f"{ratio:.2f}x faster than" if ratio >= 1.005 else "as fast as (within 0.5%)"
+    return (f"Chimera's placement is NOT the pick here: {who} ({_config(win.candidate)}) is "
+            f"{by} the best on it, {best_bidi.candidate.variant} ({_config(best_bidi.candidate)})")
 
 
 def to_json(result: PlanResult) -> dict:
@@ -95,6 +120,7 @@ def to_json(result: PlanResult) -> dict:
             "tensor_parallel": list(w.tensor_parallel), "gpus_per_node": w.hardware.devices_per_node,
             "capacity_gib": result.capacity / GIB, "top": [ev(e) for e in result.top],
             "best_per_scheme": {k: ev(e) for k, e in sorted(result.best.items())},
+            "verdict": verdict(result),
             "search": {"candidates": s.candidates, "simulated": s.simulated,
                        "cut_by_bound": s.cut_by_bound, "cut_by_memory_bound": s.cut_by_memory_bound,
                        "out_of_memory": s.out_of_memory, "invalid": s.invalid, "seconds": s.seconds}}

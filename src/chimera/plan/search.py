@@ -30,7 +30,7 @@ from chimera.theory import bounds
 from chimera.ir import Op, OpTimes, ScheduleError
 from chimera.plan.hardware import PlanError
 from chimera.plan.memory import state_bytes
-from chimera.plan.shapes import Shape, ShapeCache
+from chimera.plan.shapes import Shape, ShapeCache, is_reference
 from chimera.plan.workload import Pricing, StageCosts, Workload, divisors, memory_floor
 from chimera.schedules import build, get_scheme, schemes
 from chimera.schedules.asynchronous import weight_versions
@@ -51,6 +51,8 @@ class Candidate:
     @property
     def variant(self) -> str:
         """The scheme with its options, e.g. ``chimera Q=2 direct`` (``+zero1`` if sharded)."""
+        if is_reference(self.scheme):
+            return self.scheme
         return get_scheme(self.scheme).label(self.options) + (" +zero1" if self.shard else "")
 
 
@@ -122,11 +124,16 @@ def variants(name: str, depth: int, layers: int) -> list[tuple[tuple[str, object
     """Every combination of the values the scheme's options search (``Option.search``);
     an option without them keeps the generator's default."""
     axes = []
-    for option in get_scheme(name).declared:
+    for option in () if is_reference(name) else get_scheme(name).declared:
         values = option.search(depth, layers) if option.search else []
         if values:
             axes.append([(option.name, v) for v in values])
     return [tuple(combo) for combo in itertools.product(*axes)]
+
+
+def _runnable(name: str) -> bool:
+    """A reference (torch's schedule) runs; a scheme of ours says."""
+    return is_reference(name) or get_scheme(name).runnable
 
 
 def _needs_even_depth(name: str) -> bool:
@@ -143,7 +150,7 @@ def check_request(work: Workload, names: list[str]) -> None:
     """Fail early, with one line, on requests no configuration can meet."""
     p, sizes = work.gpus, work.tensor_parallel
     of = "" if sizes == (1,) else f" / T (T in {', '.join(map(str, sizes))})"
-    bidirectional = [n for n in names if _needs_even_depth(n)]
+    bidirectional = [n for n in names if not is_reference(n) and _needs_even_depth(n)]
     if bidirectional and all((p // t) % 2 for t in sizes):
         raise PlanError(f"--gpus {p}{of} has no even divisor D, which {', '.join(bidirectional)} "
                         f"need(s); choose an even P or leave them out with --schemes")
@@ -157,15 +164,18 @@ def check_request(work: Workload, names: list[str]) -> None:
 class Planner:
     def __init__(self, work: Workload, scheme_names: list[str] | None = None,
                  recompute: tuple[bool, ...] = (False, True), shapes: ShapeCache | None = None,
-                 shard: tuple[bool, ...] = (False,)):
+                 shard: tuple[bool, ...] = (False,), references: dict | None = None):
+        """``references``: ``{"torch:NAME": factory(D, N) -> Schedule}``, schedules the user
+        could run instead of ours (torch's, in their own order), ranked beside them."""
         names = list(scheme_names or [s.name for s in schemes()])
         for name in names:
             get_scheme(name)  # unknown names fail here, with the list of known ones
         check_request(work, names)
+        names += list(references or {})
         self.work, self.names, self.recompute, self.shard = work, names, recompute, shard
         self.pricing = Pricing(work)
         self.capacity = work.capacity
-        self.shapes = shapes or ShapeCache()
+        self.shapes = shapes or ShapeCache(references)
         self.stats = Stats()
 
     def candidates(self) -> list[Candidate]:
@@ -181,7 +191,7 @@ class Planner:
                     n = g // (width * b)
                     for name in self.names:
                         for opts in variants(name, depth, layers):
-                            shard = self.shard if get_scheme(name).runnable else (False,)
+                            shard = self.shard if _runnable(name) else (False,)
                             out += [Candidate(name, opts, depth, width, b, n, rc, sh, t)
                                     for rc in self.recompute for sh in shard]
         return out
@@ -326,7 +336,7 @@ class Planner:
         stats = self.stats
         queue = sorted((self.quick_floor(c), c) for c in self.candidates() if only is None or only(c))
         stats.candidates = len(queue)
-        runnable = {n for n in self.names if get_scheme(n).runnable}
+        runnable = {n for n in self.names if _runnable(n)}
         search = _Search(top_k, group, runnable or set(self.names))
         ready: list[tuple[float, Candidate]] = []  # (sharp bound, candidate), a heap
         i = 0

@@ -46,10 +46,22 @@ class Shape:
         return self._compiled
 
 
-class ShapeCache:
-    """Shapes by (scheme, options, D, N); None where the generator refuses the arguments."""
+# A reference is a schedule the user could run instead of ours (torch.distributed.pipelining's,
+# each in its own order): named ``torch:NAME``, built by a factory the caller gives
+# (``references[name](D, N) -> Schedule``; the planner imports no torch).
+REFERENCE_PREFIX = "torch:"
 
-    def __init__(self) -> None:
+
+def is_reference(scheme: str) -> bool:
+    return scheme.startswith(REFERENCE_PREFIX)
+
+
+class ShapeCache:
+    """Shapes by (scheme, options, D, N); None where the generator refuses the arguments.
+    ``references``: factories of the reference schedules (see :data:`REFERENCE_PREFIX`)."""
+
+    def __init__(self, references: dict | None = None) -> None:
+        self.references = dict(references or {})
         self._shapes: dict[tuple, Shape | None] = {}
         self._probes: dict[tuple, Shape | None] = {}
         self.built = 0
@@ -58,7 +70,9 @@ class ShapeCache:
         key = (scheme, options, depth, n)
         if key not in self._shapes:
             try:
-                self._shapes[key] = Shape(build(scheme, depth, n, **dict(options)))
+                made = (self.references[scheme](depth, n) if is_reference(scheme)
+                        else build(scheme, depth, n, **dict(options)))
+                self._shapes[key] = Shape(made)
                 self.built += 1
             except ScheduleError:
                 self._shapes[key] = None
