@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 import transformers
-from transformers import BertConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (BertConfig, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config)
 
 V, T = 37, 8  # vocabulary, longest sequence
 WINDOW = 4  # sliding_window of the Mistral and Qwen3 configs: shorter than T
@@ -34,6 +35,8 @@ def config(arch: str, attn: str):
     if arch == "qwen3":  # q/k norms, head_dim 8 != 16 / 4; layer 0 full, layer 1 sliding
         return Qwen3Config(**small, head_dim=8, use_sliding_window=True, sliding_window=WINDOW,
                            max_window_layers=1)
+    if arch == "gemma":  # embedding scaled by sqrt(16), RMSNorm by (1 + w), GELU, tied head
+        return GemmaConfig(**small, head_dim=4)
     if arch == "bert":  # tied decoder weight and bias
         return BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
                           intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
@@ -42,12 +45,13 @@ def config(arch: str, attn: str):
 
 
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM",
-           "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+           "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+           "gemma": "GemmaForCausalLM"}
 # eager Llama and Qwen2: the causal-mask trap; sdpa where a window is: eager HF gives NaN on
 # the rows of a right-padded sequence whose window holds padding only (and NaN gradients)
 ATTN = {"gpt2": "sdpa", "llama": "eager", "bert": "eager", "qwen2": "eager", "mistral": "sdpa",
-        "qwen3": "sdpa"}
-FAMILIES = ("qwen2", "mistral", "qwen3")  # the Llama-like families beyond Llama
+        "qwen3": "sdpa", "gemma": "eager"}
+FAMILIES = ("qwen2", "mistral", "qwen3", "gemma")  # the Llama-like families beyond Llama
 
 
 def build(arch: str, attn: str | None = None, dtype=torch.float64, seed: int = 0):
@@ -115,6 +119,14 @@ def loss_of(arch: str, logits, labels):
 # default 1e-8, Adam's normalization turns that noise into lr-sized, run-dependent steps
 LR, DECAY, EPS = 0.05, 0.1, 1e-6
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64: a pipelined run against one process
+# Gemma's RMSNorm computes in float32 in a float64 model too (``(x * (1 + w)).float()``), so
+# its weight gradients are float32 sums over the rows, whose order micro-batching changes
+# (~1e-7 relative): float32's agreement, not float64's
+TOL32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def tolerance(arch: str) -> dict:
+    return TOL32 if arch == "gemma" else TOL
 
 
 def reference(model, arch: str, rows: int) -> dict:
@@ -151,16 +163,16 @@ def pipelined(model, pipe, arch: str, rows: int) -> dict:
     return out
 
 
-def check_pipelined(got: list[dict], ref: dict) -> None:
+def check_pipelined(got: list[dict], ref: dict, tol: dict = TOL) -> None:
     """``pipelined``'s results of every rank against ``reference``: every rank's every copy
     of every parameter (tied ones under both names), gradients of each step and parameters
-    after the last at 1e-10, the losses too."""
+    after the last at 1e-10 (``tol``), the losses too."""
     import pytest
 
     for rank, res in enumerate(got):
         for k in range(3):
             for name, g in res["grads"][k]:
-                assert torch.allclose(g, ref["grads"][k][name], **TOL), (rank, k, name)
-        assert res["losses"] == pytest.approx(ref["losses"], rel=1e-10)
+                assert torch.allclose(g, ref["grads"][k][name], **tol), (rank, k, name)
+        assert res["losses"] == pytest.approx(ref["losses"], rel=tol["rtol"])
         for name, p in res["params"]:
-            assert torch.allclose(p, ref["params"][name], **TOL), (rank, name)
+            assert torch.allclose(p, ref["params"][name], **tol), (rank, name)

@@ -28,7 +28,8 @@ def hf(arch):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     windows = {"MistralForCausalLM": dict(sliding_window=3),  # shorter than the rows grow
                "Qwen3ForCausalLM": dict(head_dim=8, use_sliding_window=True, sliding_window=3,
-                                        max_window_layers=1)}
+                                        max_window_layers=1),
+               "GemmaForCausalLM": dict(head_dim=4)}
     if arch == "GPT2LMHeadModel":
         config = GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32)
     else:
@@ -44,7 +45,7 @@ def full_logits(model, row):
 
 
 @pytest.mark.parametrize("which", ["preset", "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                                   "MistralForCausalLM", "Qwen3ForCausalLM"])
+                                   "MistralForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM"])
 def test_cached_steps_give_the_whole_sequences_logits(which):
     source, model = preset() if which == "preset" else hf(which)
     loaded = Loaded(model, 32, 64, {}, None, source)

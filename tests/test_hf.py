@@ -309,7 +309,7 @@ def test_refused_with_one_line(tmp_path):
     for cfg, words in ((Phi3Config(), "model_type 'phi3'"), (MixtralConfig(), "model_type 'mixtral'")):
         for arch in (None, "LlamaForCausalLM"):
             supported = (".*supports GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
-                         "MistralForCausalLM, Qwen3ForCausalLM, BertForMaskedLM")
+                         "MistralForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM, BertForMaskedLM")
             with pytest.raises(ValueError, match=words + supported):
                 hf.load(cfg, architecture=arch)
     llama = hm.config("llama", "eager")

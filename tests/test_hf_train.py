@@ -278,7 +278,8 @@ def test_generate_continues_with_the_runs_tokenizer(demo, capsys):
 
 @pytest.mark.parametrize("preset,arch", [("hf-qwen2-tiny", "Qwen2ForCausalLM"),
                                          ("hf-mistral-tiny", "MistralForCausalLM"),
-                                         ("hf-qwen3-tiny", "Qwen3ForCausalLM")])
+                                         ("hf-qwen3-tiny", "Qwen3ForCausalLM"),
+                                         ("hf-gemma-tiny", "GemmaForCausalLM")])
 def test_family_presets_train_export_and_reload(root, tmp_path, preset, arch):
     """`chimera train --model hf-<family>-tiny` (sequences of 40: past Mistral's window of 32)
     and `chimera export`: AutoModelForCausalLM loads the family's class with the

@@ -127,9 +127,10 @@ def gpt2_plan(config) -> list[tuple[type, dict[str, str]]]:
 
 
 # -- Llama (LlamaForCausalLM) and the families made of its parts ----------------------------
-# Qwen2 (q/k/v biases), Mistral (sliding-window attention), Qwen3 (q/k norms): the same
-# embedding, decoder-layer call, final norm and head under the same names; only the modules
-# inside the decoder layer and the mask of sliding-window layers differ.
+# Qwen2 (q/k/v biases), Mistral (sliding-window attention), Qwen3 (q/k norms), Gemma (an
+# embedding scaled by sqrt(hidden), RMSNorm by 1 + w, GELU, tied): the same embedding,
+# decoder-layer call, final norm and head under the same names; only the modules inside
+# them and the mask of sliding-window layers differ.
 class LlamaEmbed(Embed):
     absolute_positions = False  # RoPE: no table to overrun
 

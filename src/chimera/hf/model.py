@@ -32,6 +32,7 @@ ARCHS = {
     "Qwen2ForCausalLM": ("qwen2", L.qwen_plan, True),
     "MistralForCausalLM": ("mistral", L.mistral_plan, True),
     "Qwen3ForCausalLM": ("qwen3", L.qwen_plan, True),
+    "GemmaForCausalLM": ("gemma", L.llama_plan, True),
     "BertForMaskedLM": ("bert", L.bert_plan, False),
 }
 SUPPORTED = ", ".join(ARCHS)
@@ -50,6 +51,9 @@ TP_PLANS = {
     L.SlidingBlock: _DECODER_TP,
     L.LlamaHead: lambda: tp.head_plan("lm_head"),
 }
+# Gemma's embedding scales its lookup by sqrt(hidden) inside its own module, which a
+# vocabulary-sharded embedding would replace: embedding and (tied) head stay whole there
+WHOLE_ENDS = {"GemmaForCausalLM": (L.LlamaEmbed, L.LlamaHead)}
 # architectures without one, and why
 NO_TP = {"BertForMaskedLM": "BERT has no tensor-parallel plan yet",
          "Qwen3ForCausalLM": "Qwen3's q/k norms act on each rank's heads and would need their "
@@ -190,6 +194,8 @@ class HFModel:
     def tp_plan(self, index: int, layer: nn.Module) -> dict:
         """Layer ``index``'s tensor-parallel plan (``ModelOptions.tp_plan``): the embedding
         by vocabulary, each block Megatron-style, the head column-parallel, logits gathered."""
+        if type(layer) in WHOLE_ENDS.get(self.arch, ()):
+            return {}
         make = TP_PLANS.get(type(layer))
         if self.arch in NO_TP or make is None:
             why = NO_TP.get(self.arch, f"{self.arch} has no tensor-parallel plan yet")
@@ -265,7 +271,7 @@ def load(source, *, dtype: torch.dtype | None = None, attn_implementation: str |
     ``dtype``: the parameters' dtype (default: the model's own, float32 from a config or a
     folder). ``attn_implementation``: "eager" or "sdpa" (default: HF's choice). ``architecture``:
     overrides the config's ``architectures`` (one of ``ARCHS``: GPT2LMHeadModel,
-    LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM,
+    LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
     BertForMaskedLM). ``labels_shifted``: the targets of a causal model are already the next
     tokens (``targets[:, t]`` follows ``inputs[:, t]``, as ``chimera train``'s batches), not
     HF's labels (the input ids, shifted inside the loss). Local files only: nothing is

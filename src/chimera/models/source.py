@@ -38,6 +38,10 @@ HF_PRESETS = {
                       dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                            max_position_embeddings=256, tie_word_embeddings=True), 64),
+    "hf-gemma-tiny": ("GemmaForCausalLM",  # embedding scaled by sqrt(64), RMSNorm by 1 + w, tied
+                      dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           max_position_embeddings=256), 64),
 }
 
 
