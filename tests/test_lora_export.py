@@ -134,3 +134,30 @@ def test_generate_loads_the_adapters_merged(runs, name):
         got, want = loaded.model(ids), merged(ids).logits
     got = got.logits if hasattr(got, "logits") else got
     assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.slow
+def test_pipelined_sharded_run_resumes_on_another_schedule_and_exports(run_cli, tmp_path):
+    """Spawned ranks: LoRA on chimera with the sharded optimizer (state of the adapters only,
+    sliced over each stage's replicas), a checkpoint resumed on 1F1B unsharded, exported
+    merged and as adapters that peft loads onto the base export with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    (tmp_path / "text.txt").write_text(TEXT)
+    common = ["train", "--model", "hf-llama-tiny", "--seq-len", "16", "--data", tmp_path / "text.txt",
+              "--lora-rank", "4", "-D", "2", "--no-progress", "--png", "", "--trace", "",
+              "--checkpoint-dir", tmp_path / "ck"]
+    first = run_cli(*common, "--steps", "2", "--shard-optimizer", timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "(sharded over each stage's replicas)" in first.stdout
+    second = run_cli(*common, "--steps", "3", "--schedule", "1f1b", "--resume", timeout=600)
+    assert second.returncode == 0, second.stderr
+    for out, flags in (("merged", []), ("base", ["--no-merge-lora"]), ("adapter", ["--adapter-only"])):
+        done = run_cli("export", "--checkpoint", tmp_path / "ck", "--out", tmp_path / out, *flags)
+        assert done.returncode == 0, done.stderr
+    ids = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+        got = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
