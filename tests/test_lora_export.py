@@ -17,6 +17,7 @@ peft = pytest.importorskip("peft", reason="the adapter folder is checked with pe
 import torch  # noqa: E402
 
 from chimera.cli import main  # noqa: E402
+from chimera.errors import UserError  # noqa: E402
 from chimera.train import checkpoint as ckpt  # noqa: E402
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(200))
@@ -161,3 +162,21 @@ def test_pipelined_sharded_run_resumes_on_another_schedule_and_exports(run_cli, 
         base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
         got = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
     assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_preflight_shards_a_frozen_tie_and_refuses_lora_with_tensor_parallel(runs):
+    """GPT-2's tied embedding and head: --shard-optimizer refuses the tie while it trains, not
+    once it is frozen (LoRA, or --freeze naming either copy); LoRA with -T 2 is refused
+    before any process starts."""
+    from chimera.train.config import ConfigError, TrainConfig
+
+    data = str(runs / "text.txt")
+    sharded = dict(model=f"hf:{runs / 'gcfg'}", seq_len=16, data=data, stages=2,
+                   shard_optimizer=True, steps=1)
+    with pytest.raises(UserError, match="tied across stages"):
+        TrainConfig(**sharded).preflight()
+    TrainConfig(**sharded, lora_rank=4).preflight()
+    TrainConfig(**sharded, freeze=("*.lm_head.*",)).preflight()
+    TrainConfig(**sharded, freeze=("0.wte.*",)).preflight()
+    with pytest.raises(ConfigError, match="--lora-rank with --tensor-parallel 2 is not supported"):
+        TrainConfig(model="gpt2-tiny", data=data, tensor_parallel=2, lora_rank=4).preflight()

@@ -165,6 +165,9 @@ def _check_tensor_parallel(cfg) -> None:
     t = cfg.pipeline.tensor_parallel
     if t == 1:
         return
+    if cfg.net.lora_rank:
+        raise ConfigError(f"--lora-rank with --tensor-parallel {t} is not supported: adapters "
+                          "are not sharded; train them with -T 1")
     import torch  # lazy: the config checks run before torch loads
 
     from chimera.tp import resolve  # lazy: imports torch
@@ -195,8 +198,12 @@ def _check_model(cfg) -> None:
         _check_partition(cfg.net.partition, source.num_layers, n)
     if cfg.pipeline.shard_optimizer and n > 1:
         from chimera.byo import refuse_sharded_ties  # lazy: it imports torch
+        from chimera.models.lora import LoRAOptions, Tuning  # lazy: it imports torch
 
-        refuse_sharded_ties([source.key(t[0]) for t in source.ties], "--shard-optimizer")
+        lora = LoRAOptions(**cfg.net.lora) if cfg.net.lora else None
+        trains = Tuning(cfg.net.freeze, lora, cfg.optim.seed, source.ties).trains
+        refuse_sharded_ties([source.key(t[0]) for t in source.ties if trains(t[0])],
+                            "--shard-optimizer")
 
 
 def _check_partition(partition: str, n_layers: int, n_stages: int) -> None:
