@@ -141,3 +141,29 @@ def test_key_lines_follow_tables_dotted_keys_and_multiline_strings():
     assert lines[("a",)] == 1 and lines[("pipeline",)] == 2 and lines[("pipeline", "stages")] == 3
     assert lines[("pipeline", "options", "pipes")] == 7 and lines[("optim", "steps")] == 9
     assert ("pipeline", "steps") not in lines  # inside a multi-line string
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[run]\ntrace = 5\n", "[run] trace must be text, got 5"),
+    ("[net]\npartition = 5\n", "[net] partition must be text, got 5"),
+    ("[run]\nfault = 5\n", "[run] fault must be text, got 5"),
+    ("[ckpt]\nresume_allow = 5\n", "[ckpt] resume_allow must be a list of text, got 5"),
+    ("[pipeline]\nrecompute = 2\n", "[pipeline] recompute must be true or false, got 2"),
+    ("[run]\nprogress = 'no'\n", "[run] progress must be true or false, got 'no'"),
+    ("[pipeline.options]\npipes = 'x'\n", "option [pipeline.options] pipes must be a positive integer"),
+], ids=["str", "partition", "fault", "list", "bool", "switch", "option"])
+def test_a_value_of_the_wrong_type_is_one_line_naming_its_line(tmp_path, capsys, text, words):
+    path = write(tmp_path / "w.toml", text)  # a traceback from deep inside the run, before
+    assert f"{path}:2: {words}" in refused(capsys, "--config", path)
+
+
+def test_a_switch_flag_overrides_a_file_value_that_is_no_switch(tmp_path):
+    path = write(tmp_path / "w.toml", "[run]\nprogress = 'no'\n[pipeline]\nrecompute = 'yes'\n")
+    cfg, _ = parse(["--config", path, "--no-progress", "--recompute"])
+    assert cfg.run.progress is False and cfg.pipeline.recompute is True
+
+
+def test_a_path_from_python_is_taken_as_its_text(tmp_path):
+    assert TrainConfig(log_json=tmp_path / "log.jsonl").run.log_json == str(tmp_path / "log.jsonl")
+    with pytest.raises(ConfigError, match="--log-json must be text, got 5"):
+        TrainConfig(log_json=5)

@@ -102,15 +102,24 @@ def _flags_type():
         arg("json", bool, False)], frozen=True), dict(parts)
 
 
-def _defaults(flags_type, parts: dict, source, config: str | None):
+def _defaults(flags_type, parts: dict, values: dict, options: dict, config: str | None):
     """The flags' defaults: the sections' defaults, or a --config file's values, unchecked
     (the flags override them first; the sections check what is left)."""
-    values, options = (source.values(), source.options()) if source else ({}, {})
     kw = {name: kind(**{f.name: values.get(f.name, f.default) for f in dataclasses.fields(kind)})
           for name, kind in parts.items() if name != "scheme"}
     known = {f.name for f in dataclasses.fields(parts["scheme"])}
     kw["scheme"] = parts["scheme"](**{k: v for k, v in options.items() if k in known})
     return flags_type(config=config, json=False, **kw)
+
+
+def _odd_switches(values: dict) -> tuple[dict, dict]:
+    """(A --config file's values of switches that are not true or false, every switch's default): tyro
+    would make another flag of such a default, so the switch keeps its own default and the
+    value is put back after parsing unless a flag changed it (the section refuses it then,
+    naming the file's line)."""
+    switches = {f.name: f.default for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+                if isinstance(f.default, bool)}
+    return {k: v for k, v in values.items() if k in switches and not isinstance(v, bool)}, switches
 
 
 def parse(argv: list[str]):
@@ -125,7 +134,10 @@ def parse(argv: list[str]):
     config = _config_file(argv)
     source = config_file.read(config) if config else None
     flags_type, parts = _flags_type()
-    default = _defaults(flags_type, parts, source, config)
+    values, options = (source.values(), source.options()) if source else ({}, {})
+    odd, switches = _odd_switches(values)
+    default = _defaults(flags_type, parts, {**values, **{k: switches[k] for k in odd}}, options,
+                        config)
     settings = dict(args=argv, prog="chimera train", description=DESCRIPTION, default=default,
                     config=(tyro.conf.OmitArgPrefixes,))
     with warnings.catch_warnings():  # a file's value of the wrong type: the sections say so
@@ -136,7 +148,8 @@ def parse(argv: list[str]):
             flags = _parse_quietly(tyro, flags_type, settings)
     flat = {f.name: getattr(getattr(flags, name), f.name) for name in SECTIONS
             for f in dataclasses.fields(parts[name])}
-    options = {**(source.options() if source else {}), **dataclasses.asdict(flags.scheme)}
+    flat.update({k: v for k, v in odd.items() if flat[k] == switches[k]})
+    options = {**options, **dataclasses.asdict(flags.scheme)}
     source = source.keeping(flat, options) if source else None
     with source.blame() if source else contextlib.nullcontext():
         cfg = TrainConfig(**flat, options=options)

@@ -98,8 +98,8 @@ class ConfigFile:
         """``message`` with every flag whose value came from this file named as the file's
         table and key, prefixed with ``FILE:LINE`` of the first; None when it names none."""
         found, pieces, end = [], [], 0
-        for match in re.finditer(r"--([a-z][a-z0-9-]*)\b", message):
-            key = self.key_of(match.group(1).replace("-", "_"))
+        for match in re.finditer(r"--([a-z][a-z0-9-]*)\b|(?<=\boption )([a-z][a-z0-9_]*)\b", message):
+            key = self.key_of((match.group(1) or match.group(2)).replace("-", "_"))
             if key is None:
                 continue
             found.append(key)

@@ -82,6 +82,25 @@ def _real(section, name: str, low: float | None = None, high: float | None = Non
                           f"got {value!r}")
 
 
+def _kinds(section) -> None:
+    """Text, switches and lists of text checked by their annotation (a TOML file may hold any
+    type there; numbers and choices are checked field by field, with their ranges)."""
+    for f in fields(section):
+        value, kind = getattr(section, f.name), f.type.replace(" ", "")
+        if value is None and kind.endswith("|None"):
+            continue
+        kind = kind.removesuffix("|None")
+        if kind == "str" and isinstance(value, os.PathLike):  # a path from Python: as its text
+            object.__setattr__(section, f.name, value := os.fspath(value))
+        if kind == "str" and not isinstance(value, str):
+            raise ConfigError(f"{flag(f.name)} must be text, got {value!r}")
+        if kind == "bool" and not isinstance(value, bool):
+            raise ConfigError(f"{flag(f.name)} must be true or false, got {value!r}")
+        if kind == "tuple[str,...]" and not isinstance(value, str) and not (
+                isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)):
+            raise ConfigError(f"{flag(f.name)} must be a list of text, got {value!r}")
+
+
 def _choice(section, name: str, choices) -> None:
     value = getattr(section, name)
     if value not in choices:
@@ -126,6 +145,7 @@ class Net:
                                          "q_proj, v_proj (Llama), c_attn (HF GPT-2), attn.qkv (GPT-2 presets)")
 
     def __post_init__(self) -> None:
+        _kinds(self)
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"--model must be a model name, got {self.model!r}")
         _whole(self, "seq_len", optional=True)
@@ -194,6 +214,7 @@ class Corpus:
                         self.tokenizer, self.val_data, self.val_fraction)
 
     def __post_init__(self) -> None:
+        _kinds(self)
         try:  # the values of --token-dtype, --vocab-size, --text-field... (no file is read)
             self.spec()
         except UserError as exc:
@@ -225,6 +246,7 @@ class Pipeline:
                                                    "registry), each a flag of its own")
 
     def __post_init__(self) -> None:
+        _kinds(self)
         for name in ("stages", "micro_batch_size", "data_parallel", "tensor_parallel"):
             _whole(self, name)
         _whole(self, "micro_batches", optional=True)
@@ -304,6 +326,7 @@ class Optim:
     seed: int = knob(0, "seed of the weights and the order of the data")
 
     def __post_init__(self) -> None:
+        _kinds(self)
         _whole(self, "steps")
         if isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) \
                 and math.isfinite(self.lr) and self.lr <= 0:
@@ -391,10 +414,11 @@ class Run:
                              "time", metavar="M")
 
     def __post_init__(self) -> None:
+        for name in ("trace", "png"):  # None: no trace, no picture
+            object.__setattr__(self, name, "" if getattr(self, name) is None else getattr(self, name))
+        _kinds(self)
         _whole(self, "threads")
         _choice(self, "device", DEVICES)
-        object.__setattr__(self, "trace", self.trace or "")  # None: no trace
-        object.__setattr__(self, "png", self.png or "")
         for name in ("comm_timeout", "rendezvous_timeout"):
             _real(self, name, 0.0)
             if not MIN_COMM_TIMEOUT_S <= getattr(self, name) <= MAX_COMM_TIMEOUT_S:
@@ -438,6 +462,7 @@ class Ckpt:
                                          metavar="FIELDS")
 
     def __post_init__(self) -> None:
+        _kinds(self)
         _whole(self, "checkpoint_every", low=0)
         _whole(self, "keep_checkpoints")
         if self.checkpoint_dir is None and (self.resume or self.checkpoint_every):
