@@ -196,3 +196,16 @@ def test_allreduce_is_priced_by_the_bytes_a_rank_holds(name, ranks_bytes):
         per_rank[rank] = per_rank.get(rank, 0.0) + end - start
     assert len(per_rank) == 4 and sorted(per_rank.values()) == pytest.approx([3.0 * ranks_bytes] * 4)
     assert priced.makespan >= plain.makespan + 3.0 * ranks_bytes - 1e-9
+
+
+def test_cli_w_keeps_lowers_the_simulated_peak_of_a_split_backward(capsys):
+    import json
+
+    from chimera.cli import main
+
+    peaks = []
+    for share in ("1", "0.4"):
+        assert main(["simulate", "-s", "zb-h1", "-D", "4", "-N", "8", "--cost", "1:1:1",
+                     "--w-keeps", share, "--json"]) == 0
+        peaks.append([r["peak_activations"] for r in json.loads(capsys.readouterr().out)["ranks"]])
+    assert peaks[0][0] == 4.0 and all(b < a for a, b in zip(peaks[0][1:], peaks[1][1:]))

@@ -72,8 +72,18 @@ def add_cost_options(p: argparse.ArgumentParser) -> None:
                    help="time of one replica's optimizer step for a D-th of the model; a rank "
                         "runs one per replica it holds, after its allreduces (default: 0; with "
                         "--profile, its measured optimizer_s_per_byte)")
+    g.add_argument("--w-keeps", type=_share, default=1.0, metavar="SHARE",
+                   help="share of a micro-batch's activations W still needs after I (I frees the "
+                        "rest; default: 1, what our runtime and torch's keep for W)")
     g.add_argument("--shard-optimizer", action="store_true",
                    help="ZeRO-1: each replica updates 1/(its stage's replicas x W) of the stage")
+
+
+def _share(text: str) -> float:
+    value = nonneg_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1], got {text!r}")
+    return value
 
 
 def cost_from_args(args: argparse.Namespace) -> CostModel:
@@ -81,7 +91,7 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
     return CostModel(f=base.f, b=base.b, i=base.i, w=base.w, p2p_time=args.p2p,
                      reduce=(args.allreduce,), overlap_allreduce=not args.no_overlap,
                      data_parallel=args.data_parallel, optimizer=(args.optimizer,),
-                     shard_optimizer=args.shard_optimizer)
+                     shard_optimizer=args.shard_optimizer, w_keeps=args.w_keeps)
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:
