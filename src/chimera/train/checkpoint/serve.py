@@ -10,7 +10,7 @@ doubt or not yet judged without saying so.
   refused. ``allow_in_doubt`` serves its newest checkpoint, whatever its verdict (a warning
   when it is not healthy).
 
-``chimera judge`` (``chimera.train.checkpoint.judge``) gives an unconfirmed checkpoint its
+``chimera judge`` (``chimera.train.judge``) gives an unconfirmed checkpoint its
 verdict. ``--resume`` is not served here: it continues from the newest checkpoint not in
 doubt, unconfirmed included, because its first step judges it (``keeper``).
 """
