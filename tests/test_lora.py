@@ -109,8 +109,68 @@ def _raises_tied(folders: dict) -> str | None:
     return None
 
 
+# -- chimera's own GPT-2 (a preset's layers: nn.Linear attn.qkv, the default target) -------------
+PRESET = "gpt2-tiny"
+
+
+def _preset_layers() -> list[nn.Module]:
+    from chimera import models
+
+    return [layer.double() for layer in models.build_layers(models.get_config(PRESET), seed=0)]
+
+
+def _preset_loss():
+    from chimera import models
+
+    return models.loss_fn(models.get_config(PRESET))
+
+
+def _preset_batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randint(0, 256, (N * B, 6), generator=g), torch.randint(0, 256, (N * B, 6), generator=g))
+
+
+def _preset_case(schedule: str) -> dict:
+    pipe = chimera.Pipeline(_preset_layers, _preset_loss(), schedule=schedule, micro_batches=N,
+                            micro_batch_size=B, model=chimera.ModelOptions(lora=LoRAOptions(**LORA)))
+    pipe.load_state_dict(_random_adapters(pipe.state_dict(all_ranks=True)))
+    opt = torch.optim.AdamW([{"params": pipe.parameters()}], lr=hm.LR, eps=hm.EPS)
+    losses, grads = [], []
+    for step in range(2):
+        opt.zero_grad()
+        losses.append(pipe.step(*_preset_batch(step)))
+        grads.append({n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
+        opt.step()
+    return {"losses": losses, "grads": grads,
+            "params": {n: p.detach().clone() for n, p in pipe.named_parameters()}}
+
+
+def _preset_reference() -> dict:
+    """The same adapters (chimera.models.lora on each layer, the layer's seed) in one process."""
+    from chimera.models.lora import Tuning
+
+    with seeded(0):
+        layers = _preset_layers()
+    tuning = Tuning((), LoRAOptions(**LORA), seed=0)
+    model = nn.Sequential(*[tuning.layer(i, layer) for i, layer in enumerate(layers)])
+    model.load_state_dict(_random_adapters(model.state_dict()))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=hm.LR, eps=hm.EPS)
+    loss_fn, out = _preset_loss(), {"losses": [], "grads": []}
+    for step in range(2):
+        opt.zero_grad()
+        x, y = _preset_batch(step)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        out["losses"].append(float(loss.detach()))
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
 def _worker(rank: int, world: int, folders: dict) -> dict:
     out = {(a, s): _lora_case(folders, a, s) for a in ARCHS for s in SCHEDULES}
+    out.update({("preset", s): _preset_case(s) for s in ("chimera", "zb-v", "1f1b")})
     out["frozen"] = _frozen_case()
     out["sharded"] = _sharded_case(rank)
     out["errors"] = _errors(folders)
@@ -222,6 +282,26 @@ def test_lora_gradients_equal_peft_in_one_process(world2, refs, case):
         assert given == trainable  # parameters(): what trains, every replica's
     trained = {n for res in world2 for n in res[(arch, schedule)]["trainable"]}
     assert trained == set(ref["grads"][0])  # every adapter peft trains, and no other tensor
+
+
+@pytest.mark.parametrize("schedule", ["chimera", "zb-v", "1f1b"])
+def test_lora_on_a_gpt2_preset_equals_one_process(world2, schedule):
+    """chimera's own GPT-2 (attn.qkv adapters, the default targets): the adapters are the same
+    on every layout (drawn from the layer's seed), and their gradients, the losses and two
+    AdamW steps equal the same model in one process."""
+    ref = _preset_reference()
+    assert all(n.endswith((".attn.qkv.lora_A.weight", ".attn.qkv.lora_B.weight"))
+               for n in ref["grads"][0])
+    for rank, res in enumerate(world2):
+        got = res[("preset", schedule)]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-10)
+        for k in range(2):
+            for name, g in got["grads"][k].items():
+                assert torch.allclose(g, ref["grads"][k][name], **TOL), (rank, k, name)
+        for name, p in got["params"].items():
+            assert torch.allclose(p, ref["params"][name], **TOL), (rank, name)
+    held = {n for res in world2 for n in res[("preset", schedule)]["grads"][0]}
+    assert held == set(ref["grads"][0])
 
 
 def test_lora_starts_from_the_base_model():
