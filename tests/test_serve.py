@@ -160,3 +160,27 @@ def test_judge_refuses_a_live_runs_folder_and_missing_data(run, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint in it"):
         judge(tmp_path / "empty")
+
+
+@pytest.mark.slow
+def test_a_run_killed_right_after_publishing(run_cli, data, tmp_path):
+    """The issue's case end to end: `--fault kill:0:3` kills the run as step 3 starts, right
+    after step-3 was published (unconfirmed). The run's folder serves step-2 with a note, the
+    step folder is refused naming `chimera judge`, which judges it; then it is served."""
+    ck = tmp_path / "ck"
+    r = run_cli("train", "--schedule", "none", "--stages", "1", "--data", data, "-B", "8",
+                "--steps", "6", "--checkpoint-dir", ck, "--checkpoint-every", "1",
+                "--fault", "kill:0:3", "--no-progress", "--png", "", "--trace", "")
+    assert r.returncode != 0
+    newest = ck / "step-00000003"
+    assert ckpt.health_of(ckpt.read_meta(newest))["status"] == "unconfirmed"
+    gen = ("generate", "--prompt", "the", "--max-new-tokens", "2", "--temperature", "0", "--checkpoint")
+    r = run_cli(*gen, ck)
+    assert r.returncode == 0 and "serving step-00000002" in r.stderr and "step-00000003, not judged" in r.stderr
+    r = run_cli(*gen, newest)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
+    assert f"chimera judge --checkpoint {newest}" in r.stderr and str(ck / "step-00000002") in r.stderr
+    r = run_cli("judge", "--checkpoint", ck)
+    assert r.returncode == 0 and f"{newest}: healthy" in r.stdout, r.stdout + r.stderr
+    r = run_cli(*gen, newest)
+    assert r.returncode == 0 and r.stderr.count("\n") == 1, r.stderr  # the timing line alone

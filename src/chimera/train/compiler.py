@@ -40,7 +40,10 @@ def check(device_type: str) -> None:
 
 
 def _check_cxx() -> None:
-    from torch._inductor import config, cpp_builder, exc  # lazy: seconds, and only for --compile
+    try:
+        from torch._inductor import config, cpp_builder, exc  # lazy: seconds, only for --compile
+    except ImportError as error:  # a build of torch without inductor
+        raise ConfigError(f"--compile: this torch has no inductor ({error}) {DROP}") from None
 
     try:
         cxx = cpp_builder.get_cpp_compiler()
