@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 import transformers
-from transformers import (BertConfig, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import (BertConfig, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config,
+                          Qwen2Config, Qwen3Config)
 
 V, T = 37, 8  # vocabulary, longest sequence
 WINDOW = 4  # sliding_window of the Mistral and Qwen3 configs: shorter than T
@@ -37,6 +37,8 @@ def config(arch: str, attn: str):
                            max_window_layers=1)
     if arch == "gemma":  # embedding scaled by sqrt(16), RMSNorm by (1 + w), GELU, tied head
         return GemmaConfig(**small, head_dim=4)
+    if arch == "phi3":  # fused qkv_proj (GQA: unequal parts) and gate_up_proj, half the dims rotate
+        return Phi3Config(**small, partial_rotary_factor=0.5)
     if arch == "bert":  # tied decoder weight and bias
         return BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
                           intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
@@ -46,12 +48,12 @@ def config(arch: str, attn: str):
 
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM",
            "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "gemma": "GemmaForCausalLM"}
+           "gemma": "GemmaForCausalLM", "phi3": "Phi3ForCausalLM"}
 # eager Llama and Qwen2: the causal-mask trap; sdpa where a window is: eager HF gives NaN on
 # the rows of a right-padded sequence whose window holds padding only (and NaN gradients)
 ATTN = {"gpt2": "sdpa", "llama": "eager", "bert": "eager", "qwen2": "eager", "mistral": "sdpa",
-        "qwen3": "sdpa", "gemma": "eager"}
-FAMILIES = ("qwen2", "mistral", "qwen3", "gemma")  # the Llama-like families beyond Llama
+        "qwen3": "sdpa", "gemma": "eager", "phi3": "eager"}
+FAMILIES = ("qwen2", "mistral", "qwen3", "gemma", "phi3")  # the Llama-like families beyond Llama
 
 
 def build(arch: str, attn: str | None = None, dtype=torch.float64, seed: int = 0):

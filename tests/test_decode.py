@@ -29,7 +29,7 @@ def hf(arch):
     windows = {"MistralForCausalLM": dict(sliding_window=3),  # shorter than the rows grow
                "Qwen3ForCausalLM": dict(head_dim=8, use_sliding_window=True, sliding_window=3,
                                         max_window_layers=1),
-               "GemmaForCausalLM": dict(head_dim=4)}
+               "GemmaForCausalLM": dict(head_dim=4), "Phi3ForCausalLM": dict(sliding_window=3, pad_token_id=None)}
     if arch == "GPT2LMHeadModel":
         config = GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32)
     else:
@@ -45,7 +45,8 @@ def full_logits(model, row):
 
 
 @pytest.mark.parametrize("which", ["preset", "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                                   "MistralForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM"])
+                                   "MistralForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+                                   "Phi3ForCausalLM"])
 def test_cached_steps_give_the_whole_sequences_logits(which):
     source, model = preset() if which == "preset" else hf(which)
     loaded = Loaded(model, 32, 64, {}, None, source)

@@ -304,12 +304,13 @@ def test_export_in_one_process_reloads(tmp_path):
 def test_refused_with_one_line(tmp_path):
     """Unsupported architectures and configs, non-local or non-safetensors sources, weights
     that do not fit the config: a ValueError naming the problem (and what is supported)."""
-    from transformers import BertForSequenceClassification, MixtralConfig, Phi3Config
+    from transformers import BertForSequenceClassification, Gemma2Config, MixtralConfig
 
-    for cfg, words in ((Phi3Config(), "model_type 'phi3'"), (MixtralConfig(), "model_type 'mixtral'")):
+    for cfg, words in ((Gemma2Config(), "model_type 'gemma2'"), (MixtralConfig(), "model_type 'mixtral'")):
         for arch in (None, "LlamaForCausalLM"):
             supported = (".*supports GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
-                         "MistralForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM, BertForMaskedLM")
+                         "MistralForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM, Phi3ForCausalLM, "
+                         "BertForMaskedLM")
             with pytest.raises(ValueError, match=words + supported):
                 hf.load(cfg, architecture=arch)
     llama = hm.config("llama", "eager")

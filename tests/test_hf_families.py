@@ -1,7 +1,8 @@
 """chimera.hf's Llama-like families beyond Llama, against HF's own model in float64: Qwen2
 (q/k/v biases, a tied head), Mistral (sliding-window attention, a window of 4 in sequences
 of up to 8), Qwen3 (q/k norms, head_dim apart from hidden / heads, a full and a sliding
-layer) and Gemma (an embedding scaled inside its module, RMSNorm by 1 + w, GELU, tied). Each is loaded from a save_pretrained folder, gives AutoModelForCausalLM's logits,
+layer), Gemma (an embedding scaled inside its module, RMSNorm by 1 + w, GELU, tied) and
+Phi-3 (fused qkv and gate/up projections, partial rotary embeddings). Each is loaded from a save_pretrained folder, gives AutoModelForCausalLM's logits,
 trains on every schedule as HF's model in one process, and exports back to a folder that
 AutoModelForCausalLM loads with the same logits.
 
@@ -132,7 +133,8 @@ def test_sliding_window_is_honoured_where_the_family_has_it():
     kinds = {arch: [type(m).__name__ for m in hf.load(hm.build(arch)).layers()] for arch in hm.FAMILIES}
     assert kinds["mistral"] == ["LlamaEmbed", "SlidingBlock", "SlidingBlock", "LlamaHead"]
     assert kinds["qwen3"] == ["LlamaEmbed", "LlamaBlock", "SlidingBlock", "LlamaHead"]
-    assert kinds["qwen2"] == kinds["gemma"] == ["LlamaEmbed", "LlamaBlock", "LlamaBlock", "LlamaHead"]
+    assert kinds["qwen2"] == kinds["gemma"] == kinds["phi3"] == ["LlamaEmbed", "LlamaBlock", "LlamaBlock",
+                                                                 "LlamaHead"]
     model = hm.build("mistral", "sdpa").eval()
     ids = torch.randint(4, hm.V, (2, hm.T), generator=torch.Generator().manual_seed(1))
     layers = [m.eval() for m in hf.load(model).layers()]
@@ -177,17 +179,17 @@ def test_families_refused_and_checked_in_one_line():
     """A family chimera.hf does not build is named with the supported list; window settings
     that do not describe the layers are refused; Qwen3 refuses tensor parallelism (its q/k
     norms' gradients would need a sum over the TP ranks), the others take Llama's plan."""
-    from transformers import Gemma2Config, Phi3Config
+    from transformers import Gemma2Config, Olmo2Config
 
     supported = ("GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, "
-                 "Qwen3ForCausalLM, GemmaForCausalLM, BertForMaskedLM")
-    for cfg, words in ((Phi3Config(), "model_type 'phi3'"), (Gemma2Config(), "model_type 'gemma2'")):
+                 "Qwen3ForCausalLM, GemmaForCausalLM, Phi3ForCausalLM, BertForMaskedLM")
+    for cfg, words in ((Olmo2Config(), "model_type 'olmo2'"), (Gemma2Config(), "model_type 'gemma2'")):
         with pytest.raises(UserError, match=f"^{words} is not supported \\(chimera.hf supports {supported}\\)$"):
             hf.load(cfg)
-    phi = Phi3Config()
-    phi.architectures = ["Phi3ForCausalLM"]
-    with pytest.raises(UserError, match=f"architecture Phi3ForCausalLM is not supported \\(chimera.hf supports {supported};"):
-        hf.load(phi)
+    named = Gemma2Config()
+    named.architectures = ["Gemma2ForCausalLM"]
+    with pytest.raises(UserError, match=f"architecture Gemma2ForCausalLM is not supported \\(chimera.hf supports {supported};"):
+        hf.load(named)
     bad = hm.config("qwen3", "sdpa")
     bad.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(UserError, match="layer_types \\['chunked_attention'\\] not supported"):
@@ -202,11 +204,11 @@ def test_families_refused_and_checked_in_one_line():
         hf.load(llama)
     qwen3 = hf.load(hm.build("qwen3"))
     with pytest.raises(UserError, match="^tensor parallel: Qwen3's q/k norms .*; GPT2LMHeadModel, "
-                       "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, GemmaForCausalLM have one$"):
+                       "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, GemmaForCausalLM, Phi3ForCausalLM have one$"):
         qwen3.tp_plan(1, qwen3.make_layer(1))
     from chimera import tp
 
-    for arch in ("qwen2", "mistral", "gemma"):  # Llama's plan names every projection of the layer
+    for arch in ("qwen2", "mistral", "gemma", "phi3"):  # every projection of the layer is planned
         model = hf.load(hm.build(arch))
         for index in range(model.num_layers):
             layer = model.make_layer(index)

@@ -72,7 +72,7 @@ CASES = [  # (model, schedule, D, extra)
     ("bert", "chimera", 2, {}),
     # the Llama-like families' presets (hf-mistral-tiny: sequences longer than its window, 32)
     ("hf-qwen2-tiny", "zb-v", 2, {}), ("hf-mistral-tiny", "chimera-zb", 2, {"seq_len": 40}),
-    ("hf-qwen3-tiny", "chimera", 2, {}),
+    ("hf-qwen3-tiny", "chimera", 2, {}), ("hf-phi3-tiny", "1f1b", 2, {}),
 ]
 
 
@@ -98,7 +98,7 @@ def test_pipelines_match_the_single_process_reference(root, model, schedule, d, 
 
 
 @pytest.mark.parametrize("model", ["gpt2", "hf-llama-tiny", "bert", "hf-qwen2-tiny", "hf-mistral-tiny",
-                                   "hf-qwen3-tiny"])
+                                   "hf-qwen3-tiny", "hf-phi3-tiny"])
 def test_the_reference_computes_hfs_own_model(root, model):
     """The trainer's single-process model is HF's: the same weights in HF's own model give
     the same loss and gradients (1e-10) on the trainer's batch (next-token targets; BERT's
@@ -279,7 +279,8 @@ def test_generate_continues_with_the_runs_tokenizer(demo, capsys):
 @pytest.mark.parametrize("preset,arch", [("hf-qwen2-tiny", "Qwen2ForCausalLM"),
                                          ("hf-mistral-tiny", "MistralForCausalLM"),
                                          ("hf-qwen3-tiny", "Qwen3ForCausalLM"),
-                                         ("hf-gemma-tiny", "GemmaForCausalLM")])
+                                         ("hf-gemma-tiny", "GemmaForCausalLM"),
+                                         ("hf-phi3-tiny", "Phi3ForCausalLM")])
 def test_family_presets_train_export_and_reload(root, tmp_path, preset, arch):
     """`chimera train --model hf-<family>-tiny` (sequences of 40: past Mistral's window of 32)
     and `chimera export`: AutoModelForCausalLM loads the family's class with the

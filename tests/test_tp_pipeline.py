@@ -191,14 +191,15 @@ def test_ranks_that_disagree_on_t_are_refused_on_every_rank():
     assert all("disagree on the layout" in m and "rank 2: D=4 W=1 T=1" in m for m in said), said
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "mistral", "gemma"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3"])
 def test_hf_models_through_the_api_with_tp_train_as_one_process(arch):
     """``hf.load(model).pipeline(tensor_parallel=2)`` takes the model's own plan: GPT-2 with
     its tied wte/lm_head (each TP position sums its own shards of the tie across stages) and
     an odd vocabulary (37, padded to 38), Llama with GQA, Qwen2 (Llama's plan: its q/k/v
     biases cut with their columns; tied), Mistral (a sliding window of 4 in sequences of 8),
-    Gemma (its scaled embedding and the head tied to it whole, the blocks sharded); padded
-    batches (token_mean loss).
+    Gemma (its scaled embedding and the head tied to it whole, the blocks sharded), Phi-3
+    (HF's own plan: fused projections gathered, row-parallel ones given their whole input);
+    padded batches (token_mean loss).
     Losses, gradient norms and the whole state after 2 AdamW steps equal the HF model trained
     in one process."""
     import copy

@@ -1,6 +1,6 @@
 """Hugging Face models as pipeline layers: ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
 ``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM``, ``GemmaForCausalLM``,
-``BertForMaskedLM``
+``Phi3ForCausalLM``, ``BertForMaskedLM``
 (``ARCHS``; optional extra ``hf``: ``pip install 'chimera-pipeline[hf]'``).
 
 Sketch (every rank runs ``main``; ``ids``, ``mask``: a padded batch, the same on every rank;

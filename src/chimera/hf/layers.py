@@ -128,7 +128,8 @@ def gpt2_plan(config) -> list[tuple[type, dict[str, str]]]:
 
 # -- Llama (LlamaForCausalLM) and the families made of its parts ----------------------------
 # Qwen2 (q/k/v biases), Mistral (sliding-window attention), Qwen3 (q/k norms), Gemma (an
-# embedding scaled by sqrt(hidden), RMSNorm by 1 + w, GELU, tied): the same embedding,
+# embedding scaled by sqrt(hidden), RMSNorm by 1 + w, GELU, tied), Phi-3 (fused qkv and
+# gate/up projections, partial rotary, residual dropout): the same embedding,
 # decoder-layer call, final norm and head under the same names; only the modules inside
 # them and the mask of sliding-window layers differ.
 class LlamaEmbed(Embed):
@@ -174,8 +175,9 @@ def llama_plan(config, sliding=lambda k: False) -> list[tuple[type, dict[str, st
             (LlamaHead, {"norm": "model.norm", "lm_head": "lm_head"})]
 
 
-def mistral_plan(config) -> list[tuple[type, dict[str, str]]]:
-    """Mistral: every layer slides when ``config.sliding_window`` is set (HF's MistralModel)."""
+def window_plan(config) -> list[tuple[type, dict[str, str]]]:
+    """Mistral, Phi-3: every layer slides when ``config.sliding_window`` is set (HF's
+    MistralModel, Phi3Model)."""
     return llama_plan(config, lambda k: config.sliding_window is not None)
 
 

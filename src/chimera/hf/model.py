@@ -30,13 +30,15 @@ ARCHS = {
     "GPT2LMHeadModel": ("gpt2", L.gpt2_plan, True),
     "LlamaForCausalLM": ("llama", L.llama_plan, True),
     "Qwen2ForCausalLM": ("qwen2", L.qwen_plan, True),
-    "MistralForCausalLM": ("mistral", L.mistral_plan, True),
+    "MistralForCausalLM": ("mistral", L.window_plan, True),
     "Qwen3ForCausalLM": ("qwen3", L.qwen_plan, True),
     "GemmaForCausalLM": ("gemma", L.llama_plan, True),
+    "Phi3ForCausalLM": ("phi3", L.window_plan, True),
     "BertForMaskedLM": ("bert", L.bert_plan, False),
 }
 SUPPORTED = ", ".join(ARCHS)
-SLIDING = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # honour sliding_window
+# honour sliding_window
+SLIDING = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 # the tensor-parallel plan of each pipeline layer class (chimera.tp's, at the layer's own
 # names: HF's block sits in chimera.hf's GPT2Block as `block`, its decoder layer in
 # LlamaBlock as `layer`). Llama's plan covers Qwen2 (a column-parallel bias is cut with its
@@ -54,6 +56,10 @@ TP_PLANS = {
 # Gemma's embedding scales its lookup by sqrt(hidden) inside its own module, which a
 # vocabulary-sharded embedding would replace: embedding and (tied) head stay whole there
 WHOLE_ENDS = {"GemmaForCausalLM": (L.LlamaEmbed, L.LlamaHead)}
+# decoder layers whose projections are fused (Phi-3's qkv_proj with GQA's unequal parts,
+# gate_up_proj): HF's own plan (the config's base_model_tp_plan), which gathers a fused
+# projection's output and gives the row-parallel one its whole input, as HF does
+HF_BLOCK_PLAN = ("Phi3ForCausalLM",)
 # architectures without one, and why
 NO_TP = {"BertForMaskedLM": "BERT has no tensor-parallel plan yet",
          "Qwen3ForCausalLM": "Qwen3's q/k norms act on each rank's heads and would need their "
@@ -196,6 +202,8 @@ class HFModel:
         by vocabulary, each block Megatron-style, the head column-parallel, logits gathered."""
         if type(layer) in WHOLE_ENDS.get(self.arch, ()):
             return {}
+        if self.arch in HF_BLOCK_PLAN and isinstance(layer, L.LlamaBlock):
+            return tp.prefixed(tp.from_hf(type(self.config).base_model_tp_plan, "layers.*."), "layer.")
         make = TP_PLANS.get(type(layer))
         if self.arch in NO_TP or make is None:
             why = NO_TP.get(self.arch, f"{self.arch} has no tensor-parallel plan yet")
@@ -272,7 +280,7 @@ def load(source, *, dtype: torch.dtype | None = None, attn_implementation: str |
     folder). ``attn_implementation``: "eager" or "sdpa" (default: HF's choice). ``architecture``:
     overrides the config's ``architectures`` (one of ``ARCHS``: GPT2LMHeadModel,
     LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
-    BertForMaskedLM). ``labels_shifted``: the targets of a causal model are already the next
+    Phi3ForCausalLM, BertForMaskedLM). ``labels_shifted``: the targets of a causal model are already the next
     tokens (``targets[:, t]`` follows ``inputs[:, t]``, as ``chimera train``'s batches), not
     HF's labels (the input ids, shifted inside the loss). Local files only: nothing is
     downloaded.

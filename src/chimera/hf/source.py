@@ -3,7 +3,7 @@
 ``--model hf:PATH`` reads a ``config.json`` (or a folder holding one; with ``save_pretrained``
 safetensors beside it, those are the starting weights, each rank reading its stages' tensors);
 ``hf-llama-tiny``, ``hf-qwen2-tiny``, ``hf-mistral-tiny``, ``hf-qwen3-tiny``,
-``hf-gemma-tiny`` and ``hf-gpt2-small`` are configs built here. Batches come from
+``hf-gemma-tiny``, ``hf-phi3-tiny`` and ``hf-gpt2-small`` are configs built here. Batches come from
 ``chimera.data.get_batch``: causal models get targets that are already the next tokens
 (``labels_shifted=True``), BERT masked tokens with the tokenizer's mask id (``[MASK]``),
 or, where it has none, one after the data's ids.

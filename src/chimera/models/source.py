@@ -42,6 +42,10 @@ HF_PRESETS = {
                       dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            max_position_embeddings=256), 64),
+    "hf-phi3-tiny": ("Phi3ForCausalLM",  # fused qkv_proj and gate_up_proj, untied
+                     dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256), 64),
 }
 
 

@@ -115,8 +115,9 @@ class Net:
     model: str = knob("gpt2-tiny", "a preset (gpt2-tiny, gpt2-bench, gpt2-small, gpt2-medium, "
                       "gpt2-paper, bert-tiny, bert-48); a Hugging Face model built from a config (needs "
                       "the hf extra): hf-llama-tiny, hf-qwen2-tiny, hf-mistral-tiny, hf-qwen3-tiny, "
-                      "hf-gemma-tiny, hf-gpt2-small, or hf:PATH, a config.json or a folder holding "
-                      "one (GPT-2, Llama, Qwen2, Mistral, Qwen3, Gemma, BERT), whose save_pretrained safetensors, if "
+                      "hf-gemma-tiny, hf-phi3-tiny, hf-gpt2-small, or hf:PATH, a config.json or a "
+                      "folder holding one (GPT-2, Llama, Qwen2, Mistral, Qwen3, Gemma, Phi-3, "
+                      "BERT), whose save_pretrained safetensors, if "
                       "there, are the starting weights. A preset's vocabulary is the data's; an "
                       "hf:PATH config must hold the data's ids", metavar="NAME|hf:PATH")
     seq_len: int | None = knob(None, "tokens per sequence", metavar="T",
