@@ -284,3 +284,16 @@ def test_a_rank_alone_at_start_up_ends_with_one_line_not_a_traceback(data, tmp_p
     lines = [l for l in err.splitlines() if l.startswith("chimera train:")]
     assert lines == [l for l in err.splitlines() if l.strip()] and len(lines) == 1, err
     assert "did not all connect at start-up (--rendezvous-timeout 2s)" in lines[0], err
+
+
+def test_a_workers_gloo_group_connects_on_its_own_limit_then_takes_the_work_timeout():
+    import datetime
+
+    import torch.distributed as dist
+
+    from chimera.runtime import workers
+
+    for timeout_s, want in ((4.0, datetime.timedelta(seconds=4)), (None, dist.default_pg_timeout)):
+        with workers.gloo_group(0, 1, free_port(), timeout_s=timeout_s):
+            backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+            assert backend.options._timeout == want

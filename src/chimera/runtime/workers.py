@@ -45,11 +45,17 @@ STOP_S = 5.0  # after SIGTERM, how long a rank gets before SIGKILL
 # the exit code of a rank that failed on communication (a peer gone, a timeout): it followed
 # another's failure, so the summary names that one (``cause``); 75 is sysexits' EX_TEMPFAIL
 PEER_EXIT = 75
-PEER_ERRORS = ("CommTimeout", "DistBackendError", "DistNetworkError", "DistStoreError")
+PEER_ERRORS = ("CommTimeout", "DistBackendError", "DistNetworkError", "DistStoreError",
+               "RendezvousFailed")
+RENDEZVOUS_S = 300.0  # how long ranks get to connect at start-up (chimera train: --rendezvous-timeout)
 COMM_WORDS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
               "nccl", "gloo", "peer", "socket")
 WATCH_S = 0.25  # how often the watchdog looks at the parent id
 _PR_SET_PDEATHSIG = 1
+
+
+class RendezvousFailed(RuntimeError):
+    """The ranks did not all connect at start-up within the rendezvous timeout."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -260,13 +266,35 @@ def end_group(device) -> None:
     dist.destroy_process_group()
 
 
+def join_group(init, rank: int, world: int, rendezvous_s: float, timeout_s: float | None,
+               nccl_device=None, what: str = "rendezvous timeout") -> None:
+    """``init(timeout)`` (an ``init_process_group``) and the group's first barrier (every rank
+    is there) within ``rendezvous_s``, then the group's timeout is ``timeout_s`` for the work
+    (None: torch's default): a loaded machine slow to start its ranks does not spend the
+    steps' limit. :class:`RendezvousFailed`, one line naming ``what`` set the limit, when they
+    do not all connect."""
+    try:
+        init(datetime.timedelta(seconds=rendezvous_s))
+        dist.barrier(**({"device_ids": [nccl_device.index]} if nccl_device is not None else {}))
+    except (RuntimeError, TimeoutError) as exc:  # torch's DistError family, a store timeout
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RendezvousFailed(f"rank {rank}: the {world} ranks did not all connect at start-up "
+                               f"({what} {rendezvous_s:g}s): {first}") from None
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else dist.default_pg_timeout
+    dist.distributed_c10d._set_pg_timeout(timeout)
+
+
 @contextlib.contextmanager
-def gloo_group(rank: int, world: int, port: int, threads: int = 1, timeout_s: float | None = None):
-    """A worker's default gloo group on the loopback address, torn down by :func:`end_group`
-    when the body succeeds (after a failure a peer may be gone: no barrier, no destroy)."""
+def gloo_group(rank: int, world: int, port: int, threads: int = 1, timeout_s: float | None = None,
+               rendezvous_s: float = RENDEZVOUS_S):
+    """A worker's default gloo group on the loopback address (connected within
+    ``rendezvous_s``, then ``timeout_s`` for the work: :func:`join_group`), torn down by
+    :func:`end_group` when the body succeeds (after a failure a peer may be gone: no barrier,
+    no destroy)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
-    dist.init_process_group("gloo", rank=rank, world_size=world, **kw)
+    join_group(lambda start: dist.init_process_group("gloo", rank=rank, world_size=world,
+                                                     timeout=start),
+               rank, world, rendezvous_s, timeout_s)
     yield
     end_group(torch.device("cpu"))

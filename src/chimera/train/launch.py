@@ -27,7 +27,7 @@ from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.context import RunContext
 from chimera.runtime.transport import TorchDist
-from chimera.runtime.workers import end_group, free_port
+from chimera.runtime.workers import RendezvousFailed, end_group, free_port
 from chimera.train import build, checkpoint, compiler, faults
 from chimera.train.checkpoint import CheckpointManager
 from chimera.train.checkpoint.keeper import Keeper
@@ -39,10 +39,6 @@ from chimera.train.watch import Watch, model_flops_per_token, peak_flops_per_ran
 
 class TrainingFailed(RuntimeError):
     """A rank of a spawned run failed; its own message went to stderr."""
-
-
-class RendezvousFailed(RuntimeError):
-    """The ranks did not all connect at start-up within --rendezvous-timeout."""
 
 
 # What ends a run with a message instead of a traceback (exit code 1); a rank that failed on
@@ -99,15 +95,9 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
 def _init_group(backend: str, rank: int, world: int, run, device: torch.device) -> None:
     """The default group, connected within ``run.rendezvous_timeout`` (the group's first
     barrier included: every rank is there), then given ``run.comm_timeout`` for the steps."""
-    start = datetime.timedelta(seconds=run.rendezvous_timeout)
-    try:
-        _connect(backend, rank, world, start, device)
-        dist.barrier(**({"device_ids": [device.index]} if backend == "nccl" else {}))
-    except (RuntimeError, TimeoutError) as exc:  # torch's DistError family, a store timeout
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise RendezvousFailed(f"rank {rank}: the {world} ranks did not all connect at start-up "
-                               f"(--rendezvous-timeout {run.rendezvous_timeout:g}s): {first}") from None
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=run.comm_timeout))
+    workers.join_group(lambda start: _connect(backend, rank, world, start, device), rank, world,
+                       run.rendezvous_timeout, run.comm_timeout,
+                       device if backend == "nccl" else None, "--rendezvous-timeout")
 
 
 def _connect(backend: str, rank: int, world: int, timeout: datetime.timedelta,
