@@ -180,3 +180,22 @@ def test_preflight_shards_a_frozen_tie_and_refuses_lora_with_tensor_parallel(run
     TrainConfig(**sharded, freeze=("0.wte.*",)).preflight()
     with pytest.raises(ConfigError, match="--lora-rank with --tensor-parallel 2 is not supported"):
         TrainConfig(model="gpt2-tiny", data=data, tensor_parallel=2, lora_rank=4).preflight()
+
+
+def test_bf16_master_with_frozen_weights_loads_in_one_dtype(runs, tmp_path):
+    """bf16-master saves the trained parameters' float32 masters and the frozen ones in bf16:
+    ``chimera generate`` reads both (the frozen exactly) into one float32 model."""
+    from chimera.train.generate import load
+
+    old = os.getcwd()
+    os.chdir(runs)
+    try:
+        assert main(["train", "--schedule", "none", "--stages", "1", "--no-progress", "--steps",
+                     "1", "--seq-len", "16", "--data", str(runs / "text.txt"), "-B", "2",
+                     "--dtype", "bf16-master", "--freeze", "0.*",
+                     "--checkpoint-dir", str(tmp_path / "ck")]) == 0
+    finally:
+        os.chdir(old)
+    index = ckpt.read_index(ckpt.latest(tmp_path / "ck"))
+    assert {index[k][1] for k in index if k.startswith("model.")} == {torch.bfloat16, torch.float32}
+    assert {p.dtype for p in load(tmp_path / "ck").model.parameters()} == {torch.float32}

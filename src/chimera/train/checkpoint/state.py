@@ -205,7 +205,9 @@ def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The parameters of a checkpoint by model-wide name, in one process (no process group).
 
     ``chimera.models.build_model(cfg, seed).load_state_dict(load_model_state(path))`` gives
-    the single-device model the run had reached.
+    the single-device model the run had reached. A bf16-master run saves its trained
+    parameters' float32 masters and its frozen ones (``--freeze``) in bf16: those come back
+    in float32 too (exactly), so the model has one dtype.
     """
     import torch.distributed.checkpoint as dcp  # loaded when a checkpoint is used: start-up time
 
@@ -214,4 +216,6 @@ def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in index.items()
              if key.startswith("model.")}
     dcp_call(0, f"reading {path}", dcp.load, state, storage_reader=safe_reader(path), no_dist=True)
+    if {t.dtype for t in state.values()} == {torch.bfloat16, torch.float32}:
+        state = {k: v.float() for k, v in state.items()}
     return {key[len("model."):]: value for key, value in state.items()}
