@@ -171,13 +171,14 @@ def _best_play(dag: Dag, placement: Placement, hop: float, cap: float, variants,
     replica allreduce, when priced: each play is then timed with its allreduces after it
     (:func:`_with_syncs`)."""
     ranked: dict = {}
-    plays = []
+    timed = []
     for v in variants:
-        game = _play_dag(dag, placement, hop, cap, v, ranked)
-        plays.append((game.order, v))
+        game = _play_dag(dag, placement, hop, cap, v, ranked)  # its own timing is exact
+        span = game.makespan if sync is None else _with_syncs(dag, placement, game.order, hop, sync)
+        timed.append((span, game.order, v))
         if hop > 0:
-            plays.append((_play_dag(dag, placement, 0.0, cap, v, ranked).order, f"{v}/blind"))
-    timed = [(_with_syncs(dag, placement, order, hop, sync), order, v) for order, v in plays]
+            blind = _play_dag(dag, placement, 0.0, cap, v, ranked).order
+            timed.append((_with_syncs(dag, placement, blind, hop, sync), blind, f"{v}/blind"))
     return min(timed, key=lambda x: x[0])
 
 

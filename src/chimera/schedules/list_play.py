@@ -90,24 +90,39 @@ class Dag:
         return max(self.ends(order, hop), default=0.0)
 
     def ends(self, order: list[list[int]], hop: float) -> list[float]:
-        """Each task's end under :meth:`makespan`'s timing (index = task id)."""
-        end: list[float | None] = [None] * len(self)
-        preds: list[list[int]] = [[] for _ in range(len(self))]
-        for t, us in enumerate(self.succs):
-            for u in us:
-                preds[u].append(t)
-        pos, clock, progressed = [0] * len(order), [0.0] * len(order), True
-        while progressed:
-            progressed = False
-            for r, ts in enumerate(order):
-                while pos[r] < len(ts) and all(end[p] is not None for p in preds[ts[pos[r]]]):
-                    t = ts[pos[r]]
-                    start = max([clock[r]] + [end[p] + (hop if self.rank[p] != r else 0.0)
-                                              for p in preds[t]])
-                    end[t] = clock[r] = start + self.dur[t]
-                    pos[r] += 1
-                    progressed = True
-        if any(p < len(ts) for p, ts in zip(pos, order)):
+        """Each task's end under :meth:`makespan`'s timing (index = task id): Kahn's order over
+        the graph's edges and each rank's order, O(tasks + edges)."""
+        n = len(self)
+        after = [-1] * n  # the next task on the same rank
+        waiting = list(self.npred)
+        for ts in order:
+            for a, b in zip(ts, ts[1:]):
+                after[a] = b
+                waiting[b] += 1
+        ready = [ts[0] for ts in order if ts and waiting[ts[0]] == 0]
+        start = [0.0] * n  # the earliest start known so far
+        end = [0.0] * n
+        done = 0
+        while ready:
+            t = ready.pop()
+            end[t] = start[t] + self.dur[t]
+            done += 1
+            r = self.rank[t]
+            for u in self.succs[t]:
+                at = end[t] + (hop if self.rank[u] != r else 0.0)
+                if at > start[u]:
+                    start[u] = at
+                waiting[u] -= 1
+                if not waiting[u]:
+                    ready.append(u)
+            u = after[t]
+            if u >= 0:
+                if end[t] > start[u]:
+                    start[u] = end[t]
+                waiting[u] -= 1
+                if not waiting[u]:
+                    ready.append(u)
+        if done < sum(len(ts) for ts in order):
             raise ScheduleError("a play's order deadlocks when timed")
         return end
 
