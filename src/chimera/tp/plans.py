@@ -15,12 +15,10 @@ Llama decoder layer by strings only: those model packages sit above tp in the la
 
 from __future__ import annotations
 
+import sys
 from typing import Mapping, Union
 
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               RowwiseParallel)
 
 from chimera.errors import UserError
 from chimera.tp.styles import (Colwise, EmbeddingRowwise, LocalHeads, Replicated, Rowwise,
@@ -29,7 +27,10 @@ from chimera.tp.styles import (Colwise, EmbeddingRowwise, LocalHeads, Replicated
 Entry = Union[Colwise, Rowwise, EmbeddingRowwise, VocabHead, Replicated, LocalHeads, SharedInput]
 # A value may also be a tuple of entries, applied in order (an attention module may need a
 # shared input and its local head count both).
-Plan = Mapping[str, Union[Entry, ParallelStyle, str, tuple]]
+Plan = Mapping[str, Union[Entry, "ParallelStyle", str, tuple]]  # noqa: F821 (torch's, lazily)
+# torch's styles: a plan holds one only once its module is imported, which is not done here (it
+# costs seconds of start-up, chimera generate's among them, and only reads a user's plan)
+TORCH_STYLES = "torch.distributed.tensor.parallel"
 ENTRIES = (Colwise, Rowwise, EmbeddingRowwise, VocabHead, Replicated, LocalHeads, SharedInput)
 
 # HF's strings (transformers.distributed.tensor_parallel) that keep a block's boundary plain,
@@ -58,15 +59,19 @@ def style(value) -> Entry:
         return value
     if isinstance(value, str) and value in HF_STYLES:
         return HF_STYLES[value]()
-    if isinstance(value, ParallelStyle):
+    torch_styles = sys.modules.get(TORCH_STYLES)
+    if torch_styles is not None and isinstance(value, torch_styles.ParallelStyle):
         return _from_torch(value)
     raise UserError(f"tensor parallel: unsupported plan entry {value!r}; use a torch ParallelStyle "
                     f"or one of {', '.join(sorted(HF_STYLES))}")
 
 
-def _from_torch(value: ParallelStyle) -> Entry:
-    """torch's style as ours, where ours does the same: the default column-/row-wise layouts,
-    a replicated sub-block input. DTensor layouts ours do not keep are refused."""
+def _from_torch(value) -> Entry:
+    """torch's style (a ``ParallelStyle``) as ours, where ours does the same: the default
+    column-/row-wise layouts, a replicated sub-block input. DTensor layouts ours do not keep
+    are refused."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
     kind = type(value)
     if kind in (ColwiseParallel, RowwiseParallel):
         default = kind()
@@ -82,8 +87,11 @@ def _from_torch(value: ParallelStyle) -> Entry:
                     f"RowwiseParallel(), a replicated PrepareModuleInput or one of {', '.join(sorted(HF_STYLES))}")
 
 
-def _replicated(value: PrepareModuleInput) -> bool:
-    """One input, replicated before and after (positional or one keyword)."""
+def _replicated(value) -> bool:
+    """One input of a ``PrepareModuleInput``, replicated before and after (positional or one
+    keyword)."""
+    from torch.distributed.tensor import Replicate
+
     layouts = [*(value.input_layouts or ()), *(value.desired_input_layouts or ()),
                *value.input_kwarg_layouts.values(), *value.desired_input_kwarg_layouts.values()]
     inputs = len(value.input_layouts or ()) + len(value.input_kwarg_layouts)

@@ -135,19 +135,25 @@ def safe_reader(path: Path):
 
 
 def read_index(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Key -> (shape, dtype) of every tensor in a checkpoint; raises CheckpointError."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP: start-up time
-
-    try:
-        metadata = safe_reader(Path(path)).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path}: cannot read its index (.metadata): {exc}") from None
+    """Key -> (shape, dtype) of every tensor in a checkpoint; raises CheckpointError. Reads the
+    index without importing DCP (``chimera.train.checkpoint.light``: start-up time)."""
+    metadata = read_light_index(Path(path))
     index = {}
     for key, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
+        if type(md).__name__ != "TensorStorageMetadata":
             raise CheckpointError(f"checkpoint {path}: entry {key!r} is not a tensor")
         index[key] = (tuple(md.size), md.properties.dtype)
     return index
+
+
+def read_light_index(path: Path):
+    """The ``.metadata`` of a checkpoint, its DCP classes as ``light.Record``s; CheckpointError."""
+    from chimera.train.checkpoint import light
+
+    try:
+        return light.read_metadata(path, _DCP_CLASSES)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read its index (.metadata): {exc}") from None
 
 
 def sha256_of(path: Path) -> str:

@@ -22,8 +22,9 @@ import torch
 from chimera.runtime.context import collective_device
 from chimera.runtime.transport import Transport
 from chimera.tp import full_tensor, local_slice
+from chimera.train.checkpoint import light
 from chimera.train.checkpoint.disk import (CheckpointError, NonFiniteCheckpoint, dcp_call,
-                                           rank_world, read_index, safe_reader)
+                                           rank_world, read_index, read_light_index, safe_reader)
 from chimera.train.checkpoint.record import read_meta
 from chimera.train.faults import collective
 
@@ -209,9 +210,13 @@ def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     parameters' float32 masters and its frozen ones (``--freeze``) in bf16: those come back
     in float32 too (exactly), so the model has one dtype.
     """
-    import torch.distributed.checkpoint as dcp  # loaded when a checkpoint is used: start-up time
-
     path = Path(path)
+    # read without DCP where the tensors are stored whole (start-up time: chimera generate)
+    state = light.model_state(path, read_light_index(path))
+    if state is not None:
+        return {key[len("model."):]: value for key, value in state.items()}
+    import torch.distributed.checkpoint as dcp  # loaded when it is needed: start-up time
+
     index = read_index(path)
     state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in index.items()
              if key.startswith("model.")}
