@@ -70,7 +70,8 @@ def _from_torch(value) -> Entry:
     """torch's style (a ``ParallelStyle``) as ours, where ours does the same: the default
     column-/row-wise layouts, a replicated sub-block input. DTensor layouts ours do not keep
     are refused."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import (  # start-up time: only a plan of torch's styles
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel)
 
     kind = type(value)
     if kind in (ColwiseParallel, RowwiseParallel):
@@ -90,7 +91,7 @@ def _from_torch(value) -> Entry:
 def _replicated(value) -> bool:
     """One input of a ``PrepareModuleInput``, replicated before and after (positional or one
     keyword)."""
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate  # start-up time: as _from_torch
 
     layouts = [*(value.input_layouts or ()), *(value.desired_input_layouts or ()),
                *value.input_kwarg_layouts.values(), *value.desired_input_kwarg_layouts.values()]

@@ -27,6 +27,7 @@ from chimera.errors import UserError
 from chimera.runtime.context import collective_device
 from chimera.runtime.transport import Transport
 from chimera.train.faults import collective
+from chimera.train.checkpoint import light
 
 FORMAT = "chimera-checkpoint/1"
 META = "meta.json"
@@ -148,8 +149,6 @@ def read_index(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torc
 
 def read_light_index(path: Path):
     """The ``.metadata`` of a checkpoint, its DCP classes as ``light.Record``s; CheckpointError."""
-    from chimera.train.checkpoint import light
-
     try:
         return light.read_metadata(path, _DCP_CLASSES)
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as exc:
