@@ -39,6 +39,11 @@ def test_only_a_regular_file_is_read(tmp_path, capsys, make, kind):
     assert f"--config {path}: is {kind}, not a file" in refused(capsys, "--config", str(path))
 
 
+def test_an_empty_path_is_refused_not_ignored(capsys):
+    assert "--config: an empty path" in refused(capsys, "--config", "")
+    assert "--config: an empty path" in refused(capsys, "--config=")
+
+
 def test_a_device_is_refused_not_read_without_bound(capsys):
     assert "is a character device, not a file" in refused(capsys, "--config", "/dev/urandom")
     assert "is a character device" in refused(capsys, "--config=/dev/zero")

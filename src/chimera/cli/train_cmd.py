@@ -132,7 +132,7 @@ def parse(argv: list[str]):
     from chimera.train.config import TrainConfig
 
     config = _config_file(argv)
-    source = config_file.read(config) if config else None
+    source = config_file.read(config) if config is not None else None
     flags_type, parts = _flags_type()
     values, options = (source.values(), source.options()) if source else ({}, {})
     odd, switches = _odd_switches(values)

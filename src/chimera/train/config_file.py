@@ -142,6 +142,8 @@ def read(path: str) -> ConfigFile:
 def _text(path: str) -> str:
     """The file's text: a regular file, at most MAX_BYTES, UTF-8."""
     where = f"--config {path}"
+    if not str(path):
+        raise ConfigError("--config: an empty path; give a TOML file")
     try:
         mode = os.stat(path).st_mode  # before opening: a FIFO's open blocks
     except OSError as exc:
