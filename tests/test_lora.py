@@ -362,7 +362,9 @@ def test_sharded_optimizer_holds_only_the_adapters(world2):
 def test_refused_in_one_line(world2):
     errors = world2[0]["errors"]
     assert "'*.attn.qkvv*'" in errors["freeze typo"] and "match no parameter" in errors["freeze typo"]
+    assert "0.weight" in errors["freeze typo"]  # some of the model's names, to choose from
     assert "'*.nope'" in errors["target typo"] and "'*.fc'" not in errors["target typo"]
+    assert "1.fc" in errors["target typo"] and "1.attn.0" in errors["target typo"]
     assert "Sequential" in errors["not linear"] and "linear layers" in errors["not linear"]
     assert "tied" in errors["tied"] and "lm_head" in errors["tied"]
     assert all("\n" not in e for e in errors.values())

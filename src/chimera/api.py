@@ -392,9 +392,10 @@ class Pipeline:
         """A freeze pattern or LoRA target that named nothing on any rank is refused on every
         rank (one small gather at construction)."""
         every: list = [None] * self.transport.get_world_size()
-        self.transport.all_gather_object(every, sorted(self.tuning.used))
-        refuse_unused([{tuple(u) for u in e} for e in every], self.tuning.freeze_patterns,
-                      self.tuning.lora)
+        self.transport.all_gather_object(every, (sorted(self.tuning.used), self.tuning.examples))
+        examples = {k: [n for _, e in every for n in e[k]] for k in self.tuning.examples}
+        refuse_unused([{tuple(u) for u in used} for used, _ in every], self.tuning.freeze_patterns,
+                      self.tuning.lora, examples)
 
     def _agree_on_layout(self) -> None:
         """Every rank runs the same lowered schedule on the same grid: the T ranks of a

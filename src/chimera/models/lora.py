@@ -167,27 +167,36 @@ def refuse_tied_targets(options: LoRAOptions | None, ties: Sequence[Sequence[str
                                 "are not supported; leave it out of the targets")
 
 
-def refuse_unused(every: Sequence[set[str]], freeze_patterns: Sequence[str],
-                  options: LoRAOptions | None) -> None:
+def refuse_unused(every: Sequence[set[tuple[str, str]]], freeze_patterns: Sequence[str],
+                  options: LoRAOptions | None, examples: dict | None = None) -> None:
     """``every``: per rank, the patterns that named something there. A freeze pattern or an
-    explicit LoRA target that named nothing on any rank is a typo: refused; the default
-    targets must name something."""
+    explicit LoRA target that named nothing on any rank is a typo: refused, with some of the
+    model's names (``examples``: "parameters" and "linear" lists); the default targets must
+    name something."""
     used = set().union(*every) if every else set()
+    examples = examples or {}
     unused = [p for p in freeze_patterns if ("freeze", p) not in used]
     if unused:
         raise UserError(f"freeze pattern(s) {', '.join(map(repr, unused))} match no parameter "
-                        "(patterns are globs over model-wide names such as '0.wte.weight' or "
-                        "'*.attn.*')")
+                        "(globs over model-wide names; this model's include "
+                        f"{_some(examples.get('parameters'))})")
     if options is None:
         return
     hits = [p for p in options.patterns if ("lora", p) in used]
     if options.targets is None and not hits:
         raise UserError(f"LoRA: the default targets ({', '.join(DEFAULT_TARGETS)}) name no "
-                        "linear layer of this model: give the targets (--lora-targets)")
+                        "linear layer of this model: give the targets (--lora-targets); its "
+                        f"linear layers include {_some(examples.get('linear'))}")
     unused = [p for p in options.patterns if ("lora", p) not in used] if options.targets else []
     if unused:
         raise UserError(f"LoRA target(s) {', '.join(map(repr, unused))} name no module "
-                        "(patterns are globs over model-wide module names such as '*.q_proj')")
+                        "(globs over model-wide module names; this model's linear layers "
+                        f"include {_some(examples.get('linear'))})")
+
+
+def _some(names) -> str:
+    names = sorted(set(names or ()), key=lambda n: (int(n.split(".")[0]) if n.split(".")[0].isdigit() else 0, n))
+    return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "none"
 
 
 class Tuning:
@@ -201,6 +210,7 @@ class Tuning:
         self.freeze_patterns, self.lora, self.seed = tuple(freeze_patterns), lora, seed
         self.ties = [tuple(t) for t in ties]
         self.used: set[tuple[str, str]] = set()
+        self.examples: dict[str, list[str]] = {"parameters": [], "linear": []}  # for refusals
 
     @property
     def active(self) -> bool:
@@ -212,11 +222,14 @@ class Tuning:
         return self.lora is None and not any(matches(self.freeze_patterns, n) for n in tie)
 
     def layer(self, index: int, layer: nn.Module) -> nn.Module:
+        self.examples["linear"] += [f"{index}.{n}" for n, m in layer.named_modules()
+                                    if n and linear_sizes(m) is not None][:2]
         if self.lora is not None:
             self.used |= {("lora", p) for p in adapt_layer(index, layer, self.lora, self.seed)}
         return layer
 
     def stage(self, module: nn.Module) -> nn.Module:
+        self.examples["parameters"] += [n for n, _ in module.named_parameters()][:3]
         self.used |= {("freeze", p) for p in freeze(module, self.freeze_patterns, self.ties)}
         return module
 
