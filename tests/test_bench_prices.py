@@ -100,6 +100,8 @@ def test_bad_prices_are_refused_in_one_line():
             cfg(**kw)
     with pytest.raises(UserError, match="emulated stages only"):
         BenchConfig(head=2.0)
+    with pytest.raises(UserError, match="cannot be cut into 8 equal stages"):
+        prices.cut(cfg(layers_per_stage=3), Placement.v(4), (0,) * 8)
 
 
 def test_the_cli_passes_the_prices_and_names_its_files(tmp_path, capsys):

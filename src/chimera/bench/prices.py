@@ -26,8 +26,10 @@ layers wait as long (:mod:`chimera.models.emulated`, with :func:`layer_weights` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+from chimera.errors import UserError
 from chimera.ir import Placement, Schedule
 from chimera.modelcfg import partition_for_ranks
 from chimera.sim.cost import CostModel
@@ -62,7 +64,10 @@ def cut(cfg, placement: Placement, micro_pipe: Sequence[int]) -> list[range]:
     layers, stages = layer_count(cfg), placement.stages
     if cfg.partition == "layers":
         if layers % stages:
-            raise ValueError(f"{layers} emulated layers cannot be cut into {stages} equal stages")
+            raise UserError(f"{layers} emulated layers cannot be cut into {stages} equal stages "
+                            f"(--layers-per-stage {cfg.layers_per_stage} x D={cfg.stages}); "
+                            f"give a multiple of {stages // math.gcd(stages, cfg.stages)} "
+                            "or --partition cost")
         per = layers // stages
         return [range(k * per, (k + 1) * per) for k in range(stages)]
     return partition_for_ranks(layer_weights(cfg), held_shares(placement, micro_pipe), stages)
