@@ -177,8 +177,8 @@ def test_export_in_one_process_equals_auto_model(tmp_path):
 
 def test_families_refused_and_checked_in_one_line():
     """A family chimera.hf does not build is named with the supported list; window settings
-    that do not describe the layers are refused; Qwen3 refuses tensor parallelism (its q/k
-    norms' gradients would need a sum over the TP ranks), the others take Llama's plan."""
+    that do not describe the layers are refused; BERT refuses tensor parallelism naming the
+    architectures that have a plan, and every family's plan names each of its projections."""
     from transformers import Gemma2Config, Olmo2Config
 
     supported = ("GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, "
@@ -202,13 +202,14 @@ def test_families_refused_and_checked_in_one_line():
     llama.sliding_window = 4
     with pytest.raises(UserError, match="not supported for LlamaForCausalLM .*MistralForCausalLM"):
         hf.load(llama)
-    qwen3 = hf.load(hm.build("qwen3"))
-    with pytest.raises(UserError, match="^tensor parallel: Qwen3's q/k norms .*; GPT2LMHeadModel, "
-                       "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, GemmaForCausalLM, Phi3ForCausalLM have one$"):
-        qwen3.tp_plan(1, qwen3.make_layer(1))
+    bert = hf.load(hm.build("bert"))
+    with pytest.raises(UserError, match="^tensor parallel: BERT has no tensor-parallel plan yet; GPT2LMHeadModel, "
+                       "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM, "
+                       "GemmaForCausalLM, Phi3ForCausalLM have one$"):
+        bert.tp_plan(1, bert.make_layer(1))
     from chimera import tp
 
-    for arch in ("qwen2", "mistral", "gemma", "phi3"):  # every projection of the layer is planned
+    for arch in hm.FAMILIES:  # every projection of the layer is planned
         model = hf.load(hm.build(arch))
         for index in range(model.num_layers):
             layer = model.make_layer(index)
@@ -220,6 +221,9 @@ def test_families_refused_and_checked_in_one_line():
         covered = {n for n in tp.resolve(block, model.tp_plan(1, block), 2)}
         linear = {n for n, m in block.named_modules() if isinstance(m, nn.Linear)}
         assert linear <= covered, linear - covered
+        if arch == "qwen3":  # q, k, v gathered: the q/k norms see every head
+            plan = model.tp_plan(1, block)
+            assert {plan[f"layer.self_attn.{p}_proj"] for p in "qkv"} == {"colwise_gather_output"}
 
 
 def test_raw_hf_decoder_layers_in_a_pipeline_point_to_chimera_hf():

@@ -191,15 +191,17 @@ def test_ranks_that_disagree_on_t_are_refused_on_every_rank():
     assert all("disagree on the layout" in m and "rank 2: D=4 W=1 T=1" in m for m in said), said
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3", "qwen3"])
 def test_hf_models_through_the_api_with_tp_train_as_one_process(arch):
     """``hf.load(model).pipeline(tensor_parallel=2)`` takes the model's own plan: GPT-2 with
     its tied wte/lm_head (each TP position sums its own shards of the tie across stages) and
     an odd vocabulary (37, padded to 38), Llama with GQA, Qwen2 (Llama's plan: its q/k/v
     biases cut with their columns; tied), Mistral (a sliding window of 4 in sequences of 8),
     Gemma (its scaled embedding and the head tied to it whole, the blocks sharded), Phi-3
-    (HF's own plan: fused projections gathered, row-parallel ones given their whole input);
-    padded batches (token_mean loss).
+    (HF's own plan: fused projections gathered, row-parallel ones given their whole input),
+    Qwen3 (q, k, v gathered so that its q/k norms see every head); padded batches
+    (token_mean loss). Phi-3 and Qwen3 on ZB-V (the weight-gradient half apart), the others
+    on chimera.
     Losses, gradient norms and the whole state after 2 AdamW steps equal the HF model trained
     in one process."""
     import copy
@@ -229,8 +231,8 @@ def test_hf_models_through_the_api_with_tp_train_as_one_process(arch):
 
     def rank(_):
         model = hf.load(copy.deepcopy(base), dtype=torch.float64)
-        pipe = model.pipeline(schedule="chimera", stages=2, tensor_parallel=2, micro_batches=4,
-                              micro_batch_size=2)
+        pipe = model.pipeline(schedule="zb-v" if arch in ("phi3", "qwen3") else "chimera", stages=2,
+                              tensor_parallel=2, micro_batches=4, micro_batch_size=2)
         popt = torch.optim.AdamW(pipe.parameters(), lr=hm.LR, weight_decay=hm.DECAY, eps=hm.EPS)
         out = []
         for step in range(2):

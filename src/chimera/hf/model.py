@@ -60,10 +60,16 @@ WHOLE_ENDS = {"GemmaForCausalLM": (L.LlamaEmbed, L.LlamaHead)}
 # gate_up_proj): HF's own plan (the config's base_model_tp_plan), which gathers a fused
 # projection's output and gives the row-parallel one its whole input, as HF does
 HF_BLOCK_PLAN = ("Phi3ForCausalLM",)
+# Qwen3's q/k norms are one weight over every head: with q and k column-parallel each rank
+# would see its heads only, and the norms' gradients would be partial sums. Here q, k, v
+# are column-parallel with their outputs gathered (the norms see every head, their gradients
+# whole on every rank), attention runs on every head, o_proj is row-parallel on its slice of
+# the whole input; the MLP as Llama's. No collective in the weight-gradient half (W).
+QWEN3_BLOCK_TP = {"self_attn.q_proj": "colwise_gather_output", "self_attn.k_proj": "colwise_gather_output",
+                  "self_attn.v_proj": "colwise_gather_output", "self_attn.o_proj": "rowwise_split_input",
+                  "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
 # architectures without one, and why
-NO_TP = {"BertForMaskedLM": "BERT has no tensor-parallel plan yet",
-         "Qwen3ForCausalLM": "Qwen3's q/k norms act on each rank's heads and would need their "
-                             "gradients summed over the TP ranks, which chimera.tp does not do yet"}
+NO_TP = {"BertForMaskedLM": "BERT has no tensor-parallel plan yet"}
 TP_ARCHS = ", ".join(a for a in ARCHS if a not in NO_TP)
 ATTENTION = ("eager", "sdpa")
 
@@ -204,6 +210,9 @@ class HFModel:
             return {}
         if self.arch in HF_BLOCK_PLAN and isinstance(layer, L.LlamaBlock):
             return tp.prefixed(tp.from_hf(type(self.config).base_model_tp_plan, "layers.*."), "layer.")
+        if self.arch == "Qwen3ForCausalLM" and isinstance(layer, L.LlamaBlock):
+            return tp.prefixed({**QWEN3_BLOCK_TP, "self_attn": tp.shared_input("hidden_states"),
+                                "mlp": tp.shared_input()}, "layer.")
         make = TP_PLANS.get(type(layer))
         if self.arch in NO_TP or make is None:
             why = NO_TP.get(self.arch, f"{self.arch} has no tensor-parallel plan yet")

@@ -33,5 +33,5 @@ def preset_tp_plan(kind: str, name: str):
     if kind == "gpt2":
         return gpt2_tp_plan
     raise UserError(f"--tensor-parallel: {name} ({kind}) has no tensor-parallel plan yet; "
-                    "GPT-2 presets and Hugging Face GPT-2, Llama, Qwen2, Mistral, Gemma and Phi-3 "
-                    "models have one")
+                    "GPT-2 presets and Hugging Face GPT-2, Llama, Qwen2, Mistral, Qwen3, Gemma and "
+                    "Phi-3 models have one")
