@@ -32,6 +32,9 @@ N, B = 4, 2  # micro-batches, micro-batch size
 SCHEDULES = ("chimera", "zb-v", "1f1b", "chimera-zb")
 ARCHS = ("llama", "gpt2")
 TARGETS = {"llama": ("*.q_proj", "*.v_proj"), "gpt2": ("*.c_attn", "*.c_proj")}  # Conv1D both
+# families on Llama's layers with the default targets (None), and what peft is given for them
+DEFAULTS = {"qwen2": ("q_proj", "v_proj"), "phi3": ("qkv_proj",)}  # Phi-3: q, k, v fused
+CASES = [(a, s) for a in ARCHS for s in SCHEDULES] + [(a, "chimera") for a in DEFAULTS]
 LORA = dict(rank=3, alpha=6.0)
 
 
@@ -45,7 +48,7 @@ def _random_adapters(state: dict) -> dict:
 
 def _lora_case(folders: dict, arch: str, schedule: str) -> dict:
     model = hf.load(folders[arch], dtype=torch.float64, attn_implementation=hm.ATTN[arch])
-    lora = LoRAOptions(targets=TARGETS[arch], **LORA)
+    lora = LoRAOptions(targets=TARGETS.get(arch), **LORA)
     pipe = model.pipeline(schedule=schedule, stages=2, micro_batches=N, micro_batch_size=B,
                           model=chimera.ModelOptions(lora=lora))
     start = _random_adapters(pipe.state_dict(all_ranks=True))
@@ -169,7 +172,7 @@ def _preset_reference() -> dict:
 
 
 def _worker(rank: int, world: int, folders: dict) -> dict:
-    out = {(a, s): _lora_case(folders, a, s) for a in ARCHS for s in SCHEDULES}
+    out = {(a, s): _lora_case(folders, a, s) for a, s in CASES}
     out.update({("preset", s): _preset_case(s) for s in ("chimera", "zb-v", "1f1b")})
     out["frozen"] = _frozen_case()
     out["sharded"] = _sharded_case(rank)
@@ -209,7 +212,7 @@ def _gpt_batch():
 # -- fixtures ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    return hm.saved(tmp_path_factory.mktemp("lora"), ARCHS)
+    return hm.saved(tmp_path_factory.mktemp("lora"), ARCHS + tuple(DEFAULTS))
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +224,8 @@ def _peft_reference(hf_model, arch: str, start: dict) -> dict:
     """``peft`` on HF's own model in one process, from the pipeline's starting weights."""
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
-                             target_modules=[t.lstrip("*.") for t in TARGETS[arch]],
+                             target_modules=list(DEFAULTS.get(arch) or
+                                                 [t.lstrip("*.") for t in TARGETS[arch]]),
                              fan_in_fan_out=arch == "gpt2")
     model = peft.get_peft_model(copy.deepcopy(hf_model), config)
     adapters = {f"base_model.model.{k}": v for k, v in start.items() if ".lora_" in k}
@@ -254,13 +258,13 @@ def _ours(peft_name: str) -> str:
 
 @pytest.fixture(scope="module")
 def refs(saved, world2):
-    return {(a, s): _peft_reference(saved[a][1], a, world2[0][(a, s)]["start"])
-            for a in ARCHS for s in SCHEDULES}
+    return {(a, s): _peft_reference(saved[a][1], a, world2[0][(a, s)]["start"]) for a, s in CASES}
 
 
-@pytest.mark.parametrize("case", [f"{a}-{s}" for a in ARCHS for s in SCHEDULES])
+@pytest.mark.parametrize("case", [f"{a}-{s}" for a, s in CASES])
 def test_lora_gradients_equal_peft_in_one_process(world2, refs, case):
-    """Adapters on Llama's q/v projections and GPT-2's Conv1D c_attn/c_proj: every trainable
+    """Adapters on Llama's q/v projections, GPT-2's Conv1D c_attn/c_proj, and the default
+    targets of Qwen2 (q/v) and Phi-3 (the fused qkv_proj): every trainable
     gradient of 3 steps (padding, a new length mid-run), the losses and the parameters after
     AdamW equal peft's on HF's model in one process; nothing else trains."""
     arch, schedule = case.split("-", 1)

@@ -37,9 +37,9 @@ from chimera.errors import UserError
 from chimera.rng import seeded
 
 # the attention query and value projections of the families chimera builds (names do not
-# collide across them): HF Llama-like (q_proj, v_proj), HF GPT-2 (c_attn: q, k and v in one),
-# chimera's GPT-2 (attn.qkv), HF BERT (query, value)
-DEFAULT_TARGETS = ("*.q_proj", "*.v_proj", "*.c_attn", "*.attn.qkv", "*.query", "*.value")
+# collide across them): HF Llama-like (q_proj, v_proj), Phi-3 (qkv_proj: q, k and v in one),
+# HF GPT-2 (c_attn, likewise), chimera's GPT-2 (attn.qkv), HF BERT (query, value)
+DEFAULT_TARGETS = ("*.q_proj", "*.v_proj", "*.qkv_proj", "*.c_attn", "*.attn.qkv", "*.query", "*.value")
 ADAPTER_PARTS = ("lora_A", "lora_B")
 _SALT = 0x10EA  # adapters draw from another stream than their layer's own initialization
 

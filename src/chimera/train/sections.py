@@ -143,7 +143,8 @@ class Net:
     lora_targets: tuple[str, ...] = knob((), "the linear layers that get adapters: globs over "
                                          "model-wide module names (e.g. '*.q_proj')", metavar="PATTERN",
                                          default_text="the attention query and value projections: "
-                                         "q_proj, v_proj (Llama), c_attn (HF GPT-2), attn.qkv (GPT-2 presets)")
+                                         "q_proj, v_proj (Llama-like), qkv_proj (Phi-3), c_attn (HF GPT-2), attn.qkv (GPT-2 "
+                                         "presets)")
 
     def __post_init__(self) -> None:
         _kinds(self)
