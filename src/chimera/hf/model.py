@@ -56,10 +56,6 @@ TP_PLANS = {
 # Gemma's embedding scales its lookup by sqrt(hidden) inside its own module, which a
 # vocabulary-sharded embedding would replace: embedding and (tied) head stay whole there
 WHOLE_ENDS = {"GemmaForCausalLM": (L.LlamaEmbed, L.LlamaHead)}
-# decoder layers whose projections are fused (Phi-3's qkv_proj with GQA's unequal parts,
-# gate_up_proj): HF's own plan (the config's base_model_tp_plan), which gathers a fused
-# projection's output and gives the row-parallel one its whole input, as HF does
-HF_BLOCK_PLAN = ("Phi3ForCausalLM",)
 # Qwen3's q/k norms are one weight over every head: with q and k column-parallel each rank
 # would see its heads only, and the norms' gradients would be partial sums. Here q, k, v
 # are column-parallel with their outputs gathered (the norms see every head, their gradients
@@ -68,6 +64,22 @@ HF_BLOCK_PLAN = ("Phi3ForCausalLM",)
 QWEN3_BLOCK_TP = {"self_attn.q_proj": "colwise_gather_output", "self_attn.k_proj": "colwise_gather_output",
                   "self_attn.v_proj": "colwise_gather_output", "self_attn.o_proj": "rowwise_split_input",
                   "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+
+
+def _hf_block_plan(config) -> dict:
+    """HF's own plan of a decoder layer (its config's ``base_model_tp_plan``): for Phi-3's
+    fused projections (qkv_proj with GQA's unequal parts, gate_up_proj) it gathers a fused
+    output and gives the row-parallel projection its whole input."""
+    return tp.prefixed(tp.from_hf(type(config).base_model_tp_plan, "layers.*."), "layer.")
+
+
+# decoder layers whose plan is not Llama's (the layer class is Llama's)
+BLOCK_TP = {
+    "Phi3ForCausalLM": _hf_block_plan,
+    "Qwen3ForCausalLM": lambda config: tp.prefixed({**QWEN3_BLOCK_TP, "mlp": tp.shared_input(),
+                                                    "self_attn": tp.shared_input("hidden_states")},
+                                                   "layer."),
+}
 # architectures without one, and why
 NO_TP = {"BertForMaskedLM": "BERT has no tensor-parallel plan yet"}
 TP_ARCHS = ", ".join(a for a in ARCHS if a not in NO_TP)
@@ -205,14 +217,12 @@ class HFModel:
 
     def tp_plan(self, index: int, layer: nn.Module) -> dict:
         """Layer ``index``'s tensor-parallel plan (``ModelOptions.tp_plan``): the embedding
-        by vocabulary, each block Megatron-style, the head column-parallel, logits gathered."""
+        by vocabulary, each block Megatron-style, the head column-parallel, logits gathered;
+        a family's own block plan (``BLOCK_TP``) or whole ends (``WHOLE_ENDS``) where it has them."""
         if type(layer) in WHOLE_ENDS.get(self.arch, ()):
             return {}
-        if self.arch in HF_BLOCK_PLAN and isinstance(layer, L.LlamaBlock):
-            return tp.prefixed(tp.from_hf(type(self.config).base_model_tp_plan, "layers.*."), "layer.")
-        if self.arch == "Qwen3ForCausalLM" and isinstance(layer, L.LlamaBlock):
-            return tp.prefixed({**QWEN3_BLOCK_TP, "self_attn": tp.shared_input("hidden_states"),
-                                "mlp": tp.shared_input()}, "layer.")
+        if self.arch in BLOCK_TP and isinstance(layer, L.LlamaBlock):
+            return BLOCK_TP[self.arch](self.config)
         make = TP_PLANS.get(type(layer))
         if self.arch in NO_TP or make is None:
             why = NO_TP.get(self.arch, f"{self.arch} has no tensor-parallel plan yet")
