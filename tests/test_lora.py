@@ -320,6 +320,11 @@ def test_lora_starts_from_the_base_model():
     assert torch.equal(layer(x), before)
     assert [n for n, p in layer.named_parameters() if p.requires_grad] == ["0.lora_A.weight",
                                                                           "0.lora_B.weight"]
+    whole = nn.Linear(4, 3).double()  # a layer that is itself linear: named by its index
+    assert adapt_layer(5, whole, LoRAOptions(rank=2, targets=["5"]), seed=0) == {"5"}
+    assert torch.equal(whole(x), nn.functional.linear(x, whole.weight, whole.bias))
+    assert [n for n, p in whole.named_parameters() if p.requires_grad] == ["lora_A.weight",
+                                                                          "lora_B.weight"]
 
 
 def _frozen_reference() -> dict:

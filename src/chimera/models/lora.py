@@ -98,7 +98,7 @@ def _lora_forward(module: nn.Module, args, output):
 
 def add_adapter(module: nn.Module, options: LoRAOptions) -> None:
     """``module`` (a linear layer, checked by the caller) gets ``lora_A``, ``lora_B`` and the
-    hook; its base weights are frozen. Draws A from the global RNG (seed it)."""
+    hook (freezing its base weights is the caller's). Draws A from the global RNG (seed it)."""
     fan_in, fan_out = linear_sizes(module)
     like = dict(dtype=module.weight.dtype, device=module.weight.device)
     module.lora_A = nn.Linear(fan_in, options.rank, bias=False, **like)
@@ -118,14 +118,15 @@ def is_adapter(name: str) -> bool:
 
 def adapt_layer(index: int, layer: nn.Module, options: LoRAOptions, seed: int) -> set[str]:
     """Adapters on the submodules of layer ``index`` whose model-wide names match a target,
-    every other parameter of the layer frozen; the patterns that matched. A pattern naming a
-    module that is not a linear layer is refused. The same adapters on every rank and layout:
-    drawn with a seed of the layer's."""
+    every other parameter of the layer frozen; the patterns that matched (the layer itself is
+    named by its index: ``"2"``). A given pattern naming a module that is not a linear layer is
+    refused (the default ones pass over it). The same adapters on every rank and layout: drawn
+    with a seed of the layer's."""
     used: set[str] = set()
     targets = []
     for name, module in layer.named_modules():
-        hit = matches(options.patterns, f"{index}.{name}") if name else []
-        if not hit:
+        hit = matches(options.patterns, f"{index}.{name}" if name else str(index))
+        if not hit or (options.targets is None and linear_sizes(module) is None):
             continue
         if linear_sizes(module) is None:
             raise UserError(f"LoRA target {hit[0]!r} names {index}.{name}, a "
