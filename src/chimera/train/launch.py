@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -238,8 +239,11 @@ def _open_log(path: str, start: int):
 def _progress(cfg: TrainConfig, start: int = 0):
     if not cfg.run.progress:
         return None
-    from tqdm import tqdm
+    from tqdm import tqdm  # only when a bar is drawn
 
+    # one process draws the bar: a thread lock, not tqdm's default multiprocessing one, whose
+    # semaphore a spawned rank leaves behind ("resource_tracker: ... leaked semaphore")
+    tqdm.set_lock(threading.RLock())
     p = cfg.pipeline
     return tqdm(total=cfg.optim.steps, initial=start, unit="step", file=sys.stderr,
                 dynamic_ncols=True, desc=f"{p.schedule} D={p.stages} W={p.data_parallel}")
