@@ -39,9 +39,11 @@ def reference_config(cfg: TrainConfig) -> TrainConfig:
 def _whole(trainer: Trainer, of) -> list[tuple[str, int, torch.Tensor]]:
     """(name, pipe, ``of(p)`` whole) per replica parameter ``p`` (``of``: the parameter or
     its gradient): a tensor-parallel shard gathered over its TP group (every TP rank calls
-    it, parameters in one order)."""
+    it, parameters in one order). A frozen parameter has no gradient: left out of those."""
     shards, out = trainer.tp_shards(), []
     for n, pipe, p in trainer.replica_parameters():
+        if of(p) is None:
+            continue
         value, shard = of(p).detach(), shards.get(id(p))
         out.append((n, pipe, (value if shard is None else
                               full_tensor(value, shard, trainer.pipe.tp)).clone()))
