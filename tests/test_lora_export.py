@@ -203,9 +203,10 @@ def test_bf16_master_with_frozen_weights_loads_in_one_dtype(runs, tmp_path):
 
 @pytest.mark.slow
 def test_trainer_with_lora_or_frozen_weights_equals_one_process():
-    """``chimera train``'s own check (spawned gloo ranks, float64): LoRA on chimera, and
-    frozen layers with the sharded optimizer on zb-v, against the single-process run of the
-    same config: gradients, losses, parameters after 3 AdamW steps, identical replicas."""
+    """``chimera train``'s own check (spawned gloo ranks, float64): LoRA on chimera, frozen
+    layers with the sharded optimizer on zb-v, and frozen sharded layers (a vocabulary-parallel
+    embedding, column-parallel qkv) at T = 2, against the single-process run of the same
+    config: gradients, losses, parameters after 3 AdamW steps, identical replicas."""
     from chimera.train import TrainConfig
     from chimera.train.equivalence import check_equivalence
 
@@ -214,6 +215,8 @@ def test_trainer_with_lora_or_frozen_weights_equals_one_process():
     reports = check_equivalence([
         TrainConfig(schedule="chimera", lora_rank=4, lora_targets=("*.attn.qkv", "*.mlp.fc"), **common),
         TrainConfig(schedule="zb-v", freeze=("0.*", "*.ln1.*"), shard_optimizer=True, **common)])
+    reports += check_equivalence([TrainConfig(schedule="1f1b", tensor_parallel=2,
+                                              freeze=("0.*", "*.attn.qkv.*"), **common)])
     for report in reports:
         assert not report["missing"] and report["replicas_identical"], report["config"]
         assert report["max_grad_rel_err"] < 1e-10 and report["max_loss_rel_err"] < 1e-10
