@@ -55,7 +55,7 @@ def test_every_field_is_written_once_with_a_default_and_help():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
         for f in dataclasses.fields(cls):
             assert f.default is not dataclasses.MISSING and f.metadata["help"], (cls, f.name)
-    assert set(FLAT) - {"options"} <= set(CHANGED) | {"data", "token_dtype", "tokenizer", "val_data", "val_fraction"}
+    assert set(FLAT) - {"options"} <= set(CHANGED) | {"data", "token_dtype", "tokenizer", "val_data", "val_fraction", "data_mix"}
 
 
 def test_python_flags_and_toml_are_one_run(tmp_path):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from chimera.data.documents import split_documents
+from chimera.data.mixture import Mixture
 from chimera.errors import UserError
 
 DEFAULT_MAX_BYTES = 4 * 2**20
@@ -279,6 +280,8 @@ def split_corpus(corpus: "Corpus | torch.Tensor", split: str) -> torch.Tensor | 
         raise UserError(f"split must be one of {SPLITS}, got {split!r}")
     if isinstance(corpus, Corpus):
         return corpus.train if split == "train" else corpus.val
+    if isinstance(corpus, Mixture):  # a row may come from any part: the shortest part's split
+        return min((split_corpus(part, split) for part in corpus.parts), key=len)
     train, val = split_corpus_bytes(len(corpus))
     return corpus[:train.stop] if split == "train" else corpus[val.start:]
 
@@ -344,6 +347,8 @@ def get_batch(corpus: "Corpus | torch.Tensor", step: int, global_batch: int, seq
     """
     vocab_size = model_vocab(corpus, kind) if vocab_size is None else vocab_size
     _check_batch_args(step, global_batch, seq_len, kind, vocab_size, corpus)
+    if isinstance(corpus, Mixture):
+        return _mixed_batch(corpus, step, global_batch, seq_len, seed, kind, split, vocab_size)
     data = split_corpus(corpus, split)
     need = seq_len + 1 if kind == "gpt2" else seq_len
     if len(data) < need:
@@ -355,6 +360,22 @@ def get_batch(corpus: "Corpus | torch.Tensor", step: int, global_batch: int, seq
     if kind == "gpt2":
         return windows[:, :-1], windows[:, 1:]                           # (B, T) each
     return mask_tokens(windows, gen, vocab_size, getattr(corpus, "mask_id", None))
+
+
+def _mixed_batch(mix: Mixture, step: int, global_batch: int, seq_len: int, seed: int,
+                 kind: str, split: str, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row from the part a seeded draw by the weights gives it, those rows drawn from
+    that part as ``get_batch`` draws them (``chimera.data.mixture``)."""
+    which = mix.rows(global_batch, derive_seed(seed, "mix", split, step))   # (B,)
+    inputs = torch.empty(global_batch, seq_len, dtype=torch.long)
+    targets = torch.empty(global_batch, seq_len, dtype=torch.long)
+    for k, part in enumerate(mix.parts):
+        rows = (which == k).nonzero().flatten()
+        if len(rows):
+            inputs[rows], targets[rows] = get_batch(part, step, len(rows), seq_len,
+                                                    derive_seed(seed, "part", k), kind,
+                                                    split=split, vocab_size=vocab_size)
+    return inputs, targets
 
 
 @dataclass(frozen=True, eq=False)

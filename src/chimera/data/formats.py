@@ -41,6 +41,7 @@ import numpy as np
 from chimera.data import datasets, text
 from chimera.data import BYTE_VOCAB, VAL_FRACTION, Corpus, check_corpus_path, file_ends, load_corpus
 from chimera.data.documents import check_fraction, eos_ends
+from chimera.data.mixture import Mixture, parse_mix
 from chimera.data.meta import MAX_VOCAB, meta_mask, read_meta, token_dtype
 from chimera.data.meta import META, META_FORMAT  # noqa: F401  (imported from here, as before)
 from chimera.data.tokens import TOKEN_DTYPES, TokenFile, bin_file, npy_file
@@ -75,11 +76,16 @@ class DataSpec:
     tokenizer: str | None = None     # a tokenizer.json (HF tokenizers) for text
     val_data: str | None = None      # held-out data read as path is (None: held out of path)
     val_fraction: float | None = None  # the documents held out of path (None: VAL_FRACTION)
+    mix: tuple[str, ...] = ()        # PATH:WEIGHT sources mixed by weight, instead of path
 
     def __post_init__(self) -> None:
+        if self.mix:
+            parse_mix(self.mix)
+            if self.path is not None:
+                raise UserError("--data and --data-mix both say what trains: give one")
         if self.val_fraction is not None:
             check_fraction(self.val_fraction)
-            if self.path is None:
+            if self.path is None and not self.mix:
                 raise UserError("--val-fraction applies to --data: the standard library's "
                                  "held-out files are a fixed choice (1 in 20)")
             if self.val_data is not None and self.val_fraction:
@@ -97,6 +103,11 @@ class DataSpec:
     @property
     def field(self) -> str:
         return self.text_field or "text"
+
+    def parts(self) -> list[tuple["DataSpec", float]]:
+        """Each source of ``mix`` as a spec of its own, and its weight."""
+        return [(dataclasses.replace(self, path=path, mix=()), weight)
+                for path, weight in parse_mix(self.mix)]
 
     @property
     def fraction(self) -> float:
@@ -327,6 +338,13 @@ def _json_refusal(p: Path) -> str:
 def describe(spec: DataSpec) -> DataInfo:
     """The format of ``spec`` and its vocabulary (and of ``--val-data``, which must read as
     the same vocabulary); refuses flags that do not apply."""
+    if spec.mix:  # the first source's facts, which every other must share
+        infos = [(part.path, describe(part)) for part, _ in spec.parts()]
+        for path, other in infos[1:]:
+            if (other.is_bytes, other.vocab_size) != (infos[0][1].is_bytes, infos[0][1].vocab_size):
+                raise UserError(f"--data-mix: {path} reads as {_ids_of(other)}, {infos[0][0]} as "
+                                 f"{_ids_of(infos[0][1])}: mixed sources must share a vocabulary")
+        return infos[0][1]
     info = _describe(spec)
     if spec.val_data is not None:
         try:
@@ -406,7 +424,13 @@ def open_data(spec: DataSpec, *, seq_len: int | None = None, progress: bool = Fa
     the vocabulary (``scan=False``: not the ids of token files, which another process of the
     run reads through) and the training split holds one sequence of ``seq_len`` + 1. The
     held-out split is ``--val-data`` whole, else whole documents of ``--data``
-    (``Corpus.from_tokens``)."""
+    (``Corpus.from_tokens``). ``--data-mix``: a ``Mixture`` of each source read so."""
+    if spec.mix:
+        describe(spec)  # one vocabulary
+        parts = [(open_data(part, seq_len=seq_len, progress=progress, scan=scan), weight)
+                 for part, weight in spec.parts()]
+        total = sum(weight for _, weight in parts)
+        return Mixture(tuple(p for p, _ in parts), tuple(w / total for _, w in parts))
     corpus = _open(spec, describe(spec), seq_len, progress, scan)
     if spec.val_data is not None:
         held = spec.validation()
@@ -469,7 +493,11 @@ def ids_in_memory(info: DataInfo) -> bool:
 
 def to_token_file(corpus: Corpus, path: str | os.PathLike) -> Corpus:
     """The corpus over its ids written to ``path`` (read-only; training ids, then held-out
-    ids): the processes that read it share its pages instead of each making the ids."""
+    ids): the processes that read it share its pages instead of each making the ids. A
+    ``Mixture``: each part to ``path.K``."""
+    if isinstance(corpus, Mixture):
+        return Mixture(tuple(to_token_file(part, f"{path}.{k}") for k, part in enumerate(corpus.parts)),
+                       corpus.weights)
     train, val = np.asarray(corpus.train), np.asarray(corpus.val)
     with open(path, "wb") as f:
         train.tofile(f)

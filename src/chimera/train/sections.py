@@ -207,13 +207,17 @@ class Corpus:
                                       "in the end-of-text id) held out, a seeded choice of whole "
                                       "documents (one document: its last ids); 0: none",
                                       metavar="F", default_text="0.05")
+    data_mix: tuple[str, ...] = knob((), "several training sources instead of --data, each "
+                                     "PATH:WEIGHT (a.txt:0.7 b.jsonl:0.3), read as --data is "
+                                     "(one vocabulary); each row of a batch comes from a source "
+                                     "drawn by weight, seeded by the step", metavar="PATH:W")
 
     def spec(self):
         """These fields as a ``chimera.data.formats.DataSpec``."""
         from chimera.data.formats import DataSpec  # lazy: chimera.data imports torch
 
         return DataSpec(self.data, self.token_dtype, self.vocab_size, self.text_field,
-                        self.tokenizer, self.val_data, self.val_fraction)
+                        self.tokenizer, self.val_data, self.val_fraction, tuple(self.data_mix))
 
     def __post_init__(self) -> None:
         _kinds(self)
