@@ -86,8 +86,9 @@ from chimera.schedules import build, default_micro_batches, require_runnable
 from chimera.tp import TPGroup, full_tensor, local_slice, parallelize, shard_of
 from chimera.check.validate import validate
 
-__all__ = ["ExecOptions", "LoRAOptions", "LossOptions", "ModelOptions", "Pipeline", "ProbeError", "RunContext",
-           "RuntimeOptions", "SpawnError", "balanced_partition", "build_layers", "spawn"]
+__all__ = ["ExecOptions", "LoRAOptions", "LossOptions", "ModelOptions", "Pipeline", "ProbeError",
+           "RunContext", "RuntimeOptions", "SpawnError", "balanced_partition", "build_layers",
+           "spawn"]
 REDUCTIONS = ("mean", "sum", "token_mean")
 
 
@@ -508,9 +509,10 @@ class Pipeline:
     # -- parameters ------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
         """What this rank's optimizer updates: give them to your optimizer. Every replica's
-        parameters it holds that train (frozen ones are left out); with ``shard_optimizer=True``, this rank's slices of them (flat
-        pieces sharing the parameters' memory; their ``.grad`` is the slice of the summed
-        gradient), gathered into every replica at the next :meth:`step`, :meth:`eval_step`,
+        parameters it holds that train (frozen ones are left out); with
+        ``shard_optimizer=True``, this rank's slices of them (flat pieces sharing the
+        parameters' memory; their ``.grad`` is the slice of the summed gradient), gathered
+        into every replica at the next :meth:`step`, :meth:`eval_step`,
         :meth:`named_parameters`, :meth:`state_dict` or :meth:`sync_parameters`."""
         if self.runtime.shards:
             return [t for t, _ in self.runtime.optimizer_parameters()]

@@ -39,7 +39,8 @@ from chimera.rng import seeded
 # the attention query and value projections of the families chimera builds (names do not
 # collide across them): HF Llama-like (q_proj, v_proj), Phi-3 (qkv_proj: q, k and v in one),
 # HF GPT-2 (c_attn, likewise), chimera's GPT-2 (attn.qkv), HF BERT (query, value)
-DEFAULT_TARGETS = ("*.q_proj", "*.v_proj", "*.qkv_proj", "*.c_attn", "*.attn.qkv", "*.query", "*.value")
+DEFAULT_TARGETS = ("*.q_proj", "*.v_proj", "*.qkv_proj", "*.c_attn", "*.attn.qkv", "*.query",
+                   "*.value")
 ADAPTER_PARTS = ("lora_A", "lora_B")
 _SALT = 0x10EA  # adapters draw from another stream than their layer's own initialization
 
@@ -59,12 +60,14 @@ class LoRAOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise UserError(f"LoRA rank must be a positive integer, got {self.rank!r}")
-        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
+        number = isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
+        if not number or not math.isfinite(self.alpha) or self.alpha <= 0:
             raise UserError(f"LoRA alpha must be a positive number, got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
         if self.targets is not None and (isinstance(self.targets, str) or not self.targets):
-            raise UserError(f"LoRA targets must be a non-empty list of patterns, got {self.targets!r}")
+            raise UserError(f"LoRA targets must be a non-empty list of patterns, got "
+                            f"{self.targets!r}")
 
     @property
     def patterns(self) -> tuple[str, ...]:
@@ -142,7 +145,8 @@ def adapt_layer(index: int, layer: nn.Module, options: LoRAOptions, seed: int) -
     return used
 
 
-def freeze(module: nn.Module, patterns: Sequence[str], ties: Sequence[Sequence[str]] = ()) -> set[str]:
+def freeze(module: nn.Module, patterns: Sequence[str],
+           ties: Sequence[Sequence[str]] = ()) -> set[str]:
     """Freeze the parameters of ``module`` (named model-wide) that a pattern matches; a tied
     weight is frozen under all its names when any matches (its copies in other stages must
     agree). The patterns that matched."""
@@ -196,7 +200,10 @@ def refuse_unused(every: Sequence[set[tuple[str, str]]], freeze_patterns: Sequen
 
 
 def _some(names) -> str:
-    names = sorted(set(names or ()), key=lambda n: (int(n.split(".")[0]) if n.split(".")[0].isdigit() else 0, n))
+    def order(name: str) -> tuple:
+        head = name.split(".")[0]
+        return (int(head) if head.isdigit() else 0, name)
+    names = sorted(set(names or ()), key=order)
     return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "none"
 
 
