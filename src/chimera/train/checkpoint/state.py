@@ -213,14 +213,14 @@ def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(path)
     # read without DCP where the tensors are stored whole (start-up time: chimera generate)
     state = light.model_state(path, read_light_index(path))
-    if state is not None:
-        return {key[len("model."):]: value for key, value in state.items()}
-    import torch.distributed.checkpoint as dcp  # loaded when it is needed: start-up time
+    if state is None:
+        import torch.distributed.checkpoint as dcp  # loaded when it is needed: start-up time
 
-    index = read_index(path)
-    state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in index.items()
-             if key.startswith("model.")}
-    dcp_call(0, f"reading {path}", dcp.load, state, storage_reader=safe_reader(path), no_dist=True)
+        index = read_index(path)
+        state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in index.items()
+                 if key.startswith("model.")}
+        dcp_call(0, f"reading {path}", dcp.load, state, storage_reader=safe_reader(path),
+                 no_dist=True)
     if {t.dtype for t in state.values()} == {torch.bfloat16, torch.float32}:
         state = {k: v.float() for k, v in state.items()}
     return {key[len("model."):]: value for key, value in state.items()}
