@@ -23,6 +23,7 @@ from torch import nn
 from chimera import rng
 from chimera.data import derive_seed
 from chimera.errors import UserError
+from chimera.models import packing
 from chimera.modelcfg import (  # noqa: F401  (the torch-free config, re-exported here)
     KINDS, PRESETS, ModelConfig, flops_per_token, get_config, layer_param_counts, param_count)
 
@@ -45,13 +46,16 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """``segments`` (B, T): packed documents, each attending only to itself
+        (``chimera.models.packing``; causal models only)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)                  # 3 x (B, T, C)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for t in (q, k, v))                          # (B, H, T, C/H)
+        mask = None if segments is None else packing.document_mask(segments)  # (B, 1, T, T)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal,
+            q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
             dropout_p=self.dropout if self.training else 0.0)   # (B, H, T, C/H)
         y = y.transpose(1, 2).contiguous().view(B, T, C)        # (B, T, C)
         return self.resid_drop(self.proj(y))
@@ -79,18 +83,20 @@ class TokenPositionEmbedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """``segments`` (B, T): positions restart at each packed document's first token."""
         if idx.dim() != 2 or idx.dtype != torch.long:
             raise UserError(f"embedding expects (B, T) int64 token ids, got "
                              f"{tuple(idx.shape)} {idx.dtype}")
         T = idx.shape[1]
         if T > self.seq_len:
             raise UserError(f"sequence length {T} exceeds the model's seq_len {self.seq_len}")
-        pos = torch.arange(T, device=idx.device)                # (T,)
+        pos = torch.arange(T, device=idx.device) if segments is None else \
+            packing.document_positions(segments)                # (T,) or (B, T)
         return self.tok(idx) + self.pos(pos)                    # (B, T, C)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.embed(idx))
+    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        return self.drop(self.embed(idx, segments))
 
 
 # ---------------------------------------------------------------------------------------
@@ -106,8 +112,8 @@ class GPT2Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg, approximate="tanh")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))                          # (B, T, C)
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), segments)                # (B, T, C)
         return x + self.mlp(self.ln2(x))                        # (B, T, C)
 
 
