@@ -113,7 +113,8 @@ class GPT2Block(nn.Module):
         self.mlp = MLP(cfg, approximate="tanh")
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), segments)                # (B, T, C)
+        h = self.ln1(x)  # a tensor-parallel attention (chimera.tp) takes no segments
+        x = x + (self.attn(h) if segments is None else self.attn(h, segments))  # (B, T, C)
         return x + self.mlp(self.ln2(x))                        # (B, T, C)
 
 
