@@ -513,10 +513,15 @@ class Pipeline:
         ``shard_optimizer=True``, this rank's slices of them (flat pieces sharing the
         parameters' memory; their ``.grad`` is the slice of the summed gradient), gathered
         into every replica at the next :meth:`step`, :meth:`eval_step`,
-        :meth:`named_parameters`, :meth:`state_dict` or :meth:`sync_parameters`."""
+        :meth:`named_parameters`, :meth:`state_dict` or :meth:`sync_parameters`. A rank
+        whose stages are all frozen gets its frozen parameters, so that
+        ``torch.optim.SGD(pipe.parameters())`` can be built on every rank (they never get a
+        gradient: the optimizer skips them)."""
         if self.runtime.shards:
-            return [t for t, _ in self.runtime.optimizer_parameters()]
-        return [p for p in self.runtime.parameters() if p.requires_grad]
+            out = [t for t, _ in self.runtime.optimizer_parameters()]
+        else:
+            out = [p for p in self.runtime.parameters() if p.requires_grad]
+        return out or self.runtime.parameters()
 
     def named_parameters(self):
         """(model-wide name, parameter) for every replica this rank holds: the names of
