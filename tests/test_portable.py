@@ -92,3 +92,23 @@ def test_data_inside_the_run_folder_moves_with_it(tmp_path, monkeypatch):
     assert TrainConfig.from_toml(config).corpus.data == str(tmp_path / "moved" / "notes.txt")
     assert main(["train", "--config", str(config), "--resume", "--steps", "2"]) == 0
     assert (tmp_path / "moved" / "step-00000002").is_dir()
+
+
+def test_a_mix_of_sources_is_written_for_a_move_and_compared_on_resume(tmp_path, monkeypatch):
+    from chimera.train import resume
+    from chimera.train.portable import portable_toml
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run" / "step-00000001").mkdir(parents=True)
+    (tmp_path / "run" / "step-00000001" / "meta.json").write_text("{}")
+    cfg = TrainConfig(data_mix=("run/a.txt:0.7", "b.txt:0.3"), checkpoint_dir="run")
+    config = tmp_path / "run" / "step-00000001" / "config.toml"
+    config.write_text(portable_toml(cfg, config.parent))
+    assert '"../a.txt:0.7"' in config.read_text()
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    again = TrainConfig.from_toml(tmp_path / "moved" / "step-00000001" / "config.toml")
+    assert again.corpus.data_mix == (f"{tmp_path}/moved/a.txt:0.7", f"{tmp_path}/b.txt:0.3")
+    meta = {"model": cfg.net.model, "run": resume.record(cfg)}
+    other = cfg.replace(data_mix=("run/a.txt:0.5", "b.txt:0.5"))
+    refused, _ = resume.compare(meta, other, {})
+    assert any("data mix" in line for line in refused)

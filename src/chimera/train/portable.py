@@ -1,8 +1,8 @@
 """A checkpoint's ``config.toml`` that still runs after its run folder is moved.
 
-The paths a run reads (``--data``, ``--val-data``, ``--tokenizer``, ``--model hf:PATH``) and
-its checkpoint folder are written into the checkpoint's config.toml so that ``chimera train
---config STEP/config.toml`` reads the same files from any current folder and after the run
+The paths a run reads (``--data``, ``--val-data``, ``--data-mix``, ``--tokenizer``, ``--model
+hf:PATH``) and its checkpoint folder are written into the checkpoint's config.toml so that
+``chimera train --config STEP/config.toml`` reads the same files from any current folder and after the run
 folder (``--checkpoint-dir``) is moved: a path inside the run folder relative to the
 checkpoint's own folder (``checkpoint_dir = ".."``), any other absolute. The files a run
 writes besides checkpoints (``--trace``, ``--png``, ``--log-json``, ``--tensorboard``) are
@@ -18,20 +18,42 @@ import os
 from pathlib import Path
 
 # section -> its fields that hold a path (the model: only as hf:PATH)
-PATHS = {"corpus": ("data", "val_data", "tokenizer"), "ckpt": ("checkpoint_dir",), "net": ("model",)}
+PATHS = {"corpus": ("data", "val_data", "tokenizer", "data_mix"), "ckpt": ("checkpoint_dir",),
+         "net": ("model",)}
 HF_PREFIX = "hf:"  # chimera.models.source.HF_PREFIX, which imports torch (the config does not)
 META = "meta.json"  # chimera.train.checkpoint.disk.META: beside it, config.toml is a checkpoint's
 
 
-def _split(field: str, value: str) -> tuple[str, str] | None:
-    """(prefix, path) of a path field's value; None when it names no file (a preset)."""
-    if field != "model":
-        return "", value
-    return (HF_PREFIX, value[len(HF_PREFIX):]) if value.startswith(HF_PREFIX) else None
+def _split(field: str, value: str) -> tuple[str, str, str] | None:
+    """(prefix, path, suffix) of a path field's value; None when it names no file (a preset)."""
+    if field == "model":
+        return (HF_PREFIX, value[len(HF_PREFIX):], "") if value.startswith(HF_PREFIX) else None
+    if field == "data_mix":  # PATH:WEIGHT
+        path, _, weight = value.rpartition(":")
+        return "", path, ":" + weight
+    return "", value, ""
 
 
 def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
+
+
+def _each(tables: dict, rewrite) -> dict:
+    """``tables`` with ``rewrite(field, path) -> path`` applied to every path they hold."""
+    for section, fields in PATHS.items():
+        table = tables.get(section)
+        if not isinstance(table, dict):
+            continue
+        for field in fields:
+            value = table.get(field)
+            values = value if isinstance(value, list) else [value]
+            out = []
+            for v in values:
+                parts = _split(field, v) if isinstance(v, str) and v else None
+                out.append(v if parts is None else parts[0] + rewrite(field, parts[1]) + parts[2])
+            if value is not None:
+                table[field] = out if isinstance(value, list) else out[0]
+    return tables
 
 
 def portable_toml(cfg, step: str | os.PathLike) -> str:
@@ -41,16 +63,11 @@ def portable_toml(cfg, step: str | os.PathLike) -> str:
 
     step = Path(step).resolve()
     run = Path(cfg.ckpt.checkpoint_dir).resolve() if cfg.ckpt.checkpoint_dir else step.parent
-    tables = cfg.sections()
-    for section, fields in PATHS.items():
-        for field in fields:
-            parts = _split(field, tables[section].get(field) or "") if tables[section].get(field) else None
-            if parts is None:
-                continue
-            prefix, path = parts[0], Path(parts[1]).resolve()
-            written = os.path.relpath(path, step) if _inside(path, run) else str(path)
-            tables[section][field] = prefix + written
-    return tomli_w.dumps(tables)
+
+    def written(field: str, path: str) -> str:
+        path = Path(path).resolve()
+        return os.path.relpath(path, step) if _inside(path, run) else str(path)
+    return tomli_w.dumps(_each(cfg.sections(), written))
 
 
 def is_checkpoint_config(path: str | os.PathLike) -> bool:
@@ -63,13 +80,4 @@ def resolve(tables: dict, path: str | os.PathLike) -> dict:
     if not is_checkpoint_config(path):
         return tables
     folder = Path(path).resolve().parent
-    for section, fields in PATHS.items():
-        table = tables.get(section)
-        if not isinstance(table, dict):
-            continue
-        for field in fields:
-            value = table.get(field)
-            parts = _split(field, value) if isinstance(value, str) and value else None
-            if parts is not None and not os.path.isabs(parts[1]):
-                table[field] = parts[0] + os.path.normpath(folder / parts[1])
-    return tables
+    return _each(tables, lambda field, p: p if os.path.isabs(p) else os.path.normpath(folder / p))

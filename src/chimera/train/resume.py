@@ -42,6 +42,9 @@ def record(cfg) -> dict:
     out = {k: cfg.get(k) for k in ACCEPTED if k != "warmup_steps" and k != "micro_batches"}
     out.update(warmup_steps=cfg.warmup_steps, micro_batches=cfg.n_micro, seed=cfg.optim.seed,
                step_batch=cfg.step_batch, data=_where(cfg.corpus.data), **tuning(cfg))
+    if cfg.corpus.data_mix:  # the sources by where they are, and their weights
+        out["data_mix"] = [_where(p) + ":" + w for p, _, w in
+                           (e.rpartition(":") for e in cfg.corpus.data_mix)]
     inside = _in_run(cfg.corpus.data, cfg.ckpt.checkpoint_dir)
     if inside is not None:  # moves with the run folder: compared where it is then
         out["data_in_run"] = inside
@@ -87,6 +90,10 @@ def compare(meta: dict, cfg, fingerprint: dict) -> tuple[list[str], list[str]]:
     if run.get("data_in_run") is not None and run["data_in_run"] == _in_run(
             cfg.corpus.data, cfg.ckpt.checkpoint_dir):
         was = _where(cfg.corpus.data)  # the run folder moved, and its data with it
+    mix = record(cfg).get("data_mix")
+    if (run.get("data_mix") or mix) and run.get("data_mix") != mix and "data" not in cfg.ckpt.resume_allow:
+        refused.append(_line("data mix", run.get("data_mix"), mix,
+                             "--data-mix; --resume-allow data accepts it"))
     if "data" in run or "source" in data:
         if was != _where(cfg.corpus.data) and "data" not in cfg.ckpt.resume_allow:
             refused.append(_line("data", was or "the default corpus",
