@@ -87,8 +87,10 @@ def test_mismatched_schedule_times_out_with_the_grid(data, tmp_path, cli_env):
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
     assert "Timed out waiting 3000ms" in r.stderr  # the wait that hit --comm-timeout
-    reports = [l for l in r.stderr.splitlines() if l.startswith("chimera train: rank ")]
-    assert reports and all("peer rank" in l or "failed (" in l for l in reports), r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.startswith("chimera train: rank ")]
+    reports = [l for l in lines if " failed first (" not in l]  # each rank's own line
+    assert reports and all("peer rank" in l for l in reports), r.stderr
+    assert lines[-1].startswith("chimera train: rank ") and " failed first (" in lines[-1], r.stderr
     assert "marked:" in r.stderr and "where each rank was" in r.stderr
     print(f"deadlock reported after {time.monotonic() - start:.1f}s (start-up included)")
 

@@ -10,7 +10,8 @@ def test_the_rank_that_failed_first_is_named_not_the_one_that_noticed():
     codes = workers.Exits([workers.PEER_EXIT, -15], ended=[10.0, 10.2])
     assert workers.cause(codes) == 1
     assert workers.summary(codes) == ("rank 1 failed first (killed by SIGTERM); then rank 0 "
-                                      "(failed on communication with a peer that was gone)")
+                                      "(failed on communication (a peer gone, or a wait past "
+                                      "--comm-timeout))")
     # an exception on rank 2 (exit 1) before rank 0's; rank 1 stopped by the launcher
     codes = workers.Exits([1, -15, 1], ended=[5.0, 9.0, 4.0], stopped=[1])
     assert workers.cause(codes) == 2 and "rank 1 (stopped by the launcher)" in workers.summary(codes)

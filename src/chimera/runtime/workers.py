@@ -139,7 +139,7 @@ def ending(codes: list[int], rank: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     if code == PEER_EXIT:
-        return "failed on communication with a peer that was gone"
+        return "failed on communication (a peer gone, or a wait past --comm-timeout)"
     return f"failed (exit code {code})"
 
 
