@@ -7,11 +7,11 @@ that cut the model into S > D stages (interleaved, V) scale per-stage times by D
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
-from chimera.collectives import (AFTER_STEP, ALL_REDUCE, AT_LAUNCH, IN_BACKWARD, Choices, Collective,
-                                 replica_collectives)
+from chimera.collectives import AFTER_STEP, ALL_REDUCE, Choices, replica_collectives
 from chimera.ir import Op, OpTimes, ScheduleError
 
 
@@ -149,36 +149,37 @@ class CostModel:
         t = self._sized(self.optimizer, stage, stages, ranks)
         return t / group if self.shard_optimizer and group > 1 else t
 
-    def collectives(self, group: int) -> tuple[Collective, ...]:
-        """What one replica of a stage issues over its ``group`` (:mod:`chimera.collectives`,
-        the runtime's definition, on the device path; the simulator times a replica's reduction
-        from its SYNC, so unbucketed): one allreduce, or with ``shard_optimizer`` a
-        reduce-scatter and, after the step, an all-gather. Sizes are shares of the stage."""
-        return replica_collectives((1,), group, Choices(0, True), early=False,
-                                   sharded=self.shard_optimizer)
-
-    def _priced(self, stage: int, stages: int, group: int, ranks: int | None, when) -> float:
-        """The time of ``stage``'s collectives issued ``when``: an allreduce of its gradient
-        bytes in full, a reduce-scatter or an all-gather half of it (each moves half the bytes
-        of a ring allreduce)."""
-        out = 0.0
-        for c in self.collectives(group):
-            if c.when in when:
-                out += self._allreduce(stage, stages, group, ranks) * (
-                    c.size if c.kind == ALL_REDUCE else c.size / 2)
-        return out
-
     def gather(self, stage: int, stages: int, group: int, ranks: int | None = None) -> float:
         """The parameter all-gather of a sharded stage after the step (0 unsharded)."""
-        return self._priced(stage, stages, group, ranks, (AFTER_STEP,))
+        share = _shares(group, self.shard_optimizer)[1]
+        return share * self._allreduce(stage, stages, group, ranks) if share else 0.0
 
     def sync(self, stage: int, stages: int, group: int, ranks: int | None = None) -> float:
         """The gradient reduction of ``stage`` over ``group`` ranks (``ranks``: the
         placement's, which sizes a one-entry ``reduce``; None: as many as stages)."""
-        return self._priced(stage, stages, group, ranks, (AT_LAUNCH, IN_BACKWARD))
+        share = _shares(group, self.shard_optimizer)[0]
+        return share * self._allreduce(stage, stages, group, ranks) if share else 0.0
 
     def _allreduce(self, stage: int, stages: int, group: int, ranks: int | None) -> float:
         """A ring allreduce of ``stage``'s gradients over ``group`` ranks."""
         nbytes = self._at(self.weight_bytes, stage, stages)
         by_size = self._sized(self.reduce, stage, stages, stages if ranks is None else ranks)
         return self.allreduce_time + by_size + self.allreduce.allreduce(nbytes, group)
+
+
+@functools.lru_cache(maxsize=None)
+def _shares(group: int, sharded: bool) -> tuple[float, float]:
+    """What one replica of a stage issues over its ``group`` (:mod:`chimera.collectives`, the
+    runtime's definition, on the device path; the simulator times a replica's reduction from
+    its SYNC, so unbucketed), in shares of one ring allreduce of the stage's gradients: (its
+    reduction, its all-gather after the step). An allreduce counts whole, a reduce-scatter or
+    an all-gather half (each moves half the bytes). Cached: the planner prices thousands of
+    runs."""
+    reduce = gather = 0.0
+    for c in replica_collectives((1,), group, Choices(0, True), early=False, sharded=sharded):
+        share = c.size if c.kind == ALL_REDUCE else c.size / 2
+        if c.when == AFTER_STEP:
+            gather += share
+        else:
+            reduce += share
+    return reduce, gather
