@@ -74,6 +74,27 @@ def test_token_ids_split_at_their_end_of_text_id(tmp_path):
     (tmp_path / "meta.json").unlink()
     plain = open_data(DataSpec(str(tmp_path / "ids.bin"), token_dtype="uint16", vocab_size=100))
     assert len(plain.val) == max(1, int(len(plain) * 0.05))
+    # a raw file (nanoGPT's, no meta.json) with --eos-id: the same documents held out
+    raw = open_data(DataSpec(str(tmp_path / "ids.bin"), token_dtype="uint16", vocab_size=100, eos_id=0))
+    assert np.array_equal(np.asarray(raw.val), np.asarray(corpus.val))
+    assert np.array_equal(np.asarray(raw.train), np.asarray(corpus.train))
+
+
+def test_eos_id_is_refused_where_it_cannot_hold(tmp_path, sources):
+    np.arange(1, 50, dtype="<u2").tofile(tmp_path / "ids.bin")
+    (tmp_path / "meta.json").write_text(json.dumps({
+        "format": "chimera-tokens", "dtype": "uint16", "vocab_size": 100, "eos_id": 0,
+        "files": {"train": "ids.bin"}}))
+    with pytest.raises(ValueError, match="--eos-id 7 contradicts .*meta.json .end-of-text id 0"):
+        describe(DataSpec(str(tmp_path / "ids.bin"), eos_id=7))
+    assert describe(DataSpec(str(tmp_path / "ids.bin"), eos_id=0)).eos_id == 0
+    (tmp_path / "meta.json").unlink()
+    with pytest.raises(ValueError, match="--eos-id 100 is not below the vocabulary .100 ids"):
+        describe(DataSpec(str(tmp_path / "ids.bin"), token_dtype="uint16", vocab_size=100, eos_id=100))
+    with pytest.raises(ValueError, match="--eos-id applies to token ids"):
+        describe(DataSpec(str(sources / "docs.jsonl"), eos_id=0))
+    with pytest.raises(ValueError, match="--eos-id must be an id from 0"):
+        DataSpec(str(tmp_path / "ids.bin"), eos_id=-1)
 
 
 def test_a_datasets_folder_holds_out_whole_rows(tmp_path):

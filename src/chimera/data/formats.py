@@ -77,6 +77,8 @@ class DataSpec:
     val_data: str | None = None      # held-out data read as path is (None: held out of path)
     val_fraction: float | None = None  # the documents held out of path (None: VAL_FRACTION)
     mix: tuple[str, ...] = ()        # PATH:WEIGHT sources mixed by weight, instead of path
+    eos_id: int | None = None        # the id that ends each document of token ids (None: the
+                                     # tokenizer's or meta.json's, if they name one)
 
     def __post_init__(self) -> None:
         if self.mix:
@@ -99,6 +101,9 @@ class DataSpec:
             raise UserError(f"--vocab-size must be an integer from 2 to {MAX_VOCAB:,}, got {v!r}")
         if self.text_field is not None and (not isinstance(self.text_field, str) or not self.text_field):
             raise UserError(f"--text-field must be a column name, got {self.text_field!r}")
+        e = self.eos_id
+        if e is not None and (not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < MAX_VOCAB):
+            raise UserError(f"--eos-id must be an id from 0 to {MAX_VOCAB - 1:,}, got {e!r}")
 
     @property
     def field(self) -> str:
@@ -377,15 +382,31 @@ def _describe(spec: DataSpec) -> DataInfo:
     if meta is not None:
         known[meta["path"]] = meta["vocab_size"]
     if as_text and spec.tokenizer is None:
-        if spec.vocab_size is not None:
-            raise UserError(f"--vocab-size applies to token ids: {_what(spec)} is read as "
-                             f"bytes ({BYTE_VOCAB} ids; give --tokenizer to read it as tokens)")
+        for name, value in (("--vocab-size", spec.vocab_size), ("--eos-id", spec.eos_id)):
+            if value is not None:
+                raise UserError(f"{name} applies to token ids: {_what(spec)} is read as bytes "
+                                 f"({BYTE_VOCAB} ids; give --tokenizer to read it as tokens)")
         return DataInfo(fmt.name, BYTE_VOCAB, True, True, column=column)
     vocab = _resolve_vocab(spec, known)
     if spec.tokenizer is None and meta is not None:
-        return DataInfo(fmt.name, vocab, False, as_text, meta["tokenizer_path"], column,
-                        meta_mask(meta), meta.get("eos_id"))
-    return DataInfo(fmt.name, vocab, False, as_text, spec.tokenizer, column, mask_id, eos_id)
+        mask_id, eos_id, tokenizer = meta_mask(meta), meta.get("eos_id"), meta["tokenizer_path"]
+        said = meta["path"]
+    else:
+        tokenizer, said = spec.tokenizer, f"--tokenizer {spec.tokenizer}"
+    eos_id = _resolve_eos(spec, eos_id, said, vocab)
+    return DataInfo(fmt.name, vocab, False, as_text, tokenizer, column, mask_id, eos_id)
+
+
+def _resolve_eos(spec: DataSpec, known: int | None, said: str, vocab: int) -> int | None:
+    """The end-of-text id: ``--eos-id`` (raw token files name none), else the tokenizer's or
+    meta.json's; one that contradicts them, or is not below the vocabulary, is refused."""
+    if spec.eos_id is None:
+        return known
+    if known is not None and known != spec.eos_id:
+        raise UserError(f"--eos-id {spec.eos_id} contradicts {said} (end-of-text id {known})")
+    if spec.eos_id >= vocab:
+        raise UserError(f"--eos-id {spec.eos_id} is not below the vocabulary ({vocab} ids)")
+    return spec.eos_id
 
 
 def _what(spec: DataSpec) -> str:

@@ -211,13 +211,18 @@ class Corpus:
                                      "PATH:WEIGHT (a.txt:0.7 b.jsonl:0.3), read as --data is "
                                      "(one vocabulary); each row of a batch comes from a source "
                                      "drawn by weight, seeded by the step", metavar="PATH:W")
+    eos_id: int | None = knob(None, "the end-of-text id that ends each document of token ids "
+                              "(nanoGPT's GPT-2 files: 50256), for token files without meta.json: "
+                              "the held-out split and --doc-mask then go by documents",
+                              metavar="ID", default_text="meta.json's or the tokenizer's, else none")
 
     def spec(self):
         """These fields as a ``chimera.data.formats.DataSpec``."""
         from chimera.data.formats import DataSpec  # lazy: chimera.data imports torch
 
         return DataSpec(self.data, self.token_dtype, self.vocab_size, self.text_field,
-                        self.tokenizer, self.val_data, self.val_fraction, tuple(self.data_mix))
+                        self.tokenizer, self.val_data, self.val_fraction, tuple(self.data_mix),
+                        self.eos_id)
 
     def __post_init__(self) -> None:
         _kinds(self)
