@@ -42,6 +42,7 @@ from chimera.bench.prices import layer_count, layer_weights, stage_costs  # noqa
 from chimera.bench.rows import BenchConfig, Row
 from chimera.bench.profiler import allreduce_time, ping
 from chimera.bench.start import start_together
+from chimera.bench.torch_dp import StageReduction, copy_groups
 from chimera.bench.torch_orders import from_pipeline_order, torch_placement
 from chimera.bench.torchpp import TorchPipeline
 from chimera.ir import Schedule
@@ -101,7 +102,7 @@ class EmulatedOurs:
             emulated_layers(self.cost, cfg.stages, layers, cfg.seed, self.log, layer_weights(cfg)),
             nn.functional.mse_loss, schedule=plan,
             micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
-            model=ModelOptions(num_layers=layers,
+            data_parallel=cfg.data_parallel, model=ModelOptions(num_layers=layers,
                                partition=prices.cut(cfg, plan.placement, plan.micro_pipe)),
             options=ExecOptions(schedule_options=row.scheme_options,
                                 shard_optimizer=bool(row.opts.get("shard"))),
@@ -133,7 +134,8 @@ class EmulatedFloor:
         self.pipe = Pipeline(
             emulated_pieces(cost, ranges, layer_weights(cfg), cfg.seed, self.log),
             nn.functional.mse_loss, schedule=plan, micro_batches=cfg.micro_batches,
-            micro_batch_size=cfg.micro_batch_size, model=ModelOptions(num_layers=plan.stages),
+            micro_batch_size=cfg.micro_batch_size, data_parallel=cfg.data_parallel,
+            model=ModelOptions(num_layers=plan.stages),
             options=ExecOptions(check_batch=False), context=priced_context(cfg, context))
         self.runtime, self.schedule = self.pipe.runtime, self.pipe.schedule
         self.params = self.pipe.parameters()
@@ -155,7 +157,9 @@ class EmulatedFloor:
 
 
 class EmulatedTorch(TorchPipeline):
-    """``torch.distributed.pipelining`` on the same emulated layers, cut and data."""
+    """``torch.distributed.pipelining`` on the same emulated layers, cut and data; with
+    ``data_parallel`` W, W copies of the pipeline, each stage's gradients reduced over the
+    copies at torch's REDUCE_GRAD (:mod:`chimera.bench.torch_dp`), priced as ours."""
 
     def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
         self.cost, self.log = cost_of(cfg), WaitLog()
@@ -166,14 +170,23 @@ class EmulatedTorch(TorchPipeline):
         def module_of(stage: int, n: int) -> nn.Module:
             ranges = prices.cut(cfg, placement, (0,) * cfg.micro_batches)
             return nn.Sequential(*[make(i) for i in ranges[stage]])
-        super().__init__(cfg, row, context, module_of, nn.functional.mse_loss)
+        copy, pipes, dp = context.rank // cfg.stages, [None], None
+        if cfg.data_parallel > 1:
+            pipes, dp = copy_groups(context.transport, cfg.stages, cfg.data_parallel)
+        super().__init__(cfg, row, context, module_of, nn.functional.mse_loss, pipes[copy])
+        if dp is not None:
+            self.reduction = StageReduction(self.stage_objects, dp[context.rank % cfg.stages],
+                                            priced_context(cfg, context).transport,
+                                            cfg.data_parallel)
+        self.rows = slice(copy * cfg.global_batch // cfg.data_parallel,
+                          (copy + 1) * cfg.global_batch // cfg.data_parallel)
 
     def step(self, i: int) -> float:
         x, y = emulated_batch(self.cost, self.cfg.global_batch, i, self.cfg.seed)
         for p in self.params:
             p.grad = None
         with late_torch_sends(late_sends(self.cfg)):
-            return self.run(x, y)
+            return self.run(x[self.rows], y[self.rows])
 
     def order(self) -> Schedule | None:
         """The order torch's schedule object executes, as our (unlowered) Schedule: a

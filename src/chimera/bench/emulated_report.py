@@ -136,7 +136,9 @@ def _prices_text(c: dict) -> str:
              f"{c['layers_per_stage']} layers per D-th" if c.get("layers_per_stage", 2) != 2 else "",
              "each placement cut for its own ranks" if c.get("partition") == "cost" else "",
              f"each hop {c['link_ms']:g} ms later" if c.get("link_ms") else "",
-             f"a D-th's gradient allreduce {c['allreduce_ms']:g} ms" if c.get("allreduce_ms") else ""]
+             f"a D-th's gradient allreduce {c['allreduce_ms']:g} ms" if c.get("allreduce_ms") else "",
+             f"{c['data_parallel']} pipeline copies, every schedule's gradients reduced over them"
+             if c.get("data_parallel", 1) != 1 else ""]
     words = [w for w in words if w]
     return (" Priced alike on every row and in every simulated column: " + "; ".join(words) + "."
             if words else "")
@@ -147,7 +149,9 @@ def markdown(data: dict) -> str:
     lat = data.get("latency") or {}
     lines = [f"Emulated stages {c['emulate_ms']} ms (F:I:W per micro-batch per D-th of the model; "
              f"waits {'spinning' if c.get('waits') == 'spin' else 'sleeping'}), "
-             f"D={c['stages']}, N={c['micro_batches']}; measured p2p {1e3 * lat.get('p2p_s', 0):.2f} ms, "
+             f"D={c['stages']}, N={c['micro_batches']}"
+             + (f", W={c['data_parallel']} ({c['stages'] * c['data_parallel']} ranks)"
+                if c.get("data_parallel", 1) != 1 else "") + f"; measured p2p {1e3 * lat.get('p2p_s', 0):.2f} ms, "
              f"allreduce {1e3 * lat.get('allreduce_s', 0):.2f} ms ({lat.get('how', '')})."
              + _prices_text(c), "",
              "| impl | schedule | median step (s) | min .. max (s) | simulated (s) | free p2p (s) "

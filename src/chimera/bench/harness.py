@@ -1,6 +1,7 @@
 """Run benchmark rows interleaved in time, in one group of spawned gloo processes.
 
-Every row's runtime is built once in one spawned group of D ranks; then each round runs one
+Every row's runtime is built once in one spawned group of D ranks (W*D with
+``--data-parallel W``: W copies of each row's pipeline); then each round runs one
 full optimizer step of every row (A B C A B C ...; each round starts one row later), so slow
 drift of a shared, noisy machine hits all rows alike. Every rank starts a step at the same
 instant (:func:`start_together`: one clock on one machine) and times it from there to its end;
@@ -182,7 +183,7 @@ def _spawn(fn, world: int, args: tuple) -> None:
 def measure_memory(cfg: BenchConfig, row: Row, tmp: str) -> float | None:
     """Peak RSS (MB, the largest over ranks) of a fresh process group running only ``row``."""
     out = os.path.join(tmp, "memory.json")
-    world = 1 if row.impl == "single" else cfg.stages
+    world = 1 if row.impl == "single" else cfg.world
     try:
         _spawn(_memory_worker, world, (cfg, row, free_port(), out))
         with open(out) as f:
@@ -196,7 +197,7 @@ def measure(cfg: BenchConfig, rows: list[Row]) -> dict:
     """Raw measurements: per row step times (every round), peak activation and RSS (MB)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "timing.json")
-        _spawn(_timing_worker, cfg.stages, (cfg, rows, free_port(), out))
+        _spawn(_timing_worker, cfg.world, (cfg, rows, free_port(), out))
         with open(out) as f:
             raw = json.load(f)
         raw["rss_mb"] = [None] * len(rows)

@@ -16,8 +16,9 @@ the same way for every schedule (issue 36):
   D-th of the model's gradients (a stage pays per layer it holds: the emulated layers carry
   equal parameters, a heavier head or embedding is compute only), over a
   stage's replicas times ``data_parallel``: at W=1 only Chimera's replica allreduce runs,
-  at W >= 2 every schedule's data-parallel one (Chimera's rank reduces two D-ths, a V rank
-  two half D-ths).
+  at W >= 2 (W copies of the pipeline on W*D ranks) every schedule's data-parallel one
+  (Chimera's rank reduces two D-ths, a V rank two half D-ths; torch's rows issue theirs at
+  their REDUCE_GRAD, :mod:`chimera.bench.torch_dp`).
 
 Every simulated column of the bench follows these prices (:func:`cost_model`); the emulated
 layers wait as long (:mod:`chimera.models.emulated`, with :func:`layer_weights` and

@@ -8,7 +8,7 @@ with their bench options) and of torch's (each in its own ``pipeline_order``,
 :mod:`chimera.bench.torch_orders`) is simulated at the same prices as the bench's simulated
 column; the table gives the best of each side, its schedule, and best torch / best ours.
 Realized columns come from ``chimera bench --emulate`` runs of the same prices
-(:func:`realize`); a regime the bench cannot run (W=2: the bench has D ranks) stays simulated.
+(:func:`realize`; W=2: ``--data-parallel 2``, two copies of every row's pipeline).
 """
 
 from __future__ import annotations
@@ -37,10 +37,6 @@ class Regime:
 
     def config(self, base: BenchConfig) -> BenchConfig:
         return dataclasses.replace(base, **dict(self.prices))
-
-    @property
-    def realizable(self) -> bool:
-        return dict(self.prices).get("data_parallel", 1) == 1
 
 
 def regimes(f_ms: float, stages: int, micro_batches: int) -> list[Regime]:
@@ -108,7 +104,7 @@ def table(base: BenchConfig) -> list[dict]:
         ours, theirs = best(sides["ours"], cap), best(sides["torch"], cap)
         bidi = best(sides["bidirectional"], cap)
         rows.append({"regime": regime.label, "prices": dict(regime.prices), "cap": regime.cap,
-                     "realizable": regime.realizable, "ours": ours, "bidirectional": bidi,
+                     "ours": ours, "bidirectional": bidi,
                      "torch": theirs,
                      "simulated_ratio": theirs[1] / ours[1] if ours and theirs else None,
                      "bidirectional_ratio": theirs[1] / bidi[1] if bidi and theirs else None,
@@ -121,25 +117,24 @@ def base_forward_ms(cfg: BenchConfig) -> float:
 
 
 def bench_command(base: BenchConfig, regime: Regime, quick: bool) -> list[str]:
-    """The ``chimera bench`` command that realizes ``regime`` (W=1 regimes only)."""
+    """The ``chimera bench`` command that realizes ``regime``."""
     cfg = regime.config(base)
     words = ["chimera", "bench", "--emulate", cfg.emulate, "-D", str(cfg.stages), "-N",
              str(cfg.micro_batches), "--layers-per-stage", str(cfg.layers_per_stage),
              "--rows", "chimera,torch"]
     for flag, key, default in (("--head", "head", 1.0), ("--partition", "partition", "layers"),
-                               ("--link-ms", "link_ms", 0.0), ("--allreduce-ms", "allreduce_ms", 0.0)):
+                               ("--link-ms", "link_ms", 0.0), ("--allreduce-ms", "allreduce_ms", 0.0),
+                               ("--data-parallel", "data_parallel", 1)):
         if getattr(cfg, key) != default:
-            words += [flag, f"{getattr(cfg, key):g}" if isinstance(default, float) else getattr(cfg, key)]
+            words += [flag, f"{getattr(cfg, key):g}" if isinstance(default, float) else str(getattr(cfg, key))]
     return words + (["--quick"] if quick else [])
 
 
 def realize(rows: list[dict], base: BenchConfig, quick: bool, out: str) -> None:
-    """Run the bench for every realizable regime (one after another: a quiet machine) and
-    fill each row's realized best of each side from the run's medians."""
+    """Run the bench for every regime (one after another: a quiet machine) and fill each
+    row's realized best of each side from the run's medians."""
     runs: dict[tuple, dict] = {}
     for row, regime in zip(rows, regimes(base_forward_ms(base), base.stages, base.micro_batches)):
-        if not regime.realizable:
-            continue
         words = bench_command(base, regime, quick)
         key = tuple(words)
         if key not in runs:  # the capped rows reuse the uncapped run
@@ -168,7 +163,7 @@ def markdown(rows: list[dict], base: BenchConfig, short: bool = False) -> str:
             real = r["realized"]
             lines.append(f"| {r['regime']} | {_cell(r['bidirectional'])} | {_cell(r['torch'])} | "
                          f"{_ratio(r['bidirectional_ratio'])} | {_cell(r['ours'])} | "
-                         f"{_ratio(r['simulated_ratio'])} | {_realized(r, real and _ratio(real['ratio']))} |")
+                         f"{_ratio(r['simulated_ratio'])} | {(real and _ratio(real['ratio'])) or NOT_MEASURED} |")
         return "\n".join(lines)
     lines = ["| regime | simulated: best bidirectional (ours) | best of ours | best torch "
              "| torch / bidirectional | torch / ours | realized: best ours | best torch "
@@ -176,17 +171,11 @@ def markdown(rows: list[dict], base: BenchConfig, short: bool = False) -> str:
     for r in rows:
         real = r["realized"]
         cells = ([_cell(real["ours"]), _cell(real["torch"]), _ratio(real["ratio"])] if real
-                 else [_realized(r, None), "", ""])
+                 else [NOT_MEASURED, "", ""])
         lines.append(f"| {r['regime']} | {_cell(r['bidirectional'])} | {_cell(r['ours'])} | "
                      f"{_cell(r['torch'])} | {_ratio(r['bidirectional_ratio'])} | "
                      f"{_ratio(r['simulated_ratio'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _realized(row: dict, text: str | None) -> str:
-    if text:
-        return text
-    return NOT_MEASURED if row["realizable"] else "simulated only (the bench runs W=1)"
 
 
 def _cell(best_of: tuple[str, float] | None) -> str:

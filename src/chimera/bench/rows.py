@@ -87,7 +87,7 @@ class BenchConfig:
     partition: str = "layers"  # same layer count per stage, or "cost": cut for each placement's ranks
     link_ms: float = 0.0  # each p2p hop delivered this much later
     allreduce_ms: float = 0.0  # a D-th of the model's gradients takes this long to allreduce
-    data_parallel: int = 1  # W: replicas of every stage (W >= 2: every schedule reduces)
+    data_parallel: int = 1  # W pipeline copies on W*D ranks (W >= 2: every schedule reduces)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -132,7 +132,13 @@ class BenchConfig:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batches * self.micro_batch_size
+        """Sequences per step: N micro-batches of B on each of W pipeline copies."""
+        return self.micro_batches * self.micro_batch_size * self.data_parallel
+
+    @property
+    def world(self) -> int:
+        """Ranks of a pipelined row: W copies of D."""
+        return self.stages * self.data_parallel
 
     @property
     def rounds(self) -> int:

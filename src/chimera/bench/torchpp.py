@@ -33,14 +33,17 @@ def stages_of(style: str, rank: int, ranks: int, per_rank: int) -> list[int]:
 
 
 def run_schedule(transport: Transport, schedule, first: bool, last: bool, inputs, targets,
-                 micro_batches: int) -> float:
+                 micro_batches: int, copies: int = 1, finish=None) -> float:
     """One ``schedule.step`` of torch's pipelining (inputs where this rank holds the first
-    stage, targets where it holds the last); the mini-batch's mean loss on every rank of
+    stage, targets where it holds the last), then ``finish()`` (the data-parallel reduction's
+    wait, if any); the mini-batch's mean loss over the ``copies`` pipelines on every rank of
     ``transport``."""
     losses: list = []
     schedule.step(*((inputs,) if first else ()), target=targets if last else None,
                   losses=losses if last else None, return_outputs=False)
-    total = torch.tensor([sum(float(l.detach()) for l in losses) / micro_batches],
+    if finish is not None:
+        finish()
+    total = torch.tensor([sum(float(l.detach()) for l in losses) / (micro_batches * copies)],
                          dtype=torch.float64)
     transport.all_reduce(total)
     return float(total.item())
@@ -51,27 +54,33 @@ class TorchPipeline:
     ``cfg.stages`` ranks (``context``'s: torch's pipelining talks to ``torch.distributed``
     itself, our losses and norms go through the context's transport): ``module_of(stage, n)``
     builds stage ``stage`` of ``n`` (the same weights on every rank); ``step`` runs one
-    mini-batch."""
+    mini-batch. ``group``: the pipeline's ranks (one of ``cfg.data_parallel`` copies; None:
+    the whole world); ``self.reduction`` (set by a subclass): the data-parallel reduction
+    waited for at the end of the step."""
 
-    def __init__(self, cfg: BenchConfig, row: Row, context: RunContext, module_of, loss):
+    def __init__(self, cfg: BenchConfig, row: Row, context: RunContext, module_of, loss,
+                 group=None):
         cls_name, self.style, per_rank = TORCH_SCHEDULES[row.schedule]
         cls = getattr(pipelining, cls_name, None)
         if cls is None:
             raise RuntimeError(f"torch {torch.__version__} has no pipelining.{cls_name}")
         self.cfg, self.row, self.transport = cfg, row, context.transport
         self.stages = n = cfg.stages * per_rank
-        self.indices = stages_of(self.style, context.rank, cfg.stages, per_rank)
+        self.indices = stages_of(self.style, context.rank % cfg.stages, cfg.stages, per_rank)
         self.modules = [module_of(i, n) for i in self.indices]
-        stages = [pipelining.PipelineStage(m, i, n, torch.device("cpu"))
-                  for m, i in zip(self.modules, self.indices)]
+        self.stage_objects = [pipelining.PipelineStage(m, i, n, torch.device("cpu"), group=group)
+                              for m, i in zip(self.modules, self.indices)]
+        stages = self.stage_objects
         self.schedule = cls(stages[0] if per_rank == 1 else stages,
                             n_microbatches=cfg.micro_batches, loss_fn=loss)
         self.first, self.last = 0 in self.indices, n - 1 in self.indices
         self.params = [p for m in self.modules for p in m.parameters()]
+        self.reduction = None
 
     def run(self, inputs, targets) -> float:
         return run_schedule(self.transport, self.schedule, self.first, self.last, inputs,
-                            targets, self.cfg.micro_batches)
+                            targets, self.cfg.micro_batches, self.cfg.data_parallel,
+                            self.reduction and self.reduction.wait)
 
 
 class TorchRunner(TorchPipeline):

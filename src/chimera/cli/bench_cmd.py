@@ -77,15 +77,21 @@ def add_parsers(sub) -> None:
                    help="each p2p hop is delivered MS later (default: 0)")
     g.add_argument("--allreduce-ms", type=float, default=0.0, metavar="MS",
                    help="the gradient allreduce of a D-th of the model takes MS (its bytes "
-                        "over the link): Chimera's replica allreduce (the runs use D ranks, so "
-                        "W=1: the data-parallel rows of benchmarks/regimes.py are simulated "
-                        "only) (default: 0)")
+                        "over the link): Chimera's replica allreduce, and with --data-parallel "
+                        "every schedule's (default: 0)")
+    g.add_argument("--data-parallel", "-W", type=positive_int, default=1, metavar="W",
+                   help="W copies of every row's pipeline on W*D ranks, each on its own "
+                        "mini-batch share: every schedule reduces its gradients over the "
+                        "copies (ours over each stage's replica group, 2W ranks for Chimera's; "
+                        "torch's at its REDUCE_GRAD, after a stage's last backward, over the "
+                        "copies of its pipeline rank), priced by --allreduce-ms (default: 1)")
     p.set_defaults(func=cmd_bench)
 
 
 PRICE_FLAGS = (("--head", "head", 1.0), ("--embed", "embed", 1.0),
                ("--layers-per-stage", "layers_per_stage", 2), ("--partition", "partition", "layers"),
-               ("--link-ms", "link_ms", 0.0), ("--allreduce-ms", "allreduce_ms", 0.0))
+               ("--link-ms", "link_ms", 0.0), ("--allreduce-ms", "allreduce_ms", 0.0),
+               ("--data-parallel", "data_parallel", 1))
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -138,8 +144,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     cores = os.cpu_count() or 1
-    if cfg.spin and cfg.stages > cores:
-        raise UsageError(f"--spin busy-waits on a core per rank: -D {cfg.stages} on {cores} "
+    if cfg.spin and cfg.world > cores:
+        raise UsageError(f"--spin busy-waits on a core per rank: {cfg.world} ranks on {cores} "
                          "cores would starve the ranks (sleeping waits: leave out --spin)")
     if not cfg.emulate:
         get_config(cfg.model)  # unknown model: one line, exit 2, before any process starts
