@@ -78,6 +78,7 @@ from chimera.runtime.executor import ActionRecord, MicroData, to_device
 from chimera.runtime.context import ExecOptions, RunContext, RuntimeOptions
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.launch_local import SpawnError, spawn
+from chimera.runtime.nccl_emulation import emulation
 from chimera.runtime.p2p import peers_text, wait_work
 from chimera.runtime.pipeline import PipelineRuntime, ProbeError
 from chimera.runtime.shared import TieSync, counters, sync_buffers
@@ -355,6 +356,7 @@ class Pipeline:
             raise UserError(f"micro_batch_size {micro_batch_size} cannot be halved for {schedule}")
         source = LayerSource(layers, model.num_layers, model.seed, model.ties, model.init)
         self.ranges = self._partition(source, model.partition)
+        self.collective_stream = None  # the NCCL emulation's, made with the TP group
         self.tp, shard = self._tensor_parallel(model.tp_plan, source.num_layers)
         self.ties = source.ties(self.ranges)
         self.tuning = self._tuning(model)
@@ -369,7 +371,8 @@ class Pipeline:
         self.runtime = PipelineRuntime(
             self.schedule, self.grid, stage_of, loss_fn, self.context, options, rows=self.rows,
             example=self._example(example_input, device),
-            target_example=self._example(example_target, device))
+            target_example=self._example(example_target, device),
+            collective_stream=self.collective_stream)
         del source, stage_of  # the layers a rank does not hold are garbage now
         if self.tuning.active:
             self._check_tuning_used()
@@ -423,7 +426,11 @@ class Pipeline:
 
     def _tensor_parallel(self, plan, num_layers: int):
         """(the TP group, the per-layer sharding for the stage builder), or (None, None) at
-        T = 1. The groups are created here, before the stages: a stage's TP layers hold theirs."""
+        T = 1. The groups are created here, before the stages: a stage's TP layers hold theirs.
+        Under the NCCL emulation the TP group talks through its collective stream, made here
+        and handed to the runtime: the layers' collectives are gated on the stream of the
+        stage collectives (strict: of everything), as NCCL's one-order rule for communicators
+        used concurrently asks at worst."""
         if self.grid.tensor_parallel == 1:
             return None, None
         if plan is None:
@@ -433,8 +440,9 @@ class Pipeline:
         self.grid.build_groups(self.transport)
         timed = self.transport.timed_waits  # NCCL: its own timeout and watchdog
         timeout = datetime.timedelta(seconds=self.context.options.comm_timeout) if timed else None
-        tp = TPGroup(self.transport, self.grid.tp_group, self.grid.t, self.grid.tensor_parallel,
-                     timeout)
+        self.collective_stream = emulation(self.transport, self.context.options)
+        tp = TPGroup(self.collective_stream or self.transport, self.grid.tp_group, self.grid.t,
+                     self.grid.tensor_parallel, timeout)
         self._plan_used: set = set()  # the model-wide patterns that named a submodule here
         return tp, functools.partial(_shard, plan, tp, self._plan_used)
 

@@ -7,6 +7,16 @@ their sizes, buckets as separate collectives. :mod:`chimera.check.rendezvous` re
 NCCL's rules; a test records the real runtime's calls and compares them with these. What a
 replica's collectives are (kinds, sizes, buckets, when) is :mod:`chimera.collectives`', read by
 the runtime too; this module places them in the rank's sequence of calls.
+
+**Tensor parallelism** (``tensor_parallel=T``, global rank ``(w*D + d)*T + t``): the T ranks
+of a pipeline rank run its program in lockstep, so each is pipeline rank ``d``'s calls with
+its peers and groups moved to its own t (p2p to (d', t), a stage's group over its replicas
+at t), plus the collectives its layers issue inside each compute: :data:`TP` on the TP
+group's own communicator, blocking (the layer waits for it before it goes on) and issued in
+program order. One call and its wait per F, B and I (a layer's several collectives on one
+group, each waited for before the next, complete together or not at all; W has none), after
+the buckets a last backward issues (the gradient hooks fire before the earlier layers'
+backward collectives: the latest place, the most a collective can wait behind).
 """
 
 from __future__ import annotations
@@ -20,9 +30,11 @@ from chimera.ir import Action, Op, Schedule
 from chimera.check.validation_error import ValidationError
 
 ISEND, IRECV, WAIT = "isend", "irecv", "wait"
+TP = "tensor_parallel"  # the collectives a compute's TP layers issue on the TP group
+TP_OPS = (Op.F, Op.B, Op.I)  # the computes that issue them (W reads kept nodes: none)
 # collectives only a recorded run has (start-up, the trainer's and the API's own calls)
 OTHERS = ("broadcast", "broadcast_object_list", "all_gather_object", "barrier")
-COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER) + OTHERS
+COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, TP) + OTHERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +57,21 @@ class Issued:
             return f"isend {self.message} to rank {self.peer}"
         if self.kind == IRECV:
             return f"irecv {self.message} from rank {self.peer}"
+        if self.kind == TP:
+            return (f"tensor-parallel collectives of stage {self.stage}'s layers over ranks "
+                    f"{ranks_text(self.group)}")
         if self.kind in COLLECTIVES:
             name = {ALL_REDUCE: "allreduce", REDUCE_SCATTER: "reduce-scatter",
                     ALL_GATHER: "parameter all-gather"}.get(self.kind, self.kind)
             return (f"{name} of stage {self.stage} ({self.size} elements) over ranks "
                     f"{ranks_text(self.group)}")
         return f"wait for {calls[self.target].describe(calls)}"
+
+
+def group_key(c: Issued) -> tuple:
+    """The communicator a collective runs on: its stage's group (one per stage and TP
+    position: the members tell them apart), or the TP group (a recorded call: its group)."""
+    return (TP, c.group) if c.kind == TP else (c.stage, c.group)
 
 
 def stage_group(schedule: Schedule, stage: int, data_parallel: int = 1) -> tuple[int, ...]:
@@ -73,17 +94,22 @@ def bucket_sizes(sizes: dict[int, tuple[int, ...]] | None, stage: int) -> tuple[
 
 
 def issued_ops(plan: CommPlan, rank: int, data_parallel: int = 1, buckets: bool = True,
-               sharded: bool = False, sizes: dict[int, tuple[int, ...]] | None = None) -> list[Issued]:
-    """The ``torch.distributed`` calls global ``rank`` makes, in order, executing ``plan``.
+               sharded: bool = False, sizes: dict[int, tuple[int, ...]] | None = None,
+               tensor_parallel: int = 1) -> list[Issued]:
+    """The ``torch.distributed`` calls global ``rank`` makes, in order, executing ``plan``
+    (with ``tensor_parallel`` T > 1: ``rank`` is (w*D + d)*T + t, its layers' TP collectives
+    included; module docstring).
 
     ``buckets``: the runtime reduces a replica bucket by bucket inside its last backward
     where ``plan.early`` allows (the device plan, :func:`chimera.runtime.sync.comm_choices`);
     False: one allreduce at its Launch (the CPU plan). ``sharded``: the optimizer is sharded
     over each stage group (module docstring); the calls of two iterations. ``sizes``: per
     stage its buckets' element counts (:func:`bucket_sizes`)."""
-    depth = plan.schedule.ranks
-    calls = pipeline_calls(plan, rank % depth, data_parallel, buckets, sharded, sizes)
-    return shifted(calls, (rank // depth) * depth)
+    depth, pipeline_rank = plan.schedule.ranks, rank // tensor_parallel
+    calls = pipeline_calls(plan, pipeline_rank % depth, data_parallel, buckets, sharded, sizes,
+                           tensor_parallel > 1)
+    calls = shifted(calls, (pipeline_rank // depth) * depth)
+    return at_tp_position(calls, pipeline_rank, rank % tensor_parallel, tensor_parallel)
 
 
 def shifted(calls: list[Issued], base: int) -> list[Issued]:
@@ -94,12 +120,32 @@ def shifted(calls: list[Issued], base: int) -> list[Issued]:
             if c.peer >= 0 else c for c in calls]
 
 
+def at_tp_position(calls: list[Issued], pipeline_rank: int, t: int, tp: int) -> list[Issued]:
+    """The calls of pipeline rank ``pipeline_rank`` (global rank w*D + d, made with
+    ``tp_layers``) as made by its TP position ``t`` of ``tp``: peers and stage groups at t, its
+    TP collectives on the group of the T ranks (unchanged at T = 1)."""
+    if tp == 1:
+        return calls
+    mine = tuple(pipeline_rank * tp + u for u in range(tp))
+    out = []
+    for c in calls:
+        if c.kind == TP:
+            out.append(Issued(TP, c.step, group=mine, stage=c.stage, size=c.size))
+        elif c.peer >= 0 or c.group:
+            out.append(Issued(c.kind, c.step, c.peer * tp + t if c.peer >= 0 else -1, c.message,
+                              tuple(g * tp + t for g in c.group), c.stage, c.target, c.size))
+        else:
+            out.append(c)
+    return out
+
+
 def pipeline_calls(plan: CommPlan, d: int, data_parallel: int, buckets: bool,
-                    sharded: bool = False, sizes=None) -> list[Issued]:
-    """The calls of pipeline rank ``d`` in copy 0 (the other copies differ only in peers)."""
+                    sharded: bool = False, sizes=None, tp_layers: bool = False) -> list[Issued]:
+    """The calls of pipeline rank ``d`` in copy 0 (the other copies differ only in peers);
+    ``tp_layers``: with its layers' TP collectives (groups left to :func:`at_tp_position`)."""
     calls: list[Issued] = []
     gathers: dict[tuple[int, int], int] = {}  # replica -> its all-gather not waited for yet
-    it = _Iteration(calls, gathers, plan, d, data_parallel, sizes, sharded)
+    it = _Iteration(calls, gathers, plan, d, data_parallel, sizes, sharded, tp_layers)
     for _ in range(2 if sharded else 1):
         it.run(buckets)
     return calls
@@ -109,12 +155,13 @@ class _Iteration:
     """Appends the calls of one iteration of pipeline rank ``d``: each replica's collectives
     (:func:`chimera.collectives.replica_collectives`) where they are issued; with ``sharded``,
     a replica's first forward waits for its pending all-gather, and the iteration ends with
-    the next all-gathers."""
+    the next all-gathers; with ``tp_layers``, each F, B and I issues its layers' TP
+    collectives and waits for them."""
 
     def __init__(self, calls, gathers, plan: CommPlan, d: int, data_parallel: int, sizes,
-                 sharded: bool):
+                 sharded: bool, tp_layers: bool = False):
         self.calls, self.gathers, self.plan, self.d = calls, gathers, plan, d
-        self.dp, self.sizes, self.sharded = data_parallel, sizes, sharded
+        self.dp, self.sizes, self.sharded, self.tp_layers = data_parallel, sizes, sharded, tp_layers
 
     def collectives(self, key: tuple[int, int], buckets: bool, early: set) -> tuple:
         """What replica ``key`` issues: the device plan's choices (``buckets``: bucketing
@@ -150,6 +197,9 @@ class _Iteration:
             elif step.op is Op.STEP:
                 calls += [Issued(WAIT, i, target=t) for t in sends + waits]
                 self._gather_parameters(i, mine)
+            if self.tp_layers and isinstance(step, Action) and step.op in TP_OPS:
+                calls.append(Issued(TP, i, stage=step.stage, size=1))
+                calls.append(Issued(WAIT, i, target=len(calls) - 1))
 
     def _issue(self, waits: list[int], i: int, stage: int, collectives, when: str) -> None:
         for c in collectives:

@@ -52,6 +52,17 @@ compares) under these rules:
   (with W = 1 a stage held once issues nothing). Progress here is monotone (a call that
   may complete stays so until it does), so removing those calls cannot create a deadlock:
   W = 2 passing implies W = 1 passing. The validator replays W = 2; tests replay both.
+- **Tensor parallelism** (``tensor_parallel=T``): a TP group is one rank. Its T members run
+  the pipeline rank's program (the API checks at start-up that they agree on it), with
+  p2p and stage groups at their own t, and the collectives their layers issue inside each
+  F, B and I on the TP group's communicator, in program order, each waited for before the
+  compute goes on (:mod:`chimera.check.issued`). They join the rank's collective FIFO
+  (strict: its one stream), as the NCCL emulation gates them: NCCL's worst case for
+  communicators used concurrently. So a TP group is a rank whose computes block until its
+  earlier collectives (strict: every earlier call) complete, and an order that lets a
+  launch get ahead of a compute whose result another replica needs first deadlocks at
+  T > 1 even where p2p and collectives have streams of their own. The members are
+  symmetric, so T >= 2 behaves like T = 2 (the validator's replay).
 
 **A recorded run** (:func:`replay_recorded`): the calls and waits a run really made, logged
 by the virtual ranks (``chimera.runtime.virtual``, what ``benchmarks/gpu_check.py`` does on
@@ -78,8 +89,9 @@ from chimera.check.comm_plan import CommPlan
 from chimera.errors import UserError
 from chimera.ir import Schedule
 from chimera.check.issued import (ALL_GATHER, ALL_REDUCE, COLLECTIVES, IRECV, ISEND, OTHERS,  # noqa: F401
-                            REDUCE_SCATTER, WAIT, Issued, action_index, bucket_sizes, issued_ops,
-                            pipeline_calls, ranks_text, shifted, stage_group)
+                            REDUCE_SCATTER, TP, WAIT, Issued, action_index, at_tp_position,
+                            bucket_sizes, group_key, issued_ops, pipeline_calls, ranks_text,
+                            shifted, stage_group)
 from chimera.check.validation_error import ValidationError
 
 MODES = ("pair", "rank", "strict")  # strictest last
@@ -100,31 +112,36 @@ class CollectiveMismatch(ValidationError):
 
 def check(plan: CommPlan, mode: str = "strict", data_parallel: int = 1,
           lazy_communicators: bool = False, buckets: bool = True, sharded: bool = False,
-          sizes: dict[int, tuple[int, ...]] | None = None) -> None:
+          sizes: dict[int, tuple[int, ...]] | None = None, tensor_parallel: int = 1) -> None:
     """Replay ``plan`` under NCCL's rules (module docstring): first every stage group's
     collectives are compared member by member (kind, size, count; raise CollectiveMismatch),
     then the replay raises RendezvousDeadlock if some rank can never finish its iteration.
-    ``buckets``, ``sharded`` and ``sizes`` as in :func:`issued_ops`."""
+    ``buckets``, ``sharded`` and ``sizes`` as in :func:`issued_ops`; ``tensor_parallel``: T
+    ranks per pipeline rank (global rank (w*D + d)*T + t), their layers' collectives in."""
     if mode not in MODES:
         raise UserError(f"unknown stream mode {mode!r}; choose one of {', '.join(MODES)}")
-    if data_parallel < 1:
-        raise UserError(f"data_parallel must be at least 1, got {data_parallel}")
-    depth = plan.schedule.ranks
-    copy0 = [pipeline_calls(plan, d, data_parallel, buckets, sharded, sizes) for d in range(depth)]
-    calls = [shifted(c, w * depth) for w in range(data_parallel) for c in copy0]
-    compare_groups(plan, calls)
-    _Replay(plan, calls, mode, lazy_communicators).run()
+    for name, value in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel)):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    depth, tp = plan.schedule.ranks, tensor_parallel
+    copy0 = [pipeline_calls(plan, d, data_parallel, buckets, sharded, sizes, tp > 1)
+             for d in range(depth)]
+    pipeline = [shifted(c, w * depth) for w in range(data_parallel) for c in copy0]
+    calls = [at_tp_position(c, g, t, tp) for g, c in enumerate(pipeline) for t in range(tp)]
+    compare_groups(plan, calls, tp)
+    _Replay(plan, calls, mode, lazy_communicators, tp).run()
 
 
-def compare_groups(plan: CommPlan, calls: list[list[Issued]]) -> None:
-    """Every member of a stage group issues the same sequence of (kind, size) on it."""
-    seqs: dict[int, dict[int, list[Issued]]] = {}  # stage -> member -> its collectives
+def compare_groups(plan: CommPlan, calls: list[list[Issued]], tensor_parallel: int = 1) -> None:
+    """Every member of a group issues the same sequence of (kind, size) on it. ``calls``: per
+    global rank, (w*D + d)*T + t with ``tensor_parallel`` T."""
+    seqs: dict[tuple, dict[int, list[Issued]]] = {}  # group -> member -> its collectives
     for r, mine in enumerate(calls):
         for c in mine:
             if c.kind in COLLECTIVES:
-                seqs.setdefault(c.stage, {}).setdefault(r, []).append(c)
-    for stage, members in sorted(seqs.items()):
-        group = next(iter(members.values()))[0].group
+                seqs.setdefault(group_key(c), {}).setdefault(r, []).append(c)
+    for key, members in sorted(seqs.items(), key=lambda kv: str(kv[0])):
+        group = key[1]
         ranks = {m: members.get(m, []) for m in group}
         first, want = group[0], ranks[group[0]]
         for m, got in ranks.items():
@@ -132,28 +149,31 @@ def compare_groups(plan: CommPlan, calls: list[list[Issued]]) -> None:
                 a = want[k] if k < len(want) else None
                 c = got[k] if k < len(got) else None
                 if a is None or c is None or (a.kind, a.size) != (c.kind, c.size):
-                    raise _mismatch(plan, stage, k, (first, a), (m, c), calls)
+                    raise _mismatch(plan, key, k, (first, a), (m, c), calls, tensor_parallel)
 
 
-def _mismatch(plan: CommPlan, stage: int, k: int, one, other, calls) -> CollectiveMismatch:
+def _mismatch(plan: CommPlan, key: tuple, k: int, one, other, calls,
+              tp: int = 1) -> CollectiveMismatch:
     depth = plan.schedule.ranks
 
     def text(rank, c):
         if c is None:
             return f"rank {rank} issues none"
-        step = plan.steps[rank % depth][c.step]
+        step = plan.steps[rank // tp % depth][c.step]
         return f"rank {rank} issues {c.describe(calls[rank])} at {step}"
     rank, c = other if other[1] is not None else one
-    index = min(action_index(plan.steps[rank % depth], c.step),
-                len(plan.schedule.programs[rank % depth]) - 1)
-    return CollectiveMismatch(f"stage {stage}'s group: collective #{k} differs between its "
-                              f"members: {text(*one)}; {text(*other)}", plan.schedule,
-                              rank % depth, index)
+    d = rank // tp % depth
+    index = min(action_index(plan.steps[d], c.step), len(plan.schedule.programs[d]) - 1)
+    group = (f"the tensor-parallel group {ranks_text(key[1])}" if key[0] == TP else
+             f"stage {key[0]}'s group")
+    return CollectiveMismatch(f"{group}: collective #{k} differs between its members: "
+                              f"{text(*one)}; {text(*other)}", plan.schedule, d, index)
 
 
 class _Replay:
-    def __init__(self, plan: CommPlan, calls: list[list[Issued]], mode: str, lazy: bool):
-        self.plan, self.calls, self.mode, self.lazy = plan, calls, mode, lazy
+    def __init__(self, plan: CommPlan, calls: list[list[Issued]], mode: str, lazy: bool,
+                 tp: int = 1):
+        self.plan, self.calls, self.mode, self.lazy, self.tp = plan, calls, mode, lazy, tp
         n = len(calls)
         self.pc = [0] * n
         self.done = [bytearray(len(c)) for c in calls]
@@ -171,19 +191,22 @@ class _Replay:
         """NCCL matches the k-th collective on a communicator with every member's k-th, which
         must be of the same kind and size. Each stage has its own group, even where two have
         the same members."""
-        count: dict[int, int] = {}
+        count: dict[tuple, int] = {}
         out = {}
         for i, c in enumerate(calls):
             if c.kind in COLLECTIVES:
-                k = count[c.stage] = count.get(c.stage, -1) + 1
-                out[i] = (c.group, c.stage, k, c.kind, c.size)
+                key = group_key(c)
+                k = count[key] = count.get(key, -1) + 1
+                out[i] = (c.group, key, k, c.kind, c.size)
         return out
 
     def _first_uses(self, rank: int, calls: list[Issued]) -> dict[int, tuple]:
         """Index of each call that first uses a communicator -> (communicator, members)."""
         seen, out = set(), {}
         for i, c in enumerate(calls):
-            if c.kind in COLLECTIVES:
+            if c.kind == TP:
+                comm = ("the tensor-parallel group", c.group)
+            elif c.kind in COLLECTIVES:
                 comm = (f"stage {c.stage}", c.group)
             elif c.kind in (ISEND, IRECV) and self.mode == "pair":
                 comm = ("pair", tuple(sorted((rank, c.peer))))
@@ -290,23 +313,28 @@ class _Replay:
 
     # -- the report ---------------------------------------------------------------------
     def _deadlock(self) -> RendezvousDeadlock:
-        s, depth = self.plan.schedule, self.plan.schedule.ranks
+        s = self.plan.schedule
         stuck = {r: self._stuck_text(r) for r, c in enumerate(self.calls) if self.pc[r] < len(c)}
         heads = self._heads()
         first = min(stuck, key=lambda r: (self.calls[r][self.pc[r]].kind != WAIT, r))
-        steps = self.plan.steps[first % depth]
-        index = action_index(steps, self.calls[first][self.pc[first]].step)
-        index = min(index, len(s.programs[first % depth]) - 1)
+        d = self._pipeline_rank(first)
+        index = action_index(self.plan.steps[d], self.calls[first][self.pc[first]].step)
+        index = min(index, len(s.programs[d]) - 1)
         streams = {"pair": "one per pair of ranks", "rank": "one per rank",
                    "strict": "one per rank, shared with the collectives"}[self.mode]
         comms = "lazily" if self.lazy else "eagerly"
         ranks = len(self.calls)
-        problem = (f"rendezvous deadlock under NCCL semantics ({ranks} ranks; p2p streams: "
+        tp = f", T={self.tp} per pipeline rank" if self.tp > 1 else ""
+        problem = (f"rendezvous deadlock under NCCL semantics ({ranks} ranks{tp}; p2p streams: "
                    f"{streams}; communicators created {comms}):\n"
                    + "\n".join(f"  {t}" for t in stuck.values())
                    + "\nat the head of each stream and collective queue:\n"
                    + "\n".join(f"  {h}" for h in heads))
-        return RendezvousDeadlock(problem, s, first % depth, index, stuck, heads)
+        return RendezvousDeadlock(problem, s, d, index, stuck, heads)
+
+    def _pipeline_rank(self, r: int) -> int:
+        """d of global rank ``r`` = (w*D + d)*T + t."""
+        return r // self.tp % self.plan.schedule.ranks
 
     def _stuck_text(self, r: int) -> str:
         i = self.pc[r]
@@ -336,7 +364,7 @@ class _Replay:
         return out or ["(all empty: the ranks block on the CPU)"]
 
     def _step_text(self, r: int, step: int) -> str:
-        return f"{self.plan.steps[r % self.plan.schedule.ranks][step]}"
+        return f"{self.plan.steps[self._pipeline_rank(r)][step]}"
 
 
 # -- a recorded run -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from chimera.runtime.boundary import BoundarySpec, Stage, call_layer, call_loss,
 from chimera.runtime.executor import ActionRecord, Executor, MicroData
 from chimera.runtime.grid import ProcessGrid
 from chimera.runtime.context import ExecOptions, RunContext
-from chimera.runtime.nccl_emulation import agree, emulation, p2p_transport
+from chimera.runtime.nccl_emulation import NcclEmulation, agree, emulation, p2p_transport
 from chimera.runtime.p2p import Mailbox, peers_text, wait_work
 from chimera.runtime.shard import StageShard
 from chimera.runtime.sync import GradSync, ReplicaGrads, comm_choices, plan_collectives
@@ -134,12 +134,15 @@ class PipelineRuntime:
     ``options``: how the step runs (recompute, autocast, wire dtype, sharded optimizer).
     ``rows``: rows of one schedule micro-batch; ``example`` (and ``target_example``): a
     micro-batch to fit the boundaries to now (else :meth:`prepare` before the first run).
+    ``collective_stream``: the NCCL emulation's collective stream made already (by the API,
+    whose tensor-parallel layers issue their collectives on it), or None: made here when the
+    options ask for the emulation.
     """
 
     def __init__(self, schedule: Schedule, grid: ProcessGrid,
                  stage_factory: Callable[[int], nn.Module], loss_fn, context: RunContext,
                  options: ExecOptions = ExecOptions(), rows: int = 1, example=None,
-                 target_example=None):
+                 target_example=None, collective_stream: NcclEmulation | None = None):
         if not schedule.lowered:
             raise ScheduleError("the runtime needs a lowered schedule (chimera.passes.lower)")
         self.schedule, self.grid, self.loss_fn = schedule, grid, loss_fn
@@ -171,7 +174,9 @@ class PipelineRuntime:
         self.shards = self._shards()
         # NCCL: no timed (CPU-blocking, polling) waits; its timeout and watchdog catch hangs
         self.timeout = context.options.comm_timeout if self.transport.timed_waits else None
-        self.emulation = emulation(self.transport, context.options)  # None: no NCCL emulation
+        # None: no NCCL emulation; else one collective stream for the stage collectives and
+        # the TP layers' (strict: the Mailboxes' p2p too)
+        self.emulation = collective_stream or emulation(self.transport, context.options)
         self.sync = GradSync(self.grads, grid.stage_groups, grid.rank, self.timeout,
                              self.choices, self.emulation or self.transport, self.shards,
                              self.collectives)

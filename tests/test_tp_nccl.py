@@ -1,0 +1,202 @@
+"""Tensor parallelism under NCCL's rules: the TP layers' collectives in the order proof.
+
+- The NCCL emulation (``--emulate-nccl``, ``RuntimeOptions.emulate_nccl``) gates a pipeline's
+  TP collectives on the collective stream of its stage collectives (strict: the rank's one
+  stream), and a T = 2 pipeline trains under it with one process's gradients.
+- A misordered plan (a stage's allreduce launched right after its SYNC, ahead of a forward
+  the other replica waits for) trains at T = 1 under the emulation and at T = 2 on plain
+  transports, and the emulation stops it at T = 2: the forward's TP allreduce waits behind
+  the launched allreduce. The static rendezvous check, given T, finds the same deadlock,
+  and passes the real plans of every schedule with T = 2.
+
+Virtual ranks (threads), float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import chimera.api as chimera
+from chimera.byo import seeded
+from chimera.check import rendezvous as rv
+from chimera.check.comm_plan import CommPlan, Launch, plan_comm
+from chimera.check.validate import validate
+from chimera.ir import Action, Op
+from chimera.passes import lower
+from chimera.runtime.context import RunContext, RuntimeOptions
+from chimera.runtime.p2p import CommTimeout
+from chimera.runtime.virtual import run_virtual
+from chimera.schedules import build
+
+B, N = 2, 2
+PLAN = {"0.0": "colwise", "0.2": "rowwise", "2.0": "colwise", "2.2": "rowwise"}
+
+
+def _layers():
+    return [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)).double(), nn.Tanh(),
+            nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()]
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(B * N, 4, generator=g, dtype=torch.float64),
+            torch.randn(B * N, 2, generator=g, dtype=torch.float64))
+
+
+def _reference() -> tuple[float, dict]:
+    with seeded(0):
+        ref = nn.Sequential(*_layers())
+    x, y = _batch()
+    loss = nn.functional.mse_loss(ref(x), y)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def late_forward_schedule():
+    """Chimera, D = 2, N = 2, with rank 1's up-pipe forward moved after its down-pipe
+    backward: after its SYNC of stage 1, rank 1 still owes rank 0 the activation rank 0
+    needs to reach its own SYNC of stage 1 (valid; the plan launches stage 1's allreduce
+    after that send)."""
+    s = build("chimera", 2, N)
+    p0, p1 = s.programs
+    return validate(lower(dataclasses.replace(s, programs=(p0, (p1[1], p1[2], p1[0], p1[3])))))
+
+
+def launched_at_sync(plan: CommPlan) -> CommPlan:
+    """``plan`` with every launch right after its SYNC, ahead of what the key order puts first."""
+    steps = []
+    for prog in plan.steps:
+        launches = {(x.pipe, x.stage): x for x in prog if isinstance(x, Launch)}
+        out = []
+        for x in prog:
+            if isinstance(x, Launch):
+                continue
+            out.append(x)
+            if isinstance(x, Action) and x.op is Op.SYNC and (x.pipe, x.stage) in launches:
+                out.append(launches[(x.pipe, x.stage)])
+        steps.append(tuple(out))
+    return dataclasses.replace(plan, steps=tuple(steps))
+
+
+def _train(rank: int, schedule, tp: int, mode: str, timeout: float = 60.0) -> dict:
+    """One step of the layers at T = ``tp`` under emulation ``mode`` ("" none): the loss, the
+    whole gradients (gathered over TP), what the emulation gated."""
+    context = RunContext.here(options=RuntimeOptions(emulate_nccl=mode, comm_timeout=timeout))
+    pipe = chimera.Pipeline(_layers, nn.functional.mse_loss, schedule, micro_batches=N,
+                            micro_batch_size=B, tensor_parallel=tp, context=context,
+                            model=chimera.ModelOptions(tp_plan=PLAN if tp > 1 else None))
+    try:
+        x, y = _batch()
+        loss = pipe.step(x, y)
+        grads = {}
+        for (_, stage), module in sorted(pipe.runtime.modules.items()):
+            for name, p in module.named_parameters():
+                whole = chimera.full_tensor(p.grad, chimera.shard_of(p), pipe.tp) if pipe.tp else p.grad
+                grads[name] = whole
+        emu = pipe.runtime.emulation
+        return {"loss": loss, "grads": grads, "kinds": dict(emu.kinds) if emu else {},
+                "tp_on_stream": pipe.tp is not None and pipe.tp.transport is emu}
+    finally:
+        if pipe.runtime.emulation is not None:
+            pipe.runtime.emulation.close()
+
+
+def _exact(results: list[dict]) -> None:
+    ref_loss, ref_grads = _reference()
+    for r in results:
+        assert abs(r["loss"] - ref_loss) <= 1e-12 * abs(ref_loss)
+        for name, g in r["grads"].items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["pair", "strict"])
+def test_tp_collectives_of_a_pipeline_run_under_the_emulation(mode):
+    """T = 2, D = 2 Chimera: one process's loss and gradients; the TP group talks through the
+    emulation's collective stream, which gated the layers' allreduces beside the stage
+    allreduces."""
+    results = run_virtual(4, lambda r: _train(r, "chimera", 2, mode))
+    _exact(results)
+    assert all(r["tp_on_stream"] for r in results)
+    # per rank: its two replicas' gradient allreduces (strict: the step's loss and batch
+    # fingerprint too), and one TP allreduce per forward (the row-parallel sum) and per
+    # backward (the column-parallel input gradient) of each of its N micro-batches
+    stage, api, tp = 2, (2 if mode == "strict" else 0), 2 * N
+    assert all(r["kinds"]["allreduce"] == stage + api + tp for r in results), results
+
+
+def test_a_tp_collective_behind_a_misordered_launch_is_caught_by_the_emulation(monkeypatch):
+    """The launch-at-SYNC plan: trains at T = 1 under the emulation (p2p and collectives on
+    streams of their own) and at T = 2 without it (gloo's groups are independent); at T = 2
+    under the emulation rank 1's forward blocks in its TP allreduce behind stage 1's
+    allreduce, which waits for rank 0, which waits for that forward's activation: a
+    CommTimeout naming the tensor-parallel allreduce."""
+    import chimera.runtime.pipeline as pipeline
+
+    real = pipeline.plan_comm
+    monkeypatch.setattr(pipeline, "plan_comm", lambda s: launched_at_sync(real(s)))
+    schedule = late_forward_schedule()
+    _exact(run_virtual(2, lambda r: _train(r, schedule, 1, "pair")))
+    _exact(run_virtual(4, lambda r: _train(r, schedule, 2, "")))
+
+    def timed_out(rank):
+        try:
+            _train(rank, schedule, 2, "pair", timeout=2.0)
+        except CommTimeout as exc:
+            return str(exc)
+
+    said = run_virtual(4, timed_out)
+    assert said[:2] == [f"rank {r}: p1s1RECV_F1 with peer rank {r + 2} timed out after 2s"
+                        for r in (0, 1)], said
+    assert said[2:] == [f"rank {r}: tensor-parallel allreduce with peer rank {5 - r} timed out "
+                        "after 2s" for r in (2, 3)], said
+
+
+# -- the static check -------------------------------------------------------------------
+def test_the_rendezvous_check_models_t():
+    """The launch-at-SYNC plan passes the check at T = 1 with p2p and collectives apart, and
+    deadlocks at T = 2 in every stream model, the TP group's blocked forward named; the real
+    plan of the same schedule passes at T = 2 and 3."""
+    plan = plan_comm(late_forward_schedule())
+    bad = launched_at_sync(plan)
+    for mode in ("pair", "rank"):
+        rv.check(bad, mode, 1, buckets=False)
+    for mode in rv.MODES:
+        with pytest.raises(rv.RendezvousDeadlock) as info:
+            rv.check(bad, mode, 1, buckets=False, tensor_parallel=2)
+        text = str(info.value)
+        assert "4 ranks, T=2 per pipeline rank" in text
+        assert "rank 2 blocks at p1s0F1: wait for tensor-parallel collectives of stage 0's " \
+               "layers over ranks 2, 3" in text, text
+        for tp in (2, 3):
+            rv.check(plan, mode, 2, buckets=True, tensor_parallel=tp)
+
+
+def test_tp_calls_are_the_pipeline_ranks_at_each_t():
+    """Rank (w*D + d)*T + t makes pipeline rank d's calls with peers and stage groups at t,
+    plus one blocking TP collective on its TP group per F, B and I (W none)."""
+    plan = plan_comm(lower(build("zb-v", 2, 4)))
+    one = rv.issued_ops(plan, 1, 2)  # w = 0, d = 1 at T = 1
+    for t in range(2):
+        calls = rv.issued_ops(plan, 2 + t, 2, tensor_parallel=2)
+        tp = [c for c in calls if c.kind == rv.TP]
+        assert {c.group for c in tp} == {(2, 3)}
+        computes = [a for a in plan.steps[1] if isinstance(a, Action) and a.op in (Op.F, Op.B, Op.I)]
+        assert len(tp) == len(computes)
+        rest = [c for c in calls if c.kind != rv.TP and not (c.kind == rv.WAIT and calls[c.target].kind == rv.TP)]
+        assert [(c.kind, c.peer, c.group) for c in rest] == [
+            (c.kind, c.peer * 2 + t if c.peer >= 0 else -1, tuple(g * 2 + t for g in c.group))
+            for c in one]
+
+
+@pytest.mark.parametrize("name", ["chimera", "1f1b", "zb-v", "chimera-zb", "dualpipe", "dualpipev",
+                                  "gems", "interleaved"])
+def test_every_schedule_passes_the_check_with_t2(name):
+    for d in (2, 4):
+        plan = plan_comm(lower(build(name, d, 2 * d)))
+        for mode in rv.MODES:
+            for sharded in (False, True):
+                rv.check(plan, mode, 2, buckets=True, sharded=sharded, tensor_parallel=2)
