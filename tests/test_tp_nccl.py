@@ -200,3 +200,39 @@ def test_every_schedule_passes_the_check_with_t2(name):
         for mode in rv.MODES:
             for sharded in (False, True):
                 rv.check(plan, mode, 2, buckets=True, sharded=sharded, tensor_parallel=2)
+
+
+def test_validate_replays_with_t(monkeypatch):
+    """``validate(schedule, tensor_parallel=T)`` (what the API, ``chimera train -T`` and
+    ``chimera show -T`` run): the launch-at-SYNC plan fails at T = 1 only where p2p and
+    collectives share one stream, at T = 2 already with a stream per pair of ranks."""
+    import chimera.check.comm_plan as comm_plan
+
+    schedule = late_forward_schedule()
+    validate(schedule, tensor_parallel=4)
+    real = comm_plan.plan_comm
+    monkeypatch.setattr(comm_plan, "plan_comm", lambda s: launched_at_sync(real(s)))
+    with pytest.raises(rv.RendezvousDeadlock, match=r"\(4 ranks; p2p streams: one per rank, shared"):
+        validate(schedule)
+    with pytest.raises(rv.RendezvousDeadlock, match=r"\(8 ranks, T=2 per pipeline rank; p2p "
+                                                    r"streams: one per pair of ranks"):
+        validate(schedule, tensor_parallel=4)
+
+
+def test_chimera_show_checks_the_order_with_t(monkeypatch, capsys):
+    """``chimera show -T 2`` validates with two TP ranks per pipeline rank; issue 23's order
+    (launches right after their SYNC, posts among the sends) is still refused there."""
+    import chimera.check.comm_plan as comm_plan
+    from chimera.cli import main
+    from test_strict_order import _old_order
+
+    assert main(["show", "-s", "chimera", "-D", "4", "-T", "2"]) == 0
+    real = comm_plan.plan_comm
+    monkeypatch.setattr(comm_plan, "plan_comm", lambda s: _old_order(real(s)))
+    with pytest.raises(SystemExit) as info:
+        main(["show", "-s", "chimera", "-D", "2", "-N", "4", "-T", "2"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("chimera show: rendezvous deadlock under NCCL semantics (8 ranks, T=2 "
+                          "per pipeline rank"), err
+    assert "marked:" in err and "Traceback" not in err

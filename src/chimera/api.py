@@ -242,13 +242,13 @@ def micro_count(schedule: Schedule) -> int:
 
 
 def _lowered(schedule: str | Schedule, stages: int, n: int, options: dict | None,
-             sync: str) -> Schedule:
-    """The lowered, validated schedule: ``schedule`` built by name, or given (lowered here
-    unless it is already)."""
+             sync: str, tensor_parallel: int = 1) -> Schedule:
+    """The lowered, validated schedule (its order checked with ``tensor_parallel`` ranks per
+    pipeline rank): ``schedule`` built by name, or given (lowered here unless it is already)."""
     if isinstance(schedule, Schedule):
-        return schedule if schedule.lowered else validate(lower(schedule, sync))
+        return schedule if schedule.lowered else validate(lower(schedule, sync), tensor_parallel)
     require_runnable(schedule)
-    return validate(lower(build(schedule, stages, n, **(options or {})), sync))
+    return validate(lower(build(schedule, stages, n, **(options or {})), sync), tensor_parallel)
 
 
 def _build_stage(source: LayerSource, ranges: list[range], ties, device, compile_opts, shard,
@@ -345,7 +345,8 @@ class Pipeline:
             n = micro_batches or default_micro_batches(stages, schedule)
         self._check_args(self.transport, stages, data_parallel, tensor_parallel)
         keep_freed_memory(self.context.options.malloc)  # this process trains (torchrun too)
-        self.schedule = _lowered(schedule, stages, n, options.schedule_options, options.sync)
+        self.schedule = _lowered(schedule, stages, n, options.schedule_options, options.sync,
+                                 tensor_parallel)
         self._prefetching = False  # the caller gathers after each optimizer step
         self.grid = ProcessGrid(self.schedule.placement, data_parallel, self.transport.get_rank(),
                                 tensor_parallel)

@@ -18,8 +18,10 @@ from chimera.check.validation_error import ValidationError
 __all__ = ["ValidationError", "validate"]
 
 
-def validate(schedule: Schedule) -> Schedule:
-    """Check ``schedule`` (lowered or not); return it unchanged if it is valid."""
+def validate(schedule: Schedule, tensor_parallel: int = 1) -> Schedule:
+    """Check ``schedule`` (lowered or not); return it unchanged if it is valid.
+    ``tensor_parallel``: T ranks run each pipeline rank's program, their layers' collectives
+    inside its computes (the rendezvous replay models them: T = 2 stands for any T > 1)."""
     _check_placement(schedule)
     _check_counts(schedule)
     _check_order(schedule)
@@ -27,7 +29,7 @@ def validate(schedule: Schedule) -> Schedule:
         _check_comm(schedule)
     _dry_run(schedule)
     if schedule.lowered:
-        _check_rendezvous(schedule)
+        _check_rendezvous(schedule, tensor_parallel)
     return schedule
 
 
@@ -123,15 +125,19 @@ def _dry_run(s: Schedule) -> None:
         raise ValidationError(f"deadlock: no rank can proceed ({waits})", s, rank, index) from None
 
 
-def _check_rendezvous(s: Schedule) -> None:
+def _check_rendezvous(s: Schedule, tensor_parallel: int = 1) -> None:
     """The runtime's calls for ``s`` (its CommPlan) finish under NCCL's rules in every stream
     model, the strictest last (one stream per rank for p2p and collectives together),
     communicators created eagerly, with the device plan's buckets (two per stage: a member
     that bucketed where another did not is a CollectiveMismatch). Two data-parallel copies:
     then every stage group reduces (with one copy, single-replica stages issue nothing), and
     more copies run in lock-step with these two. Also with the optimizer sharded (two
-    iterations: the parameter all-gathers after STEP are waited for inside the next one)."""
+    iterations: the parameter all-gathers after STEP are waited for inside the next one).
+    With tensor parallelism, two TP ranks per pipeline rank: its members are symmetric, so
+    more run in lock-step with these two (:mod:`chimera.check.rendezvous`)."""
     plan = comm_plan.plan_comm(s)
+    tp = min(tensor_parallel, 2)
     for mode in rendezvous.MODES:
         for sharded in (False, True):
-            rendezvous.check(plan, mode, data_parallel=2, buckets=True, sharded=sharded)
+            rendezvous.check(plan, mode, data_parallel=2, buckets=True, sharded=sharded,
+                             tensor_parallel=tp)

@@ -161,7 +161,8 @@ def scheme_options_from_args(args: argparse.Namespace, scheme: str | None = None
 
 
 def schedule_from_args(args: argparse.Namespace) -> Schedule:
-    """Build, lower and validate the schedule the options describe."""
+    """Build, lower and validate the schedule the options describe (with ``--tensor-parallel``
+    where the command has it: the order checked with T ranks per pipeline rank)."""
     n = args.micro_batches or default_micro_batches(args.stages, args.schedule)
     schedule = build(args.schedule, args.stages, n, **scheme_options_from_args(args, args.schedule))
-    return validate(lower(schedule, args.sync))
+    return validate(lower(schedule, args.sync), getattr(args, "tensor_parallel", 1))

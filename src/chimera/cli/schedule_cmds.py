@@ -29,6 +29,10 @@ def add_parsers(sub) -> None:
                        description="Simulate a schedule in unit time and draw it like the paper's "
                                    "figures: one row per rank, one column per time unit.")
     add_schedule_options(p)
+    p.add_argument("--tensor-parallel", "-T", type=positive_int, default=1, metavar="T",
+                   help="tensor-parallel ranks per pipeline rank: the NCCL rendezvous check "
+                        "replays the order with their layers' collectives inside every F, B "
+                        "and I (default: 1)")
     add_cost_options(p)
     p.add_argument("--png", metavar="FILE", help="also write a Gantt chart PNG")
     p.add_argument("--trace", metavar="FILE", help="also write a Chrome/Perfetto trace JSON")

@@ -37,7 +37,8 @@ Not emulated:
   communicators used concurrently see their operations in one order): one completes when
   every member has it at the head. The runtime routes the stage allreduces and, with a
   sharded optimizer, the reduce-scatters and the prefetched parameter all-gathers through
-  it (:func:`emulation`), buckets included: with the device plan forced a CPU run
+  it (:func:`emulation`), buckets included, and so do the tensor-parallel layers (the API
+  makes the stream with their TP group and hands it to the runtime): with the device plan forced a CPU run
   issues the device path's collectives (:func:`chimera.runtime.sync.comm_choices`). In
   ``strict`` mode the tie and buffer syncs and the API's batch fingerprint and loss take
   the same stream (``PipelineRuntime.all_reduce``). The trainer's loss and norm

@@ -40,7 +40,7 @@ def schedule(cfg) -> Schedule:
             s = build_scheme(p.schedule, p.stages, p.n_micro, **p.scheme_options)
         except ScheduleError as exc:
             raise ConfigError(str(exc).splitlines()[0]) from None
-        return validate(lower(s, p.sync))
+        return validate(lower(s, p.sync), p.tensor_parallel)
     return _cached(cfg, "schedule", make)
 
 
