@@ -169,7 +169,7 @@ def test_tp_communication_grows_with_t(link):
     per_block = [collective_times(cfg, 4096, "mixed", t, link) for t in (1, 2, 4, 8)]
     assert [f[1] for f, _ in per_block][0] == 0.0
     for (f0, b0), (f1, b1) in zip(per_block, per_block[1:]):
-        assert all(x1 > x0 for x0, x1 in zip(f0[1:], f1[1:]))  # blocks and the head's gather
+        assert all(x1 > x0 for x0, x1 in zip(f0[1:], f1[1:]))  # blocks and the head's loss
         assert all(x1 > x0 for x0, x1 in zip(b0[1:], b1[1:]))
         assert f1[0] > f0[0] and b1[0] == 0.0  # the embedding: forward only
     assert link.all_gather(1e6, 4) == link.allreduce(1e6, 4) / 2

@@ -46,6 +46,42 @@ def test_models_with_their_built_in_plans(model):
     _exact(check_virtual(_cfg(model=model, schedule="1f1b")))
 
 
+@pytest.mark.parametrize("model", ["gpt2-tiny", "hf-llama-tiny"])
+def test_the_built_in_lms_keep_their_logits_sharded_and_still_evaluate(model):
+    """Under T = 2 the head of a built-in LM keeps its logits sharded over the vocabulary (the
+    loss is the vocab-parallel cross-entropy: the runs above are exact with it); evaluation's
+    loss and ``eval_step``'s outputs (the logits gathered whole) equal one process's."""
+    import torch
+
+    from chimera.runtime.transport import OneRank
+    from chimera.runtime.virtual import VirtualWorld, run_virtual
+    from chimera.train.equivalence import reference_config
+    from chimera.train.loop import Trainer, run_context
+
+    cfg = _cfg(model=model, schedule="1f1b")
+
+    def evaluate(trainer: Trainer):
+        x, y = trainer.batch(0)
+        trainer.pipe.eval()
+        return trainer.pipe.eval_step(x, y, return_outputs=True)
+
+    world = VirtualWorld(cfg.world)
+
+    def rank(r: int):
+        trainer = Trainer(cfg, run_context(cfg, None, world.rank(r)))
+        heads = [type(list(m.children())[-1].lm_head).__name__
+                 for (_, stage), m in trainer.runtime.modules.items() if stage == trainer.schedule.stages - 1]
+        return heads, evaluate(trainer)
+
+    ref_cfg = reference_config(cfg)
+    ref_loss, ref_logits = evaluate(Trainer(ref_cfg, run_context(ref_cfg, None, OneRank())))
+    results = run_virtual(cfg.world, rank, world)
+    assert [heads for heads, _ in results] == [[], [], ["ShardedHead"], ["ShardedHead"]]  # 1f1b: d=1 last
+    for _, (loss, logits) in results:
+        assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss)
+        assert logits.shape == ref_logits.shape and torch.allclose(logits, ref_logits, rtol=0, atol=1e-12)
+
+
 @pytest.mark.slow  # 8 virtual ranks
 def test_tp_with_data_parallel_sharded_optimizer_and_recompute():
     """W = 2 copies of D = 2 x T = 2 (8 ranks), ZeRO-1 over each stage's replicas at each t,

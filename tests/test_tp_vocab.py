@@ -27,7 +27,7 @@ from test_tp_blocks import TOL, diff, randomized, tp_group
 B, S = 2, 8
 
 
-def _model(padding_idx: int) -> nn.Sequential:
+def llama_model(padding_idx: int) -> nn.Sequential:
     import hf_models as hm
     from chimera import rng
     from chimera.hf.layers import LlamaBlock, LlamaEmbed, LlamaHead
@@ -46,11 +46,13 @@ def _model(padding_idx: int) -> nn.Sequential:
     return model
 
 
-def _shard(model: nn.Sequential, group: tp.TPGroup) -> nn.Sequential:
+def shard_llama(model: nn.Sequential, group: tp.TPGroup, logits: str = "auto") -> nn.Sequential:
+    """``model`` sharded over ``group``; its head's logits gathered ("auto" without a loss
+    that takes them sharded) or ``logits="sharded"`` (``tp.ShardedLogits``)."""
     tp.parallelize(model[0], tp.embedding_plan("embed_tokens"), group)
     for block in model[1:-1]:
         tp.parallelize(block, tp.prefixed(tp.llama_decoder_plan(), "layer."), group)
-    tp.parallelize(model[-1], tp.head_plan("lm_head"), group)
+    tp.parallelize(model[-1], tp.head_plan("lm_head", logits), group)
     return model
 
 
@@ -62,7 +64,7 @@ def _loss(model: nn.Sequential, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     return F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="sum"), logits
 
 
-def _ids(padding_idx: int) -> torch.Tensor:
+def llama_ids(padding_idx: int) -> torch.Tensor:
     import hf_models as hm
     ids = torch.randint(0, hm.V, (B, S), generator=torch.Generator().manual_seed(11))
     ids[0, :4] = torch.tensor([1, 20, padding_idx, hm.V - 1])  # both local row 1s, pad, last row
@@ -70,8 +72,8 @@ def _ids(padding_idx: int) -> torch.Tensor:
 
 
 def _one(model: nn.Sequential, padding_idx: int, group: tp.TPGroup) -> dict:
-    ref, sharded = copy.deepcopy(model), _shard(copy.deepcopy(model), group)
-    ids = _ids(padding_idx)
+    ref, sharded = copy.deepcopy(model), shard_llama(copy.deepcopy(model), group)
+    ids = llama_ids(padding_idx)
     (lr, yr), (ls, ys) = _loss(ref, ids), _loss(sharded, ids)
     lr.backward()
     ls.backward()
@@ -103,7 +105,7 @@ def _worker(rank: int, world: int, models: dict) -> dict:
 
 
 def test_a_tp2_llama_with_an_odd_vocabulary_equals_one_process():
-    models = {pad: _model(pad) for pad in (1, 20)}  # a padding row in each rank's slice
+    models = {pad: llama_model(pad) for pad in (1, 20)}  # a padding row in each rank's slice
     for rank, by_pad in enumerate(run_ranks(functools.partial(_worker, models=models), 2)):
         for pad, r in by_pad.items():
             where = f"rank {rank}, padding_idx {pad}"

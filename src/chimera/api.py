@@ -84,7 +84,8 @@ from chimera.runtime.pipeline import PipelineRuntime, ProbeError
 from chimera.runtime.shared import TieSync, counters, sync_buffers
 from chimera.runtime.transport import ReduceOp, Transport
 from chimera.schedules import build, default_micro_batches, require_runnable
-from chimera.tp import TPGroup, full_tensor, local_slice, parallelize, shard_of
+from chimera.tp import (ShardedLogits, TPGroup, accepts_sharded_logits, full_tensor, local_slice,
+                        parallelize, shard_of)
 from chimera.check.validate import validate
 
 __all__ = ["ExecOptions", "LoRAOptions", "LossOptions", "ModelOptions", "Pipeline", "ProbeError",
@@ -292,9 +293,14 @@ def _check_plan(plan, num_layers: int) -> None:
                             f"as in '*.attn.qkv'")
 
 
-def _shard(plan, tp: TPGroup, used: set, index: int, layer: nn.Module) -> nn.Module:
+def _shard(plan, tp: TPGroup, used: set, sharded_logits: bool, index: int, layer: nn.Module) -> nn.Module:
     sub = layer_plan(plan, index, layer, used)
-    return layer if not sub else parallelize(layer, sub, tp)
+    return layer if not sub else parallelize(layer, sub, tp, sharded_logits=sharded_logits)
+
+
+def _whole(x):
+    """An output leaf as the caller sees it: sharded logits gathered (a collective over TP)."""
+    return x.full() if isinstance(x, ShardedLogits) else x
 
 
 def _join(column: list):
@@ -358,7 +364,8 @@ class Pipeline:
         source = LayerSource(layers, model.num_layers, model.seed, model.ties, model.init)
         self.ranges = self._partition(source, model.partition)
         self.collective_stream = None  # the NCCL emulation's, made with the TP group
-        self.tp, shard = self._tensor_parallel(model.tp_plan, source.num_layers)
+        self.tp, shard = self._tensor_parallel(model.tp_plan, source.num_layers,
+                                               accepts_sharded_logits(loss_fn))
         self.ties = source.ties(self.ranges)
         self.tuning = self._tuning(model)
         trained = [t.names[0] for t in self.ties if self.tuning.trains(t.names[0])]
@@ -425,13 +432,14 @@ class Pipeline:
                             f"{every[0][3]}; {seen}): build the Pipeline with the same arguments "
                             "on every rank")
 
-    def _tensor_parallel(self, plan, num_layers: int):
+    def _tensor_parallel(self, plan, num_layers: int, sharded_logits: bool):
         """(the TP group, the per-layer sharding for the stage builder), or (None, None) at
         T = 1. The groups are created here, before the stages: a stage's TP layers hold theirs.
         Under the NCCL emulation the TP group talks through its collective stream, made here
         and handed to the runtime: the layers' collectives are gated on the stream of the
         stage collectives (strict: of everything), as NCCL's one-order rule for communicators
-        used concurrently asks at worst."""
+        used concurrently asks at worst.
+        ``sharded_logits``: the loss takes ``tp.ShardedLogits`` (heads keep them sharded)."""
         if self.grid.tensor_parallel == 1:
             return None, None
         if plan is None:
@@ -445,7 +453,7 @@ class Pipeline:
         tp = TPGroup(self.collective_stream or self.transport, self.grid.tp_group, self.grid.t,
                      self.grid.tensor_parallel, timeout)
         self._plan_used: set = set()  # the model-wide patterns that named a submodule here
-        return tp, functools.partial(_shard, plan, tp, self._plan_used)
+        return tp, functools.partial(_shard, plan, tp, self._plan_used, sharded_logits)
 
     @torch.no_grad()
     def _equalize_over_tp(self) -> None:
@@ -710,7 +718,10 @@ class Pipeline:
 
     def _gather_outputs(self, mine: dict):
         w, n = self.grid.w, self.schedule.micro_batches
-        local = {w * n + m: pytree.tree_map(lambda t: t.detach().cpu(), y) for m, y in mine.items()}
+        # sharded logits gathered whole first: every TP rank of the last stage holds the same
+        # micro-batches, and gathers them in one order
+        whole = {m: pytree.tree_map(_whole, mine[m]) for m in sorted(mine)}
+        local = {w * n + m: pytree.tree_map(lambda t: t.detach().cpu(), y) for m, y in whole.items()}
         parts: list = [None] * self.transport.get_world_size()
         self.transport.all_gather_object(parts, local)
         merged = {k: v for p in parts for k, v in p.items()}

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers.masking_utils import (create_bidirectional_mask, create_causal_mask,
                                         create_sliding_window_causal_mask)
 
+from chimera import tp
 from chimera.errors import UserError
 
 IGNORE = -100  # HF's label for "no loss here" (padding, unmasked MLM positions)
@@ -222,17 +222,20 @@ def _check_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
                          f"got {_desc(labels)}")
 
 
-def _upcast(logits: torch.Tensor) -> torch.Tensor:
+def _upcast(logits):
     """HF computes the loss in float32 (``logits.float()``); float64 stays float64."""
     return logits.float() if logits.dtype.itemsize < 4 else logits
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+# the losses take the logits whole or sharded over the vocabulary (tp.ShardedLogits: under
+# tensor parallelism the head keeps them sharded, the cross-entropy is vocab-parallel)
+@tp.takes_sharded_logits
+def causal_lm_loss(logits, labels: torch.Tensor) -> torch.Tensor:
     """HF's causal LM loss as a sum: the logits at t predict ``labels[t + 1]`` (labels are the
     input ids, -100 where no loss is wanted, such as padding)."""
     _check_labels(logits, labels)
-    flat = _upcast(logits[:, :-1]).flatten(0, 1)
-    return F.cross_entropy(flat, labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
+    return tp.cross_entropy(_upcast(logits[:, :-1]), labels[:, 1:], ignore_index=IGNORE,
+                            reduction="sum")
 
 
 def causal_label_count(labels: torch.Tensor) -> int:
@@ -240,12 +243,12 @@ def causal_label_count(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE).sum())
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+@tp.takes_sharded_logits
+def token_loss(logits, targets: torch.Tensor) -> torch.Tensor:
     """One target per position, no shift, summed over targets != -100: HF's masked LM loss
     (BERT), or a causal loss whose targets are already the next tokens."""
     _check_labels(logits, targets)
-    return F.cross_entropy(_upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
-                           reduction="sum")
+    return tp.cross_entropy(_upcast(logits), targets, ignore_index=IGNORE, reduction="sum")
 
 
 def target_count(targets: torch.Tensor) -> int:

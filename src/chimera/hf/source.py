@@ -28,6 +28,7 @@ from chimera.data import model_vocab
 from chimera.errors import UserError
 from chimera.hf.model import NO_TP, TP_ARCHS, HFModel, check_config, load
 from chimera.models.source import HF_PREFIX, HF_PRESETS, ModelSource
+from chimera.tp import takes_sharded_logits
 
 # HF initializes with torch's global RNG, and patches torch.nn.init while it does: one layer
 # at a time per process (virtual ranks are threads of one process)
@@ -141,6 +142,7 @@ class HFSource(ModelSource):
         with _BUILDING, seeded(layer_seed(seed, index)):
             return self.model.make_layer(index)
 
+    @takes_sharded_logits  # HF's losses (hf.layers): whole or vocab-sharded logits
     def loss_fn(self, output, targets):
         return self.model.loss_fn(output, targets)
 

@@ -13,7 +13,6 @@ import functools
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from chimera.data import IGNORE_INDEX
@@ -22,6 +21,7 @@ from chimera.models.bert import BERT_LAYERS
 from chimera.models.gpt2 import (
     GPT2_LAYERS, PRESETS, ModelConfig, flops_per_token, get_config, layer_param_counts,
     make_layer, param_count)
+from chimera.tp.loss import cross_entropy, takes_sharded_logits
 from chimera.models.partition import (
     build_stage, layer_costs, parse_partition, partition, partition_from_sizes)
 
@@ -105,11 +105,9 @@ def build_model(cfg: ModelConfig, seed: int) -> Model:
     return Model(build_layers(cfg, seed))
 
 
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                   reduction: str) -> torch.Tensor:
-    V = logits.shape[-1]
-    return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction=reduction)
+def _cross_entropy(logits, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """(B, T, V) logits, whole or sharded over the vocabulary (``tp.ShardedLogits``)."""
+    return cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 def loss_fn(cfg: ModelConfig, reduction: str = "mean"):
@@ -117,8 +115,10 @@ def loss_fn(cfg: ModelConfig, reduction: str = "mean"):
 
     Targets equal to ``IGNORE_INDEX`` (BERT's unmasked positions) do not count. With
     ``reduction="sum"`` a pipeline can divide by the token count of the whole mini-batch,
-    which for BERT differs from averaging per-micro-batch means.
+    which for BERT differs from averaging per-micro-batch means. It takes logits sharded
+    over the vocabulary too (``tp.takes_sharded_logits``: under tensor parallelism the head
+    keeps them sharded and the loss is vocab-parallel).
     """
     if reduction not in ("mean", "sum"):
         raise UserError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    return functools.partial(_cross_entropy, reduction=reduction)
+    return takes_sharded_logits(functools.partial(_cross_entropy, reduction=reduction))

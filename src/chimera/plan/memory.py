@@ -59,9 +59,10 @@ def block_activation_bytes(cfg: ModelConfig, tokens: float, precision: str, flas
 def layer_activation_bytes(cfg: ModelConfig, tokens: float, precision: str, flash: bool,
                            tensor: int = 1) -> list[float]:
     """Bytes each layer of the flat list keeps for backward (no recomputation); at T > 1 a
-    block's per ``block_activation_bytes``, the embedding's and head's whole (the head's
-    logits are gathered: every rank holds them all)."""
-    e, h, v = ACT_BYTES[precision], cfg.d_model, cfg.vocab_size
+    block's per ``block_activation_bytes``, the embedding's whole, the head's inputs whole and
+    its logits 1/T of the (padded) vocabulary (the vocab-parallel cross-entropy keeps them
+    sharded)."""
+    e, h, v = ACT_BYTES[precision], cfg.d_model, -(-cfg.vocab_size // tensor)
     mask = 1 if cfg.dropout > 0 else 0
     embed = tokens * (8 + h * (e * (2 if cfg.kind == "bert" else 1) + mask))  # ids, sum, (LN in)
     # head: inputs of its LayerNorm and matmul(s) (BERT: dense, GELU, LN, decoder), and the

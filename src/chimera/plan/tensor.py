@@ -12,9 +12,11 @@ Megatron-style, without sequence parallelism:
 - the embedding: the token table by vocabulary rows (padded to a multiple of T); GPT-2's
   position table stays whole. Forward: 1 allreduce of (B, S, C); backward: none. The lookup
   writes the whole (B, S, C) on every rank: its compute is not divided.
-- the head: the output projection by vocabulary (padded), its norm whole. Forward: an
-  all-gather of the (B, S, V) logits; backward: 1 allreduce of the (B, S, C) input gradient.
-  FLOPs / T (the loss over the gathered logits is not priced, as at T = 1).
+- the head: the output projection by vocabulary (padded), its norm whole, its logits kept
+  sharded (the vocab-parallel cross-entropy). Forward: 2 allreduces of the loss's (B, S)
+  row statistics (the max; the sum of exp with the target's logit), in float32 or wider;
+  backward: 1 allreduce of the (B, S, C) input gradient. FLOPs / T (the loss's own
+  arithmetic is not priced, as at T = 1).
 
 Pricing: a divided layer takes ``Hardware.layer_time(flops / T, tokens / T)``: a rank's matrix
 product with 1/T of the columns does the work of one with 1/T of the rows, and the efficiency
@@ -98,6 +100,7 @@ def collective_times(cfg: ModelConfig, tokens: float, precision: str, t: int,
         return [0.0] * n, [0.0] * n
     e = ACT_BYTES[precision]
     hidden = link.allreduce(tokens * cfg.d_model * e, t)
-    logits = link.all_gather(tokens * padded_vocab(cfg, t) * e, t)
-    return ([hidden] + [2 * hidden] * cfg.n_layer + [logits],
+    stats = max(e, 4)  # the loss upcasts half-precision logits to float32
+    loss = link.allreduce(tokens * stats, t) + link.allreduce(2 * tokens * stats, t)
+    return ([hidden] + [2 * hidden] * cfg.n_layer + [loss],
             [0.0] + [2 * hidden] * cfg.n_layer + [hidden])

@@ -14,13 +14,17 @@ Conventions (said once):
   crosses a stage boundary is the tensor it is without TP.
 - A plan maps submodule name patterns to entries of ours, torch ``ParallelStyle``s or HF
   ``base_model_tp_plan`` strings (``plans``); ``parallelize`` checks it whole, then shards.
+- An LM head's logits are gathered whole for any loss, or kept sharded over the vocabulary
+  for a loss that takes them (``takes_sharded_logits``; ``cross_entropy``: Megatron's
+  vocab-parallel cross-entropy, three reductions of (B, S) instead of a gather of (B, S, V)).
 - ``full_tensor`` / ``local_slice`` go between a slice and the whole (export, checkpoints);
   ``squared_norm_share`` is a rank's share of the gradient norm.
 """
 
 from chimera.tp.apply import parallelize, resolve
 from chimera.tp.group import TPGroup, copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
-from chimera.tp.layers import ColumnParallel, GatheredHead, RowParallel, TPModule, VocabEmbedding
+from chimera.tp.layers import ColumnParallel, GatheredHead, RowParallel, ShardedHead, TPModule, VocabEmbedding
+from chimera.tp.loss import ShardedLogits, accepts_sharded_logits, cross_entropy, takes_sharded_logits
 from chimera.tp.plans import (HF_LLAMA_TP_PLAN, HF_STYLES, embedding_plan, from_hf, gpt2_block_plan,
                               head_plan, hf_gpt2_block_plan, llama_decoder_plan, prefixed, shared_input,
                               style, styles)
@@ -30,9 +34,11 @@ from chimera.tp.styles import (Colwise, EmbeddingRowwise, LocalHeads, Replicated
                                VocabHead)
 
 __all__ = ["Colwise", "ColumnParallel", "EmbeddingRowwise", "GatheredHead", "HF_LLAMA_TP_PLAN",
-           "HF_STYLES", "LocalHeads", "Replicated", "RowParallel", "Rowwise", "Shard", "SharedInput",
-           "TPGroup", "TPModule", "VocabEmbedding", "VocabHead", "copy_to_tp", "embedding_plan",
+           "HF_STYLES", "LocalHeads", "Replicated", "RowParallel", "Rowwise", "Shard", "ShardedHead",
+           "ShardedLogits", "SharedInput", "TPGroup", "TPModule", "VocabEmbedding", "VocabHead",
+           "accepts_sharded_logits", "copy_to_tp", "cross_entropy", "embedding_plan",
            "from_hf", "full_grad", "full_state_dict", "full_tensor", "gather_from_tp",
            "gpt2_block_plan", "head_plan", "hf_gpt2_block_plan", "llama_decoder_plan", "local_slice",
            "padded_size", "parallelize", "prefixed", "reduce_from_tp", "replicated_mask", "resolve",
-           "shard_of", "shared_input", "split_to_tp", "squared_norm_share", "style", "styles"]
+           "shard_of", "shared_input", "split_to_tp", "squared_norm_share", "style", "styles",
+           "takes_sharded_logits"]

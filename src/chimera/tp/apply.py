@@ -89,7 +89,7 @@ def _refuse_dropout(layer: nn.Module, tp: int) -> None:
                             f"({where}={value}): each rank would draw its own masks; set dropout to 0")
 
 
-def parallelize(layer: nn.Module, plan: Plan, tp: TPGroup) -> nn.Module:
+def parallelize(layer: nn.Module, plan: Plan, tp: TPGroup, *, sharded_logits: bool = False) -> nn.Module:
     """Shard ``layer`` in place over the TP group ``tp`` as ``plan`` says; returns it.
 
     Each matched projection, embedding or head is replaced by its sharded module
@@ -97,8 +97,13 @@ def parallelize(layer: nn.Module, plan: Plan, tp: TPGroup) -> nn.Module:
     local head counts. Its input must be replicated over the group, and its output is
     replicated and plain where the plan pairs every column-parallel projection with a
     row-parallel one (the built-in plans do). Parameters the plan does not name stay whole.
-    At T = 1 the plan is checked and the layer returned unchanged."""
+    ``sharded_logits``: the loss takes ``ShardedLogits``, so a ``VocabHead(logits="auto")``
+    keeps its logits sharded (else it gathers them). At T = 1 the plan is checked and the
+    layer returned unchanged."""
     resolved = resolve(layer, plan, tp.size)
+    if sharded_logits:
+        resolved = {name: tuple(VocabHead("sharded") if e == VocabHead("auto") else e for e in entries)
+                    for name, entries in resolved.items()}
     if tp.size == 1:
         return layer
     shared = [name for name, entries in resolved.items()

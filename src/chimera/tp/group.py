@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from chimera.runtime.p2p import peers_text, wait_work
-from chimera.runtime.transport import Transport
+from chimera.runtime.transport import ReduceOp, Transport
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,11 @@ class TPGroup:
     def __deepcopy__(self, memo) -> "TPGroup":
         return self  # a handle on a communicator: a copied layer talks over the same one
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """``tensor`` (contiguous) summed over the group, in place; blocking."""
+    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> None:
+        """``tensor`` (contiguous) reduced over the group (summed; ``op``: another
+        ``ReduceOp``), in place; blocking."""
         if self.size > 1:
-            self._wait(self.transport.all_reduce(tensor, group=self.group, async_op=True),
+            self._wait(self.transport.all_reduce(tensor, op=op, group=self.group, async_op=True),
                        "allreduce")
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:

@@ -13,10 +13,12 @@ state-dict keys do not change), each this rank's slice of the whole parameter, w
 - :class:`VocabEmbedding`: an ``nn.Embedding`` on this rank's rows of the vocabulary
   (padded to a multiple of T): its tokens looked up, the others zero, summed over the group;
 - :class:`GatheredHead`: an LM head column-parallel over the (padded) vocabulary, its
-  logits gathered and the padding stripped: (B, S, C) -> (B, S, V), replicated, as the loss
-  functions take it. Each rank then holds the whole logits and computes the same loss; a
-  vocab-parallel cross-entropy (Megatron's) would keep (B, S, V/T) per rank instead, at the
-  price of a loss that sees sharded logits: the one to add when the logits' memory matters.
+  logits gathered and the padding stripped: (B, S, C) -> (B, S, V), replicated, as any loss
+  function takes it. Each rank then holds the whole logits and computes the same loss;
+- :class:`ShardedHead`: the same head, its logits kept sharded: (B, S, C) ->
+  :class:`~chimera.tp.loss.ShardedLogits` of (B, S, V_padded / T) per rank, for a loss that
+  takes them (:func:`chimera.tp.loss.cross_entropy`, Megatron's vocab-parallel
+  cross-entropy: three reductions of (B, S) instead of a gather of (B, S, V)).
 
 The padding rows of an embedding or head are never looked up and their logits are
 stripped, so their gradients stay zero and an optimizer leaves them zero. Copies keep the
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chimera.tp.group import TPGroup, copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
+from chimera.tp.loss import ShardedLogits
 from chimera.tp.shard import Shard, local_slice, mark, shard_of
 
 
@@ -115,6 +118,17 @@ class GatheredHead(ColumnParallel):
 
     def __init__(self, module: nn.Linear, tp: TPGroup, *, copy_input: bool = True, padded: int):
         super().__init__(module, tp, copy_input=copy_input, gather=True, padded=padded)
+
+
+class ShardedHead(ColumnParallel):
+    """An ``nn.Linear`` LM head over the vocabulary, padded to a multiple of T; its logits
+    kept sharded (``ShardedLogits``: this rank's columns, the padding among them)."""
+
+    def __init__(self, module: nn.Linear, tp: TPGroup, *, copy_input: bool = True, padded: int):
+        super().__init__(module, tp, copy_input=copy_input, gather=False, padded=padded)
+
+    def forward(self, x: torch.Tensor) -> ShardedLogits:
+        return ShardedLogits(super().forward(x), self.tp, self.real)   # (B, S, V_padded/T)
 
 
 class RowParallel(TPModule):

@@ -180,6 +180,7 @@ def embedding_plan(name: str) -> dict:
     return {name: EmbeddingRowwise()}
 
 
-def head_plan(name: str = "lm_head") -> dict:
-    """The LM head ``name`` column-parallel over the vocabulary, its logits gathered."""
-    return {name: VocabHead()}
+def head_plan(name: str = "lm_head", logits: str = "auto") -> dict:
+    """The LM head ``name`` column-parallel over the vocabulary; its logits gathered, or
+    kept sharded where the loss takes them (``logits``: see ``VocabHead``)."""
+    return {name: VocabHead(logits)}

@@ -9,7 +9,8 @@ written with torch's ``ParallelStyle``s or HF's strings is read into these (``pl
   ``gather_output``: its output gathered whole (HF's ``colwise_rep``);
 - ``Rowwise``: row-parallel (on an ``nn.Embedding``: ``EmbeddingRowwise``); ``split_input``:
   given the whole input (HF's ``rowwise_rep``);
-- ``EmbeddingRowwise``, ``VocabHead``: the vocabulary sharded, padded to a multiple of T;
+- ``EmbeddingRowwise``, ``VocabHead``: the vocabulary sharded, padded to a multiple of T
+  (the head's logits gathered, or kept sharded for a vocab-parallel loss);
 - ``Replicated``: left whole on every rank (HF's ``replicate``);
 - ``LocalHeads``: on an attention module, its head counts divided by T;
 - ``SharedInput``: on a sub-block (attention, MLP) whose input feeds several column-parallel
@@ -28,8 +29,8 @@ from typing import Callable
 from torch import nn
 
 from chimera.tp.group import TPGroup, copy_to_tp
-from chimera.tp.layers import (ColumnParallel, GatheredHead, RowParallel, VocabEmbedding, is_conv1d,
-                               widths)
+from chimera.tp.layers import (ColumnParallel, GatheredHead, RowParallel, ShardedHead, VocabEmbedding,
+                               is_conv1d, widths)
 from chimera.tp.shard import padded_size
 
 
@@ -92,17 +93,27 @@ class EmbeddingRowwise:
         return VocabEmbedding(module, tp, padded=padded_size(module.num_embeddings, tp.size))
 
 
+HEAD_LOGITS = ("auto", "gathered", "sharded")
+
+
 @dataclass(frozen=True)
 class VocabHead:
-    """An ``nn.Linear`` LM head column-parallel over the vocabulary, logits gathered
-    (``GatheredHead``)."""
+    """An ``nn.Linear`` LM head column-parallel over the vocabulary. ``logits``:
+    ``"gathered"``, whole on every rank (``GatheredHead``), ``"sharded"``, this rank's
+    columns (``ShardedHead``: for a loss that takes ``ShardedLogits``), or ``"auto"``:
+    sharded where the pipeline's loss takes them (``tp.takes_sharded_logits``), else
+    gathered (``parallelize(..., sharded_logits=...)`` decides)."""
+
+    logits: str = "auto"
 
     def problem(self, module: nn.Module, tp: int) -> str | None:
+        if self.logits not in HEAD_LOGITS:
+            return f"VocabHead(logits={self.logits!r}): one of {', '.join(HEAD_LOGITS)}"
         return None if isinstance(module, nn.Linear) else "VocabHead takes an nn.Linear"
 
     def apply(self, module: nn.Module, tp: TPGroup, shared: bool) -> nn.Module:
-        return GatheredHead(module, tp, copy_input=not shared,
-                            padded=padded_size(module.out_features, tp.size))
+        head = ShardedHead if self.logits == "sharded" else GatheredHead
+        return head(module, tp, copy_input=not shared, padded=padded_size(module.out_features, tp.size))
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from chimera.models import (PRESETS, ModelConfig, build_layers, get_config, laye
 from chimera.train.checkpoint import model_fingerprint
 from chimera.models.source import HF_PREFIX, HF_PRESETS, ModelSource
 from chimera.models.tp import preset_tp_plan
+from chimera.tp import takes_sharded_logits
 
 __all__ = ["HF_PREFIX", "HF_PRESETS", "ModelSource", "PresetSource", "is_hf", "open_source",
            "source_from_fingerprint"]
@@ -58,6 +59,7 @@ class PresetSource(ModelSource):
 
         return build_layers(self.config, seed, [index])[0]
 
+    @takes_sharded_logits  # chimera.models.loss_fn: whole or vocab-sharded logits
     def loss_fn(self, output, targets):
         return self._loss(output, targets)
 
