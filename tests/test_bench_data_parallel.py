@@ -3,6 +3,7 @@ issue 36): every schedule's data-parallel gradient reduction runs, ours over our
 groups and torch's at its REDUCE_GRAD, and every simulated column prices it as the simulator
 does for that layout (no timing is asserted)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -31,10 +32,11 @@ def cfg(**kw) -> BenchConfig:
 
 def test_the_cli_passes_the_copies_and_names_its_files():
     c = config_from_args(build_parser().parse_args(
-        ["bench", "--emulate", "1:2:1", "-D", "4", "-W", "2", "--allreduce-ms", "3"]))
-    assert (c.data_parallel, c.world, c.global_batch) == (2, 8, 2 * 8 * 2)
-    assert _stem(c) == "bench-emulated-D4-N8-ar3ms-W2"
-    assert "--data-parallel 2" in c.extra["command"]
+        ["bench", "--emulate", "1:2:1", "-D", "4", "-W", "2", "--allreduce-ms", "3",
+         "--head-params", "1.5"]))
+    assert (c.data_parallel, c.world, c.global_batch, c.head_params) == (2, 8, 2 * 8 * 2, 1.5)
+    assert _stem(c) == "bench-emulated-D4-N8-hp1.5-ar3ms-W2"
+    assert "--data-parallel 2" in c.extra["command"] and "--head-params 1.5" in c.extra["command"]
 
 
 def _by_hand(schedule, c: BenchConfig, lat: dict) -> CostModel:
@@ -78,8 +80,15 @@ class _Stage:
 
 
 class _Done:
+    """A collective's work, done."""
+
     def wait(self, timeout=None):
         return True
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
 
 
 class _OtherCopy:
@@ -105,6 +114,47 @@ def test_torchs_reduce_grad_starts_the_copies_allreduce_and_the_step_waits_for_i
     reduction.wait()
     assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in stage.submod.parameters())
     assert reduction.pending == []
+
+
+def test_sharded_rows_where_a_stage_has_a_group_and_their_halves_priced():
+    from chimera.bench.rows import all_rows
+
+    one = {r.id for r in all_rows(cfg(data_parallel=1, shard_optimizer=True))}
+    assert "chimera:chimera:shard=1" in one and "chimera:1f1b:shard=1" not in one  # W=1: no group
+    two = {r.id for r in all_rows(cfg(shard_optimizer=True))}
+    assert {"chimera:chimera:shard=1", "chimera:1f1b:shard=1", "chimera:zb-v:shard=1"} <= two
+    assert not any("shard" in r for r in two if r.startswith(("torch", "floor")))
+    assert not any("shard" in r.id for r in all_rows(cfg()))  # only when asked
+    # ZeRO-1 at W=1 on Chimera's pairs: a reduce-scatter of half the allreduce's time, and
+    # the all-gather of the stage a rank runs first before the next step's first forward
+    c = cfg(data_parallel=1, stages=4, micro_batches=8, allreduce_ms=10.0)
+    s = build("chimera", 4, 8)
+    whole, half = (simulated(s, c, LAT, sharded=k) for k in (False, True))
+    assert all(e - b == pytest.approx(10e-3) for *_, b, e in whole["timeline"].collectives)
+    assert all(e - b == pytest.approx(5e-3) for *_, b, e in half["timeline"].collectives)
+    assert half["simulated_step_s"] == pytest.approx(simulate(
+        lower(s, "eager"), prices.cost_model(c, s, 2e-3, 2e-3, 2e-3, sharded=True)).makespan)
+
+
+def test_the_rows_transport_prices_a_reduce_scatter_and_an_all_gather_at_half():
+    from chimera.bench.links import PricedTransport
+
+    class Inner:
+        def reduce_scatter_single(self, output, input, group=None, async_op=False):
+            return _Done()
+
+        all_gather_single = reduce_scatter_single
+
+        def all_reduce(self, tensor, op=None, group=None, async_op=False):
+            return _Done()
+
+    t = PricedTransport(Inner(), None, seconds_per_float=1e-3)
+    rs = t.reduce_scatter_single(torch.zeros(5), torch.zeros(10), group="g", async_op=True)
+    ag = t.all_gather_single(torch.zeros(10), torch.zeros(5), group="g", async_op=True)
+    ar = t.all_reduce(torch.zeros(10), group="g", async_op=True)
+    assert all(w.wait() for w in (rs, ag, ar))  # one after another on the rank's channel
+    assert ag.due - rs.due == pytest.approx(5e-3) and ar.due - ag.due == pytest.approx(10e-3)
+    assert isinstance(t.all_gather_single(torch.zeros(10), torch.zeros(5), group="g"), _Done)
 
 
 # -- spawned ranks -------------------------------------------------------------------------------
@@ -146,17 +196,21 @@ def test_every_copy_ends_the_step_with_the_mean_gradient_ours_and_torchs(tmp_pat
 def test_bench_emulate_runs_ours_and_torchs_rows_on_w_copies(run_cli, tmp_path):
     rows = "chimera:chimera,chimera:1f1b,torch:1f1b,torch:zbv"
     r = run_cli("bench", "--emulate", "2:2:2", "-D", "2", "-N", "4", "-W", "2", "--steps", "1",
-                "--warmup", "0", "--rows", rows, "--allreduce-ms", "5", "--out", tmp_path)
+                "--warmup", "0", "--rows", rows, "--allreduce-ms", "5", "--shard-optimizer",
+                "--out", tmp_path)
     assert r.returncode == 0, r.stderr
-    data = json.loads((tmp_path / "bench-emulated-D2-N4-ar5ms-W2.json").read_text())
+    data = json.loads((tmp_path / "bench-emulated-D2-N4-ar5ms-W2-zero1.json").read_text())
     assert data["config"]["data_parallel"] == 2 and "W=2" in r.stdout
     c, lat = cfg(), data["latency"]
-    got = data["results"]  # chimera's two strategies, ours' 1F1B, torch's 1F1B and ZBV
-    assert len(got) == 5 and len({round(x["first_loss"], 6) for x in got}) == 1
+    # chimera's two strategies and ours' 1F1B, each also sharded; torch's 1F1B and ZBV
+    got = data["results"]
+    assert len(got) == 8 and len({round(x["first_loss"], 6) for x in got}) == 1
+    assert sum(1 for x in got if x["options"].get("shard")) == 3
     for x in got:
         impl, name = x["impl"], x["schedule"]
         s = (our_schedule(c, Row(impl, name, tuple(x["options"].items()))) if impl == "chimera"
              else torch_order(name, 2, 4))
-        want = simulate(lower(s, "eager"), _by_hand(s, c, lat)).makespan
+        by_hand = dataclasses.replace(_by_hand(s, c, lat), shard_optimizer="shard" in x["options"])
+        want = simulate(lower(s, "eager"), by_hand).makespan
         assert x["simulated_step_s"] == pytest.approx(want, rel=1e-9) and x["median_step_s"] > 0
     assert prices.priced(c)

@@ -237,3 +237,44 @@ def test_torchs_orders_are_simulated_without_processes():
         s = torch_order(name, 4, 8)
         validate(s)  # DualPipeV's mixes whole and split backwards
         assert simulate(lower(s)).makespan > 0
+
+
+def test_head_and_embedding_gradients_are_carried_by_the_layers_and_priced_alike():
+    """--head-params / --embed-params: the last and first layers carry their D-ths of the
+    gradients (extra floats on the emulated layer); a stage's allreduce is priced by the
+    floats it holds, in the simulated column and by the rows' transport alike."""
+    from chimera.bench.emulated import cost_of, priced_context
+    from chimera.models.emulated import emulated_layers, emulated_pieces
+    from chimera.runtime.context import RunContext
+
+    c = cfg(head_params=2.0, embed_params=1.5, layers_per_stage=2, allreduce_ms=10.0)
+    floats = prices.layer_params(c)
+    assert floats == [16 + 16, 16, 16, 16, 16, 16, 16, 16 + 32]
+    make = emulated_layers(cost_of(c), 4, 8, extra=prices.extra_params(c))
+    assert [sum(p.numel() for p in make(i).parameters()) for i in range(8)] == floats
+    # a fused stage (the floor's) carries its layers' floats too
+    piece = emulated_pieces(cost_of(c), [range(6, 8)], prices.layer_weights(c),
+                            extra=prices.extra_params(c))(0)
+    assert sum(p.numel() for p in piece.parameters()) == 2 * 16 + 32
+    t = simulated(build("chimera", 4, 8), c, LAT)["timeline"]
+    took = {stage: e - s for _, stage, s, e in t.collectives}
+    assert took == pytest.approx({0: 15e-3, 1: 10e-3, 2: 10e-3, 3: 20e-3})
+    # the rows' transport charges the same per float
+    per_float = priced_context(c, RunContext(_Inner())).transport.seconds_per_float
+    assert per_float * (floats[6] + floats[7]) == pytest.approx(took[3])
+    assert step(cfg(head_params=2.0), "1f1b") == pytest.approx(step(cfg(), "1f1b"))  # W=1: none
+
+
+def test_the_extra_gradient_floats_take_no_part_in_the_value_and_get_zero_gradients():
+    from chimera.bench.emulated import cost_of
+    from chimera.models.emulated import EmulatedLayer
+
+    plain = EmulatedLayer(cost_of(cfg(emulate="0.001:0.001:0.001")), 1.0, seed=3, index=2)
+    heavy = EmulatedLayer(cost_of(cfg(emulate="0.001:0.001:0.001")), 1.0, seed=3, index=2, extra=40)
+    x = torch.randn(2, prices.WIDTH, requires_grad=True)
+    y = heavy(x)
+    assert torch.equal(y, plain(x))
+    y.sum().backward()
+    assert heavy.extra.grad is not None and torch.equal(heavy.extra.grad, torch.zeros(40))
+    with pytest.raises(UserError, match="extra parameters"):
+        EmulatedLayer(cost_of(cfg()), 1.0, extra=-1)

@@ -55,7 +55,7 @@ from chimera.schedules import build, get_scheme
 from chimera.sim import simulate
 
 def cost_of(cfg: BenchConfig) -> EmulatedCost:
-    return EmulatedCost.parse(cfg.emulate, rows=cfg.micro_batch_size,
+    return EmulatedCost.parse(cfg.emulate, rows=cfg.micro_batch_size, width=prices.WIDTH,
                               activation_bytes=int(cfg.activation_mb * 2**20), spin=cfg.spin)
 
 
@@ -67,8 +67,13 @@ def our_schedule(cfg: BenchConfig, row: Row) -> Schedule:
     if not prices.priced(cfg) or "cost" not in get_scheme(row.schedule).options or "cost" in opts:
         return plan
     c = cost_of(cfg)  # compute, the link and the collectives (the measured links come later)
-    told = prices.cost_model(cfg, plan, c.forward_s, c.input_grad_s, c.weight_grad_s)
+    told = prices.cost_model(cfg, plan, c.forward_s, c.input_grad_s, c.weight_grad_s,
+                             sharded=is_sharded(row))
     return build(row.schedule, cfg.stages, cfg.micro_batches, **opts, cost=told)
+
+
+def is_sharded(row: Row) -> bool:
+    return bool(row.opts.get("shard"))
 
 
 _SENDS: dict[float, LateSends] = {}  # one late-send thread per link time in this process
@@ -82,13 +87,20 @@ def late_sends(cfg: BenchConfig) -> LateSends | None:
 
 def priced_context(cfg: BenchConfig, context: RunContext) -> RunContext:
     """``context`` whose transport delivers each send ``link_ms`` late and prices the
-    gradient allreduce of a D-th (``layers_per_stage`` layers of ``width`` floats) at
+    gradient allreduce of a D-th (``layers_per_stage`` layers of ``WIDTH`` floats) at
     ``allreduce_ms`` (:mod:`chimera.bench.links`); as it is where neither is asked."""
     if not (cfg.link_ms or cfg.allreduce_ms):
         return context
-    per_float = cfg.allreduce_ms / 1e3 / (cfg.layers_per_stage * cost_of(cfg).width)
+    per_float = cfg.allreduce_ms / 1e3 / (cfg.layers_per_stage * prices.WIDTH)
     transport = PricedTransport(context.transport, late_sends(cfg), per_float)
     return dataclasses.replace(context, transport=transport)
+
+
+def _device_path(context: RunContext) -> RunContext:
+    """``context`` taking the device path's collective choices (``device_plan``): a sharded
+    replica reduces by reduce-scatter, as on GPUs, where the CPU path allreduces (gloo's
+    reduce-scatter is slower), which the bench would price as a whole allreduce."""
+    return context.replace(options=dataclasses.replace(context.options, device_plan=1))
 
 
 class EmulatedOurs:
@@ -99,14 +111,15 @@ class EmulatedOurs:
         self.cfg, self.cost, self.log = cfg, cost_of(cfg), WaitLog()
         layers, plan = layer_count(cfg), our_schedule(cfg, row)
         self.pipe = Pipeline(
-            emulated_layers(self.cost, cfg.stages, layers, cfg.seed, self.log, layer_weights(cfg)),
+            emulated_layers(self.cost, cfg.stages, layers, cfg.seed, self.log, layer_weights(cfg),
+                            prices.extra_params(cfg)),
             nn.functional.mse_loss, schedule=plan,
             micro_batches=cfg.micro_batches, micro_batch_size=cfg.micro_batch_size,
             data_parallel=cfg.data_parallel, model=ModelOptions(num_layers=layers,
                                partition=prices.cut(cfg, plan.placement, plan.micro_pipe)),
             options=ExecOptions(schedule_options=row.scheme_options,
-                                shard_optimizer=bool(row.opts.get("shard"))),
-            context=priced_context(cfg, context))
+                                shard_optimizer=is_sharded(row)),
+            context=priced_context(cfg, _device_path(context) if is_sharded(row) else context))
         self.transport = context.transport
         self.schedule = self.pipe.schedule
         self.params = self.pipe.parameters()
@@ -132,7 +145,8 @@ class EmulatedFloor:
         plan = our_schedule(cfg, row)
         ranges = prices.cut(cfg, plan.placement, plan.micro_pipe)
         self.pipe = Pipeline(
-            emulated_pieces(cost, ranges, layer_weights(cfg), cfg.seed, self.log),
+            emulated_pieces(cost, ranges, layer_weights(cfg), cfg.seed, self.log,
+                            prices.extra_params(cfg)),
             nn.functional.mse_loss, schedule=plan, micro_batches=cfg.micro_batches,
             micro_batch_size=cfg.micro_batch_size, data_parallel=cfg.data_parallel,
             model=ModelOptions(num_layers=plan.stages),
@@ -164,7 +178,7 @@ class EmulatedTorch(TorchPipeline):
     def __init__(self, cfg: BenchConfig, row: Row, context: RunContext):
         self.cost, self.log = cost_of(cfg), WaitLog()
         make = emulated_layers(self.cost, cfg.stages, layer_count(cfg), cfg.seed, self.log,
-                               layer_weights(cfg))
+                               layer_weights(cfg), prices.extra_params(cfg))
         placement = torch_placement(row.schedule, cfg.stages)
 
         def module_of(stage: int, n: int) -> nn.Module:
@@ -227,13 +241,13 @@ def link_latency(cfg: BenchConfig, transport: Transport, reps: int = 30) -> dict
 
 # -- simulation --------------------------------------------------------------------------------
 def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None,
-              stretch: dict[str, float] | None = None) -> dict:
+              stretch: dict[str, float] | None = None, sharded: bool = False) -> dict:
     """Step time of ``schedule`` at the emulated costs: with the measured p2p and allreduce
     times, and with free communication (the schedule's own makespan); peak activations per
     rank (in Ma) from the same simulation. With ``stretch`` (per op kind F/I/W, how much
     longer the waits actually took than asked, from a traced step), also the step at those
     measured compute times: realized over it is the runtime's own cost alone, without the
-    emulator's sleep overshoot."""
+    emulator's sleep overshoot. ``sharded``: the row's optimizer is sharded (ZeRO-1)."""
     cost = cost_of(cfg)
     lowered = schedule if schedule.lowered else lower(schedule, "eager")
     times = dict(f=cost.forward_s, i=cost.input_grad_s, w=cost.weight_grad_s)
@@ -242,7 +256,7 @@ def simulated(schedule: Schedule, cfg: BenchConfig, latency: dict | None,
            "simulated_peak_activations": [r.peak_activations for r in free.ranks]}
     if latency is None:
         return out
-    links = dict(p2p_s=latency["p2p_s"], allreduce_s=latency["allreduce_s"])
+    links = dict(p2p_s=latency["p2p_s"], allreduce_s=latency["allreduce_s"], sharded=sharded)
     timed = simulate(lowered, prices.cost_model(cfg, lowered, **times, **links))
     out["simulated_step_s"], out["timeline"] = timed.makespan, timed
     if stretch:

@@ -14,7 +14,7 @@ import re
 import statistics
 
 from chimera.bench import report
-from chimera.bench.emulated import ratio, simulated, stretch_of, trace_events
+from chimera.bench.emulated import is_sharded, ratio, simulated, stretch_of, trace_events
 from chimera.bench.rows import BenchConfig, Row
 from chimera.ir import Schedule
 from chimera.schedules import get_scheme
@@ -33,7 +33,7 @@ def result_rows(cfg: BenchConfig, rows: list[Row], raw: dict) -> list[dict]:
         median = statistics.median(steps)
         order = raw["orders"][k]
         stretch = stretch_of(raw["wait_totals"][k])
-        sim = simulated(Schedule.from_json(order), cfg, lat, stretch) if order else {}
+        sim = simulated(Schedule.from_json(order), cfg, lat, stretch, is_sharded(row)) if order else {}
         peaks = raw["activation_bytes"][k]
         out.append({
             "impl": row.impl, "schedule": row.schedule, "name": _name(row),
@@ -133,6 +133,8 @@ def _prices_text(c: dict) -> str:
     """The bench's prices beyond uniform stages (``chimera.bench.prices``), one sentence."""
     words = [f"the last D-th costs {c['head']:g} D-ths (head)" if c.get("head", 1) != 1 else "",
              f"the first {c['embed']:g} (embedding)" if c.get("embed", 1) != 1 else "",
+             f"the last D-th's gradients {c['head_params']:g} D-ths" if c.get("head_params", 1) != 1 else "",
+             f"the first D-th's gradients {c['embed_params']:g} D-ths" if c.get("embed_params", 1) != 1 else "",
              f"{c['layers_per_stage']} layers per D-th" if c.get("layers_per_stage", 2) != 2 else "",
              "each placement cut for its own ranks" if c.get("partition") == "cost" else "",
              f"each hop {c['link_ms']:g} ms later" if c.get("link_ms") else "",

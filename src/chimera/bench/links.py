@@ -14,7 +14,8 @@ alike:
 - :class:`PricedTransport` also prices an asynchronous allreduce on a group (the runtime's
   gradient sync over a stage's replicas): it completes ``seconds_per_float`` per float after
   the real one completed, one after another on the rank's channel, as the simulator's
-  ``CostModel.reduce`` times them.
+  ``CostModel.reduce`` times them; a reduce-scatter or an all-gather (ZeRO-1's halves of
+  it) half of that per float of the whole buffer, as the simulator counts them.
 
 Each simulated column of the bench adds the same prices (:mod:`chimera.bench.prices`).
 """
@@ -79,8 +80,10 @@ class LateSends:
 
 
 class _PricedWork:
-    """An allreduce that ends ``seconds`` after its real one completed, or after the rank's
-    previous priced collective ended (one channel per rank)."""
+    """A collective that ends ``seconds`` after its real one completed, or after the rank's
+    previous priced collective ended (one channel per rank). A work without a future (gloo's
+    reduce-scatter and all-gather) is priced from its issue instead: loopback moves the
+    real bytes in well under a millisecond."""
 
     def __init__(self, work, seconds: float, channel: "_Channel"):
         self.work, self.due = work, None
@@ -89,7 +92,12 @@ class _PricedWork:
         def completed(_):
             self.due = channel.take(seconds)
             self.done.set()
-        work.get_future().add_done_callback(completed)
+        try:
+            future = work.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented"
+            completed(None)
+            return
+        future.add_done_callback(completed)
 
     def wait(self, timeout=None) -> bool:
         ok = self.work.wait() if timeout is None else self.work.wait(timeout)
@@ -130,9 +138,22 @@ class PricedTransport(Wrapping):
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, group=None, async_op=False):
         work = self.inner.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return self._priced(work, tensor.numel(), group, async_op)
+
+    def reduce_scatter_single(self, output, input, group=None, async_op=False):
+        work = self.inner.reduce_scatter_single(output, input, group=group, async_op=async_op)
+        return self._priced(work, input.numel() / 2, group, async_op)
+
+    def all_gather_single(self, output, input, group=None, async_op=False):
+        work = self.inner.all_gather_single(output, input, group=group, async_op=async_op)
+        return self._priced(work, output.numel() / 2, group, async_op)
+
+    def _priced(self, work, floats: float, group, async_op: bool):
+        """A gradient collective's work, priced: asynchronous on a group (the loss's
+        allreduce and the blocking ones pass as they are)."""
         if not (async_op and group is not None and self.seconds_per_float):
             return work
-        return _PricedWork(work, tensor.numel() * self.seconds_per_float, self.channel)
+        return _PricedWork(work, floats * self.seconds_per_float, self.channel)
 
 
 @contextlib.contextmanager

@@ -13,8 +13,10 @@ the same way for every schedule (issue 36):
   stage by hand;
 - p2p links: ``link_ms``, each hop delivered that much later than the measured link;
 - gradient collectives priced by their bytes: ``allreduce_ms`` for the allreduce of a
-  D-th of the model's gradients (a stage pays per layer it holds: the emulated layers carry
-  equal parameters, a heavier head or embedding is compute only), over a
+  D-th of the model's gradients (a stage pays for the gradient floats of the layers it
+  holds: ``WIDTH`` a layer, the last and first more by ``head_params - 1`` and
+  ``embed_params - 1`` D-ths, :func:`layer_params`: an LM head's and an embedding's
+  gradients, where ``head`` and ``embed`` are their compute), over a
   stage's replicas times ``data_parallel``: at W=1 only Chimera's replica allreduce runs,
   at W >= 2 (W copies of the pipeline on W*D ranks) every schedule's data-parallel one
   (Chimera's rank reduces two D-ths, a V rank two half D-ths; torch's rows issue theirs at
@@ -36,6 +38,14 @@ from chimera.modelcfg import partition_for_ranks
 from chimera.sim.cost import CostModel
 
 PARTITIONS = ("layers", "cost")
+WIDTH = 16  # floats an emulated layer computes with, (rows, WIDTH), and its bias's gradient
+# what the bench prices beyond uniform stages: (flag, BenchConfig field, default), one list
+# for the CLI, the file names' tag, the regime table's commands
+FLAGS = (("--head", "head", 1.0), ("--embed", "embed", 1.0),
+         ("--head-params", "head_params", 1.0), ("--embed-params", "embed_params", 1.0),
+         ("--layers-per-stage", "layers_per_stage", 2), ("--partition", "partition", "layers"),
+         ("--link-ms", "link_ms", 0.0), ("--allreduce-ms", "allreduce_ms", 0.0),
+         ("--data-parallel", "data_parallel", 1))
 
 
 def layer_count(cfg) -> int:
@@ -50,6 +60,23 @@ def layer_weights(cfg) -> list[float]:
     weights[0] += cfg.embed - 1.0
     weights[-1] += cfg.head - 1.0
     return weights
+
+
+def layer_params(cfg) -> list[int]:
+    """Each layer's gradient floats: ``WIDTH`` (its bias), the first and last more by
+    ``embed_params - 1`` and ``head_params - 1`` D-ths of the model's (a D-th:
+    ``layers_per_stage * WIDTH`` floats), rounded to whole floats; the emulated layers carry
+    the extra (:class:`chimera.models.emulated.EmulatedLayer`), the simulator prices them."""
+    per_dth = cfg.layers_per_stage * WIDTH
+    floats = [WIDTH] * layer_count(cfg)
+    floats[0] += round((cfg.embed_params - 1.0) * per_dth)
+    floats[-1] += round((cfg.head_params - 1.0) * per_dth)
+    return floats
+
+
+def extra_params(cfg) -> list[int]:
+    """Each emulated layer's gradient floats beyond its bias (:func:`layer_params`)."""
+    return [n - WIDTH for n in layer_params(cfg)]
 
 
 def held_shares(placement: Placement, micro_pipe: Sequence[int]) -> list[list[tuple[int, float]]]:
@@ -83,26 +110,31 @@ def stage_weights(cfg, schedule: Schedule) -> tuple[float, ...]:
 def tag(cfg) -> str:
     """What the bench's file names add for priced runs, e.g. ``-head1.5-cost``."""
     words = [f"head{cfg.head:g}" if cfg.head != 1 else "", f"embed{cfg.embed:g}" if cfg.embed != 1 else "",
+             f"hp{cfg.head_params:g}" if cfg.head_params != 1 else "",
+             f"ep{cfg.embed_params:g}" if cfg.embed_params != 1 else "",
              f"L{cfg.layers_per_stage}" if cfg.layers_per_stage != 2 else "",
              "cost" if cfg.partition == "cost" else "",
              f"link{cfg.link_ms:g}ms" if cfg.link_ms else "",
              f"ar{cfg.allreduce_ms:g}ms" if cfg.allreduce_ms else "",
-             f"W{cfg.data_parallel}" if cfg.data_parallel != 1 else ""]
+             f"W{cfg.data_parallel}" if cfg.data_parallel != 1 else "",
+             "zero1" if cfg.shard_optimizer else ""]
     return "".join("-" + w for w in words if w)
 
 
 def cost_model(cfg, schedule: Schedule, f: float, i: float, w: float, p2p_s: float = 0.0,
-               allreduce_s: float = 0.0, free: bool = False) -> CostModel:
+               allreduce_s: float = 0.0, free: bool = False, sharded: bool = False) -> CostModel:
     """``schedule`` priced at F, I, W seconds per micro-batch per D-th, each stage at its
     weight (:func:`stage_costs`); p2p ``p2p_s`` (the measured link) plus ``link_ms``; per
     collective ``allreduce_s`` (measured) plus the priced bytes. ``free``: no communication
-    cost at all (the schedule's own makespan)."""
+    cost at all (the schedule's own makespan). ``sharded``: ZeRO-1 over each stage's group
+    (a reduce-scatter and an all-gather, each half an allreduce's bytes)."""
     sizes = stage_weights(cfg, schedule)
     ranges = cut(cfg, schedule.placement, schedule.micro_pipe)
+    floats, per_dth = layer_params(cfg), cfg.layers_per_stage * WIDTH
     links = {} if free else dict(
         p2p_time=p2p_s + cfg.link_ms / 1e3, allreduce_time=allreduce_s,
-        reduce=tuple(cfg.allreduce_ms / 1e3 * len(r) / cfg.layers_per_stage for r in ranges),
-        data_parallel=cfg.data_parallel)
+        reduce=tuple(cfg.allreduce_ms / 1e3 * sum(floats[i] for i in r) / per_dth for r in ranges),
+        data_parallel=cfg.data_parallel, shard_optimizer=sharded)
     return stage_costs(schedule, f, i, w, sizes, **links)
 
 
@@ -123,5 +155,4 @@ def stage_costs(schedule: Schedule, f: float, i: float, w: float,
 
 def priced(cfg) -> bool:
     """Whether ``cfg`` prices anything beyond uniform stages and the measured links."""
-    return (cfg.head, cfg.embed, cfg.partition, cfg.link_ms, cfg.allreduce_ms, cfg.data_parallel,
-            cfg.layers_per_stage) != (1.0, 1.0, "layers", 0.0, 0.0, 1, 2)
+    return any(getattr(cfg, key) != default for _, key, default in FLAGS)

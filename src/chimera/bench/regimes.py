@@ -20,6 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from chimera.bench import prices
 from chimera.bench.emulated import our_schedule, simulated
 from chimera.bench.report import row_name
 from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row, scheme_rows, our_schemes
@@ -120,13 +121,11 @@ def bench_command(base: BenchConfig, regime: Regime, quick: bool) -> list[str]:
     """The ``chimera bench`` command that realizes ``regime``."""
     cfg = regime.config(base)
     words = ["chimera", "bench", "--emulate", cfg.emulate, "-D", str(cfg.stages), "-N",
-             str(cfg.micro_batches), "--layers-per-stage", str(cfg.layers_per_stage),
-             "--rows", "chimera,torch"]
-    for flag, key, default in (("--head", "head", 1.0), ("--partition", "partition", "layers"),
-                               ("--link-ms", "link_ms", 0.0), ("--allreduce-ms", "allreduce_ms", 0.0),
-                               ("--data-parallel", "data_parallel", 1)):
+             str(cfg.micro_batches), "--rows", "chimera,torch"]
+    for flag, key, default in prices.FLAGS:
         if getattr(cfg, key) != default:
-            words += [flag, f"{getattr(cfg, key):g}" if isinstance(default, float) else str(getattr(cfg, key))]
+            value = getattr(cfg, key)
+            words += [flag, f"{value:g}" if isinstance(default, float) else str(value)]
     return words + (["--quick"] if quick else [])
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from chimera.bench.prices import PARTITIONS, priced
 from chimera.errors import UserError
 from chimera.ir import ScheduleError
-from chimera.schedules import get_scheme, schemes
+from chimera.schedules import build, get_scheme, schemes
 from chimera.sim.cost import parse_times
 
 # Ours, in the order the table shows them; any other runnable scheme is appended unless it is
@@ -83,11 +83,15 @@ class BenchConfig:
     # emulated: what the placement costs and saves, priced alike on every row (bench.prices)
     head: float = 1.0  # the last D-th of the model costs this many D-ths (the LM head)
     embed: float = 1.0  # the first D-th likewise (the embedding)
+    head_params: float = 1.0  # the last D-th's gradients are this many D-ths (the LM head's)
+    embed_params: float = 1.0  # the first D-th's likewise (the embedding's)
     layers_per_stage: int = 2  # layers per D-th of the model
     partition: str = "layers"  # same layer count per stage, or "cost": cut for each placement's ranks
     link_ms: float = 0.0  # each p2p hop delivered this much later
     allreduce_ms: float = 0.0  # a D-th of the model's gradients takes this long to allreduce
     data_parallel: int = 1  # W pipeline copies on W*D ranks (W >= 2: every schedule reduces)
+    # emulated: also our rows with ZeRO-1 over each stage's group (reduce-scatter, all-gather)
+    shard_optimizer: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -106,10 +110,11 @@ class BenchConfig:
         self._check_prices()
 
     def _check_prices(self) -> None:
-        for name in ("head", "embed"):
+        for name in ("head", "embed", "head_params", "embed_params"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 1 <= value < 1e6):
-                raise UserError(f"bench {name} must be a number >= 1 (D-ths of the model), got {value!r}")
+                raise UserError(f"bench {name.replace('_', '-')} must be a number >= 1 (D-ths of "
+                                f"the model), got {value!r}")
         for name in ("link_ms", "allreduce_ms"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value < 1e6):
@@ -121,9 +126,11 @@ class BenchConfig:
         if self.partition not in PARTITIONS:
             raise UserError(f"bench partition must be one of {', '.join(PARTITIONS)}, "
                             f"got {self.partition!r}")
-        if self.emulate is None and priced(self):
-            raise UserError("bench head, embed, partition, link, allreduce, data-parallel and "
-                            "layers price emulated stages only (--emulate F:I:W)")
+        if not isinstance(self.shard_optimizer, bool):
+            raise UserError(f"bench shard-optimizer must be True or False, got {self.shard_optimizer!r}")
+        if self.emulate is None and (priced(self) or self.shard_optimizer):
+            raise UserError("bench head, embed, their params, partition, link, allreduce, "
+                            "data-parallel and layers price emulated stages only (--emulate F:I:W)")
 
     @classmethod
     def quick_config(cls, **kw) -> "BenchConfig":
@@ -151,9 +158,11 @@ class BenchConfig:
                 "seed": self.seed, "backend": "gloo", "quick": self.quick,
                 **({"emulate_ms": self.emulate, "activation_mb": self.activation_mb,
                     "waits": "spin" if self.spin else "sleep", "head": self.head,
-                    "embed": self.embed, "layers_per_stage": self.layers_per_stage,
+                    "embed": self.embed, "head_params": self.head_params,
+                    "embed_params": self.embed_params, "layers_per_stage": self.layers_per_stage,
                     "partition": self.partition, "link_ms": self.link_ms,
-                    "allreduce_ms": self.allreduce_ms, "data_parallel": self.data_parallel}
+                    "allreduce_ms": self.allreduce_ms, "data_parallel": self.data_parallel,
+                    "shard_optimizer": self.shard_optimizer}
                    if self.emulate else {}), **self.extra}
 
 
@@ -166,8 +175,10 @@ def our_schemes() -> list[str]:
 
 def all_rows(cfg: BenchConfig) -> list[Row]:
     """Every row the benchmark knows, before filtering."""
-    if cfg.emulate:  # no host compute to compare with, no optimizer to shard
+    if cfg.emulate:  # no host compute to compare with
         ours = [r for name in our_schemes() for r in scheme_rows(name)]
+        if cfg.shard_optimizer:  # ZeRO-1 where a stage's gradients are summed over a group
+            ours += [sharded(r) for r in ours if cfg.data_parallel > 1 or _replicated(cfg, r)]
         # each scheme's program again on null-compute stages (bench.emulated.EmulatedFloor)
         floors = [Row("floor", name, scheme_rows(name)[0].options) for name in our_schemes()]
         return ours + [Row("torch", name) for name in TORCH_SCHEDULES] + floors
@@ -179,9 +190,24 @@ def all_rows(cfg: BenchConfig) -> list[Row]:
         ours = scheme_rows(name)
         rows += ours
         if name == "chimera":  # ZeRO-1 over the two replicas: half the AdamW state and work per rank
-            rows += [Row(r.impl, r.schedule, r.options + (("shard", 1),)) for r in ours]
+            rows += [sharded(r) for r in ours]
     rows += [Row("torch", name) for name in TORCH_SCHEDULES]
     return rows
+
+
+def sharded(row: Row) -> Row:
+    """``row`` with the optimizer sharded over each stage's group (ZeRO-1)."""
+    return Row(row.impl, row.schedule, row.options + (("shard", 1),))
+
+
+def _replicated(cfg: BenchConfig, row: Row) -> bool:
+    """Whether ``row``'s placement holds a stage on several ranks (Chimera's), so that at W=1
+    its stages have a group to shard over."""
+    try:
+        plan = build(row.schedule, cfg.stages, cfg.micro_batches, **row.scheme_options)
+    except UserError:  # a scheme that does not run at this (D, N): its row fails as it is
+        return False
+    return len(plan.placement.replicas(0)) > 1
 
 
 def scheme_rows(name: str) -> list[Row]:

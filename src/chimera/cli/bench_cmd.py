@@ -67,6 +67,12 @@ def add_parsers(sub) -> None:
     g.add_argument("--embed", type=float, default=1.0, metavar="X",
                    help="the first D-th likewise: its first layer stands for the embedding "
                         "(default: 1)")
+    g.add_argument("--head-params", type=float, default=1.0, metavar="X",
+                   help="the last D-th's gradients are X D-ths of the model's (the LM head's "
+                        "parameters, carried by its last layer): its allreduce takes X times "
+                        "--allreduce-ms (default: 1)")
+    g.add_argument("--embed-params", type=float, default=1.0, metavar="X",
+                   help="the first D-th's gradients likewise (the embedding's) (default: 1)")
     g.add_argument("--layers-per-stage", type=positive_int, default=2, metavar="K",
                    help="layers per D-th of the model (default: 2; a cut by cost needs a few)")
     g.add_argument("--partition", choices=("layers", "cost"), default="layers",
@@ -79,6 +85,12 @@ def add_parsers(sub) -> None:
                    help="the gradient allreduce of a D-th of the model takes MS (its bytes "
                         "over the link): Chimera's replica allreduce, and with --data-parallel "
                         "every schedule's (default: 0)")
+    g.add_argument("--shard-optimizer", action="store_true",
+                   help="also run our rows with the optimizer sharded over each stage's group "
+                        "(ZeRO-1: a reduce-scatter after the stage's last backward, an "
+                        "all-gather before its first forward of the next step, each priced at "
+                        "half of --allreduce-ms, as a GPU run issues them), where a stage has "
+                        "a group: Chimera's placement, or any with --data-parallel")
     g.add_argument("--data-parallel", "-W", type=positive_int, default=1, metavar="W",
                    help="W copies of every row's pipeline on W*D ranks, each on its own "
                         "mini-batch share: every schedule reduces its gradients over the "
@@ -88,10 +100,7 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
-PRICE_FLAGS = (("--head", "head", 1.0), ("--embed", "embed", 1.0),
-               ("--layers-per-stage", "layers_per_stage", 2), ("--partition", "partition", "layers"),
-               ("--link-ms", "link_ms", 0.0), ("--allreduce-ms", "allreduce_ms", 0.0),
-               ("--data-parallel", "data_parallel", 1))
+PRICE_FLAGS = prices.FLAGS
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -99,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
               micro_batch_size=args.micro_batch_size, memory=not (args.no_memory or args.emulate),
               emulate=args.emulate, activation_mb=args.activation_mb, spin=args.spin,
               rows=tuple(r.strip() for r in args.rows.split(",") if r.strip()) if args.rows else None,
-              extra={"command": _command(args)},
+              extra={"command": _command(args)}, shard_optimizer=args.shard_optimizer,
               **{key: getattr(args, key) for _, key, _ in PRICE_FLAGS})
     if args.steps is not None:
         kw["steps"] = args.steps
@@ -120,7 +129,8 @@ def _command(args: argparse.Namespace) -> str:
         if value != default:
             words += [flag, str(value)]
     return " ".join(words + (["--no-memory"] if args.no_memory else [])
-                    + (["--spin"] if args.spin else []))
+                    + (["--spin"] if args.spin else [])
+                    + (["--shard-optimizer"] if args.shard_optimizer else []))
 
 
 def _stem(cfg: BenchConfig) -> str:

@@ -16,7 +16,10 @@ any runtime sees the same costs (ours, ``torch.distributed.pipelining``'s):
 - it keeps a saved activation of ``activation_bytes`` per full micro-batch and stage until its
   backward frees it, so peak activation memory per rank can be measured per schedule;
 - it computes something real and small, ``y = x + bias`` on ``(rows, width)`` float tensors,
-  so p2p carries real tensors and gradients are checked against one process.
+  so p2p carries real tensors and gradients are checked against one process;
+- it may carry ``extra`` more parameters (floats) that stand for a layer's larger gradient
+  (an LM head's, an embedding's): they take no part in the value, their gradient is zero,
+  and gradient collectives move their bytes.
 
 Where a layer's input carries no gradient (the first layer of the first stage), there is no
 input-gradient path to split off: every backward op is needed for the weights, so the weight
@@ -201,11 +204,13 @@ class _InputPath(torch.autograd.Function):
 class _WeightPath(torch.autograd.Function):
     """The bias broadcast over the rows (a fused layer's biases summed first); keeps the
     activation buffer; backward queues W (after whatever this layer queued before, I
-    included) and waits for it."""
+    included) and waits for it. ``extra`` (or None): the layer's extra parameters, which get
+    a zero gradient on the same path."""
 
     @staticmethod
-    def forward(ctx, bias, rows, device, weight_s, saved_bytes, label):
+    def forward(ctx, bias, extra, rows, device, weight_s, saved_bytes, label):
         ctx.device, ctx.weight_s, ctx.label, ctx.shape = device, weight_s, label, bias.shape
+        ctx.extra = None if extra is None else extra.shape
         # the activation a real layer would keep for its backward: freed with this node
         ctx.save_for_backward(torch.empty(saved_bytes, dtype=torch.uint8, device=bias.device))
         b = bias if bias.dim() == 1 else bias.sum(0)  # (fuse, width) -> (width,)
@@ -219,8 +224,9 @@ class _WeightPath(torch.autograd.Function):
         bias_grad = grad.sum(0)  # host code, inside the wait
         if len(ctx.shape) > 1:  # a fused layer: each of its biases gets the same gradient
             bias_grad = bias_grad.expand(ctx.shape)
+        extra_grad = None if ctx.extra is None else grad.new_zeros(ctx.extra)
         d.wait(begin, due, ctx.weight_s, f"W {ctx.label}")
-        return bias_grad, None, None, None, None, None
+        return bias_grad, extra_grad, None, None, None, None, None
 
 
 def _initial_bias(width: int, seed: int, index: int) -> torch.Tensor:
@@ -234,15 +240,19 @@ class EmulatedLayer(nn.Module):
     ``fuse`` > 1: the layer stands for layers ``index .. index + fuse - 1`` fused (the bench's
     floor rows, one layer per stage): their initial biases as the rows of one ``(fuse,
     width)`` parameter, summed on the weight path, so it computes what they compute, and
-    ``share`` is theirs together, so each wait is all of theirs at once."""
+    ``share`` is theirs together, so each wait is all of theirs at once. ``extra``: floats of
+    gradient the layer carries beyond its bias (see the module's docstring)."""
 
     def __init__(self, cost: EmulatedCost, share: float, seed: int = 0, index: int = 0,
-                 log: WaitLog | None = None, fuse: int = 1):
+                 log: WaitLog | None = None, fuse: int = 1, extra: int = 0):
         super().__init__()
         self.cost, self.share, self.index, self.log, self.fuse = cost, share, index, log, fuse
         self.device = _Device(log, cost.spin)
         biases = [_initial_bias(cost.width, seed, i) for i in range(index, index + fuse)]
         self.bias = nn.Parameter(biases[0] if fuse == 1 else torch.stack(biases))
+        if not isinstance(extra, int) or extra < 0:
+            raise UserError(f"emulated extra parameters must be an integer >= 0, got {extra!r}")
+        self.extra = nn.Parameter(torch.zeros(extra)) if extra else None
         self.label = f"L{index}" if fuse == 1 else f"L{index}-{index + fuse - 1}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (rows, width) -> (rows, width)
@@ -258,7 +268,7 @@ class EmulatedLayer(nn.Module):
         has_input_grad = x.requires_grad
         h = _InputPath.apply(x, self.device, i, label)
         saved = int(c.activation_bytes * scale)
-        y = h + _WeightPath.apply(self.bias, x.shape[0], self.device,
+        y = h + _WeightPath.apply(self.bias, self.extra, x.shape[0], self.device,
                                   w if has_input_grad else i + w, saved, label)
         out = _Span.apply(y, self.device, i if has_input_grad else 0.0)
         # the forward's work was queued as the host entered the layer: wait for it once the
@@ -269,18 +279,21 @@ class EmulatedLayer(nn.Module):
 
     def extra_repr(self) -> str:
         fused = f", fuse={self.fuse}" if self.fuse > 1 else ""
-        return f"{self.cost.text} ms x {self.share:g}, width={self.cost.width}{fused}"
+        extra = f", extra={self.extra.numel()}" if self.extra is not None else ""
+        return f"{self.cost.text} ms x {self.share:g}, width={self.cost.width}{fused}{extra}"
 
 
 def emulated_layers(cost: EmulatedCost, stages: int, layers: int, seed: int = 0,
-                    log: WaitLog | None = None, weights: Sequence[float] | None = None
-                    ) -> Callable[[int], EmulatedLayer]:
+                    log: WaitLog | None = None, weights: Sequence[float] | None = None,
+                    extra: Sequence[int] | None = None) -> Callable[[int], EmulatedLayer]:
     """``make_layer(i)`` for a model of ``layers`` layers whose D = ``stages`` equal cuts each
     cost ``cost`` (``layers`` must be a multiple of ``stages``); or, with ``weights``, layer
-    i costs ``weights[i]`` D-ths (a heavier head or embedding: ``chimera.bench.prices``)."""
+    i costs ``weights[i]`` D-ths (a heavier head or embedding: ``chimera.bench.prices``);
+    ``extra[i]``: layer i's extra gradient floats (default none)."""
     _check_cut(layers, stages)
     shares = _shares(stages, layers, weights)
-    return lambda i: EmulatedLayer(cost, shares[i], seed, i, log)
+    extra = _extra(layers, extra)
+    return lambda i: EmulatedLayer(cost, shares[i], seed, i, log, extra=extra[i])
 
 
 def emulated_stages(cost: EmulatedCost, stages: int, layers: int, pieces: int, seed: int = 0,
@@ -296,11 +309,23 @@ def emulated_stages(cost: EmulatedCost, stages: int, layers: int, pieces: int, s
 
 
 def emulated_pieces(cost: EmulatedCost, ranges: Sequence[range], weights: Sequence[float],
-                    seed: int = 0, log: WaitLog | None = None) -> Callable[[int], EmulatedLayer]:
-    """``make_stage(s)``: the layers ``ranges[s]`` (layer i costing ``weights[i]`` D-ths)
-    fused into one layer, as :func:`emulated_stages` does for an equal cut."""
+                    seed: int = 0, log: WaitLog | None = None,
+                    extra: Sequence[int] | None = None) -> Callable[[int], EmulatedLayer]:
+    """``make_stage(s)``: the layers ``ranges[s]`` (layer i costing ``weights[i]`` D-ths and
+    carrying ``extra[i]`` extra gradient floats) fused into one layer, as
+    :func:`emulated_stages` does for an equal cut."""
+    extra = _extra(len(weights), extra)
     return lambda s: EmulatedLayer(cost, sum(weights[i] for i in ranges[s]), seed,
-                                   ranges[s].start, log, len(ranges[s]))
+                                   ranges[s].start, log, len(ranges[s]),
+                                   sum(extra[i] for i in ranges[s]))
+
+
+def _extra(layers: int, extra: Sequence[int] | None) -> list[int]:
+    if extra is None:
+        return [0] * layers
+    if len(extra) != layers:
+        raise UserError(f"emulated extra parameters must be {layers} integers, got {extra!r}")
+    return list(extra)
 
 
 def _shares(stages: int, layers: int, weights: Sequence[float] | None) -> list[float]:
