@@ -179,9 +179,8 @@ def test_every_copy_ends_the_step_with_the_mean_gradient_ours_and_torchs(tmp_pat
     """W=2 copies of D=2: each copy trains on its half of the mini-batch, so the copies agree
     only if the reduction ran; torch's 1F1B and ours then hold the same gradients (the same
     model, data and mean loss) and report the same loss."""
-    from chimera.runtime.workers import free_port
-
-    codes = workers.run(_grads_worker, (4, free_port(), str(tmp_path)), 4, grace=5.0)
+    with workers.hosted_store(4) as store:
+        codes = workers.run(_grads_worker, (4, store, str(tmp_path)), 4, grace=5.0)
     assert codes == [0, 0, 0, 0]
     got = [torch.load(tmp_path / f"{r}.pt") for r in range(4)]
     for d in (0, 1):

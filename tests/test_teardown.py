@@ -14,7 +14,6 @@ import torch.distributed as dist
 import chimera.api as chimera
 
 from chimera.runtime import workers
-from chimera.train.launch import free_port
 
 # every test spawns gloo ranks: make test-slow
 pytestmark = pytest.mark.slow
@@ -35,7 +34,10 @@ def _busy_worker(rank, world, port):
 def test_teardown_beside_a_cpu_hog():
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        codes = [workers.run(_busy_worker, (2, free_port()), 2, grace=5.0) for _ in range(ROUNDS)]
+        codes = []
+        for _ in range(ROUNDS):
+            with workers.hosted_store(2) as store:
+                codes.append(workers.run(_busy_worker, (2, store), 2, grace=5.0))
     finally:
         hog.kill()
         hog.wait()
@@ -50,7 +52,8 @@ def _fails_on_rank_1(rank, world, port):
 
 
 def test_a_failed_rank_ends_its_peers_after_the_grace():
-    codes = workers.run(_fails_on_rank_1, (2, free_port()), 2, grace=1.0)
+    with workers.hosted_store(2) as store:
+        codes = workers.run(_fails_on_rank_1, (2, store), 2, grace=1.0)
     assert codes[1] == 3 and codes[0] != 0
     assert workers.cause(codes) == 1  # rank 0 failed after it, on its barrier
 

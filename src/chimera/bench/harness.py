@@ -32,7 +32,7 @@ from chimera.runtime import workers
 from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.context import RunContext
 from chimera.runtime.transport import ReduceOp, Transport
-from chimera.runtime.workers import free_port, gloo_group
+from chimera.runtime.workers import gloo_group
 
 
 FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to say why
@@ -115,7 +115,7 @@ def _activations(cfg: BenchConfig, runners: list, transport: Transport) -> list[
     return [None if r is None else m[0] for r, m in zip(runners, merged)]
 
 
-def _timing_worker(rank: int, world: int, cfg: BenchConfig, rows: list[Row], port: int,
+def _timing_worker(rank: int, world: int, port: int, cfg: BenchConfig, rows: list[Row],
                    out: str) -> None:
     context = bench_context(cfg.comm_timeout)
     with _group(rank, world, port, cfg, context):
@@ -160,7 +160,7 @@ def _emulated_extras(cfg: BenchConfig, runners: list, transport: Transport) -> d
     return {"activation_bytes": peaks, "orders": orders, "traces": traces, "wait_totals": totals}
 
 
-def _memory_worker(rank: int, world: int, cfg: BenchConfig, row: Row, port: int, out: str) -> None:
+def _memory_worker(rank: int, world: int, port: int, cfg: BenchConfig, row: Row, out: str) -> None:
     context = bench_context(cfg.comm_timeout)
     with _group(rank, world, port, cfg, context):
         runner = make_runner(cfg, row, context)
@@ -175,7 +175,10 @@ def _memory_worker(rank: int, world: int, cfg: BenchConfig, row: Row, port: int,
 
 
 def _spawn(fn, world: int, args: tuple) -> None:
-    codes = workers.run(fn, (world, *args), world, grace=FAILURE_GRACE_S)
+    """``fn(rank, world, store, *args)`` on ``world`` ranks (``store``: the port of the store
+    hosted here, for ``gloo_group``)."""
+    with workers.hosted_store(world) as store:
+        codes = workers.run(fn, (world, store, *args), world, grace=FAILURE_GRACE_S)
     if workers.cause(codes) is not None:
         raise RuntimeError(f"{workers.summary(codes)} (the ranks' messages are above)")
 
@@ -185,7 +188,7 @@ def measure_memory(cfg: BenchConfig, row: Row, tmp: str) -> float | None:
     out = os.path.join(tmp, "memory.json")
     world = 1 if row.impl == "single" else cfg.world
     try:
-        _spawn(_memory_worker, world, (cfg, row, free_port(), out))
+        _spawn(_memory_worker, world, (cfg, row, out))
         with open(out) as f:
             return json.load(f)["peak_rss_mb"]
     except Exception as exc:  # memory is a side figure: never lose the timings for it
@@ -197,7 +200,7 @@ def measure(cfg: BenchConfig, rows: list[Row]) -> dict:
     """Raw measurements: per row step times (every round), peak activation and RSS (MB)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "timing.json")
-        _spawn(_timing_worker, cfg.world, (cfg, rows, free_port(), out))
+        _spawn(_timing_worker, cfg.world, (cfg, rows, out))
         with open(out) as f:
             raw = json.load(f)
         raw["rss_mb"] = [None] * len(rows)

@@ -40,7 +40,7 @@ from chimera.runtime.transport import TorchDist, Transport
 from chimera.sim.profile import PROFILE_SCHEMA
 from chimera.train.config import TrainConfig
 from chimera.train.loop import make_optimizer
-from chimera.runtime.workers import free_port, gloo_group
+from chimera.runtime.workers import gloo_group
 
 LINK_SIZES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB .. 16 MiB
 
@@ -189,7 +189,8 @@ def measure_links(repeat: int = 20) -> dict:
     """p2p and allreduce alpha-beta of two gloo processes on this machine."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "links.json")
-        codes = workers.run(_links_worker, (free_port(), repeat, out), 2, grace=10.0)
+        with workers.hosted_store(2) as store:
+            codes = workers.run(_links_worker, (store, repeat, out), 2, grace=10.0)
         if any(codes):
             raise RuntimeError(f"measuring the links failed (exit codes {codes}; the ranks' "
                                "messages are above)")

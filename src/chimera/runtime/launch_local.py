@@ -36,9 +36,8 @@ class SpawnError(RuntimeError):
         self.errors = errors
 
 
-def _entry(rank: int, world: int, blob: bytes, port: int, backend: str, errdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+def _entry(rank: int, world: int, blob: bytes, store: int, backend: str, errdir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:  # here, not in multiprocessing's bootstrap, so that a failure is reported as the rest
         fn = pickle.loads(blob)
@@ -52,7 +51,9 @@ def _entry(rank: int, world: int, blob: bytes, port: int, backend: str, errdir: 
     if backend == "nccl":  # bound to its GPU: communicators created now, barriers know it
         torch.cuda.set_device(rank)
         kw["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, **kw)
+    timeout = dist.default_pg_timeout
+    dist.init_process_group(backend, store=workers.store_client(store, world, timeout), rank=rank,
+                            world_size=world, timeout=timeout, **kw)
     try:
         fn(rank, world)
     except BaseException as exc:
@@ -85,7 +86,8 @@ def spawn(fn: Callable[[int, int], None], world: int, backend: str = "gloo") -> 
         raise UserError(f"spawn: the function cannot be sent to new processes ({exc}); define "
                         "it at the top level of an importable module") from None
     with tempfile.TemporaryDirectory(prefix="chimera-spawn-") as errdir:
-        codes = workers.run(_entry, (world, blob, workers.free_port(), backend, errdir), world, grace=GRACE_S)
+        with workers.hosted_store(world) as store:  # outlives every rank: workers.hosted_store
+            codes = workers.run(_entry, (world, blob, store, backend, errdir), world, grace=GRACE_S)
         if any(c != 0 for c in codes):
             raise _error(errdir, codes)
 

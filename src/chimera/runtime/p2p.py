@@ -126,7 +126,8 @@ class Mailbox:
 
     def _post(self, msg: Message) -> None:
         src, tag = self.sources[msg]
-        self.pending[msg] = self.transport.irecv(self.buffers[msg], src, tag)
+        self.pending[msg] = self._issue(self.transport.irecv, self.buffers[msg], src, tag,
+                                        Action(msg.kind, msg.pipe, msg.stage, msg.micro))
         self.posted.add(msg)
 
     def _post_ahead(self) -> None:
@@ -157,16 +158,21 @@ class Mailbox:
             tensor = tensor.detach()
         if tensor.dtype != self.dtype or not tensor.is_contiguous():  # bf16 autocast may change it
             tensor = tensor.to(self.dtype).contiguous()
+        work = self._issue(self.transport.isend, tensor, peer, tag, action)
+        self.sends.append((work, tensor, action, peer))
+        self._release_sent()
+
+    def _issue(self, call, tensor: torch.Tensor, peer: int, tag: int, action: Action):
+        """``call(tensor, peer, tag)``, an isend or irecv of ``action``'s message. gloo refuses
+        either at once when the peer's socket closed: the same CommTimeout as a failed wait."""
         try:
-            work = self.transport.isend(tensor, peer, tag)
-        except RuntimeError as exc:  # gloo may refuse at once when the peer's socket closed
+            return call(tensor, peer, tag)
+        except RuntimeError as exc:
             if not _PEER_GONE.search(str(exc)):
                 raise
             what = f"{action} with peer rank {peer}"
             raise CommTimeout(f"rank {self.grid.rank}: {what} failed: {str(exc).splitlines()[0]}",
                               self.grid.rank, action, peer, what) from exc
-        self.sends.append((work, tensor, action, peer))
-        self._release_sent()
 
     def _release_sent(self) -> None:
         """Drop completed sends from the front (their tensors' memory goes back)."""

@@ -15,6 +15,8 @@ harness, the profiler, the equivalence check):
 - A rank that succeeded tears its group down with :func:`end_group` and leaves through
   ``os._exit``: interpreter shutdown racing gloo's threads aborted ("terminate called
   without an active exception").
+- The launcher hosts the ranks' rendezvous store (:func:`hosted_store`); every rank is a
+  client of it (:func:`store_client`), so the store outlives any one rank.
 
 Killing a rank at any moment leaves the newest checkpoint intact: a checkpoint is
 published by one rename, complete or absent (``chimera.train.checkpoint``).
@@ -51,6 +53,7 @@ RENDEZVOUS_S = 300.0  # how long ranks get to connect at start-up (chimera train
 COMM_WORDS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
               "nccl", "gloo", "peer", "socket")
 WATCH_S = 0.25  # how often the watchdog looks at the parent id
+LOOPBACK = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -76,6 +79,23 @@ def free_port() -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def hosted_store(world: int):
+    """The rendezvous store of ``world`` local ranks, hosted here in the launcher on the
+    loopback address; yields its port for the ranks' :func:`store_client`.
+
+    Hosted by rank 0 (env://'s way), the store died with rank 0, and each rank that then
+    posted to it (its position, ``chimera.train.faults``) printed torch's ~25-line C++
+    "sendBytes failed ... Broken pipe" block. The launcher outlives every rank. Port 0: the
+    kernel picks a free port and the server holds it from now on (no window in which another
+    process takes a port chosen for it)."""
+    store = dist.TCPStore(LOOPBACK, 0, world, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store  # the server stops with its last reference
 
 
 def run(fn, args: tuple, nprocs: int, grace: float) -> Exits:
@@ -154,7 +174,15 @@ def summary(codes: list[int]) -> str:
 
 
 def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a communication error: what a rank raises when a peer failed."""
+    """Whether ``exc`` is a communication error: what a rank raises when a peer failed.
+
+    gloo raises a plain RuntimeError naming the closed connection (at the call as well as at
+    the wait); torch's own, the DistError family (DistBackendError, DistNetworkError,
+    DistStoreError: a store whose host is gone); Python's sockets a ConnectionError
+    (ConnectionResetError, BrokenPipeError, ...) or a TimeoutError. Text decides for any
+    other type (a message naming gloo, a closed connection, a timeout)."""
+    if isinstance(exc, (dist.DistError, ConnectionError, TimeoutError)):
+        return True
     text = f"{type(exc).__name__}: {exc}".lower()
     return type(exc).__name__ in PEER_ERRORS or any(w in text for w in COMM_WORDS)
 
@@ -266,6 +294,12 @@ def end_group(device) -> None:
     dist.destroy_process_group()
 
 
+def store_client(port: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A rank's connection to its launcher's :func:`hosted_store` at ``port`` (a client, never
+    the server); gets wait up to ``timeout``."""
+    return dist.TCPStore(LOOPBACK, port, world, is_master=False, timeout=timeout)
+
+
 def join_group(init, rank: int, world: int, rendezvous_s: float, timeout_s: float | None,
                nccl_device=None, what: str = "rendezvous timeout") -> None:
     """``init(timeout)`` (an ``init_process_group``) and the group's first barrier (every rank
@@ -287,14 +321,13 @@ def join_group(init, rank: int, world: int, rendezvous_s: float, timeout_s: floa
 @contextlib.contextmanager
 def gloo_group(rank: int, world: int, port: int, threads: int = 1, timeout_s: float | None = None,
                rendezvous_s: float = RENDEZVOUS_S):
-    """A worker's default gloo group on the loopback address (connected within
-    ``rendezvous_s``, then ``timeout_s`` for the work: :func:`join_group`), torn down by
-    :func:`end_group` when the body succeeds (after a failure a peer may be gone: no barrier,
-    no destroy)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    """A worker's default gloo group over the store its launcher hosts at ``port``
+    (:func:`hosted_store`; connected within ``rendezvous_s``, then ``timeout_s`` for the work:
+    :func:`join_group`), torn down by :func:`end_group` when the body succeeds (after a
+    failure a peer may be gone: no barrier, no destroy)."""
     torch.set_num_threads(threads)
-    join_group(lambda start: dist.init_process_group("gloo", rank=rank, world_size=world,
-                                                     timeout=start),
+    join_group(lambda start: dist.init_process_group("gloo", store=store_client(port, world, start),
+                                                     rank=rank, world_size=world, timeout=start),
                rank, world, rendezvous_s, timeout_s)
     yield
     end_group(torch.device("cpu"))

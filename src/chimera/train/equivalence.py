@@ -22,7 +22,6 @@ from chimera.runtime.transport import OneRank, TorchDist
 from chimera.runtime.workers import gloo_group
 from chimera.tp import full_tensor
 from chimera.train.config import TrainConfig
-from chimera.train.launch import free_port
 from chimera.train.loop import Trainer, run_context
 
 
@@ -126,8 +125,9 @@ def check_equivalence(configs: list[TrainConfig]) -> list[dict]:
         cfg.preflight()  # before the ranks start
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "equivalence.json")
-        codes = workers.run(_worker, (worlds.pop(), configs, free_port(), out), configs[0].world,
-                            grace=10.0)
+        world = worlds.pop()
+        with workers.hosted_store(world) as store:
+            codes = workers.run(_worker, (world, configs, store, out), world, grace=10.0)
         if any(codes):
             raise RuntimeError(f"check_equivalence: ranks exited with codes {codes} (their "
                                "messages are above)")

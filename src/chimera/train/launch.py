@@ -28,7 +28,7 @@ from chimera.runtime.allocator import keep_freed_memory
 from chimera.runtime.p2p import CommTimeout
 from chimera.runtime.context import RunContext
 from chimera.runtime.transport import TorchDist
-from chimera.runtime.workers import RendezvousFailed, end_group, free_port
+from chimera.runtime.workers import RendezvousFailed, end_group
 from chimera.train import build, checkpoint, compiler, faults
 from chimera.train.checkpoint import CheckpointManager
 from chimera.train.checkpoint.keeper import Keeper
@@ -70,9 +70,10 @@ def pick_device(cfg: TrainConfig) -> tuple[torch.device, str]:
 
 
 def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
-             hooks=None, corpus: Corpus | None = None) -> dict | None:
+             hooks=None, corpus: Corpus | None = None, store: int | None = None) -> dict | None:
     """Body of one rank: init the group, train, gather results on rank 0. ``corpus``: the
-    data the launcher opened (None: the rank reads --data)."""
+    data the launcher opened (None: the rank reads --data); ``store``: the port of the store
+    the launcher hosts (``workers.hosted_store``; None: env://, rank 0 or torchrun hosts it)."""
     torch.set_num_threads(cfg.run.threads)
     options = runtime_options(cfg)
     keep_freed_memory(options.malloc)
@@ -81,31 +82,57 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, result_path: str | None,
         trainer = Trainer(cfg, run_context(cfg, device), corpus)
         return _train(trainer, cfg, result_path, hooks)
     try:
-        _init_group(backend, rank, world, cfg.run, device)
+        _init_group(backend, rank, world, cfg.run, device, store)
         trainer = Trainer(cfg, RunContext(TorchDist(), device, options), corpus)
         result = _train(trainer, cfg, result_path, hooks)
-    except FAILURES as exc:  # say why now: a launcher may SIGTERM us once any rank has exited
-        if not getattr(exc, "reported", False):  # (set where another rank says why)
-            print(f"chimera train: {exc}", file=sys.stderr, flush=True)
-        exc.reported = True
-        raise  # no destroy_process_group: its peers may be gone
-    end_group(device)
+        end_group(device)  # its barrier too may meet a peer gone
+    except Exception as exc:  # say why now: a launcher may SIGTERM us once any rank has exited
+        failed = failure(exc, rank)
+        if failed is None:
+            raise  # a bug: its traceback
+        if not getattr(failed, "reported", False):  # (set where another rank says why)
+            print(f"chimera train: {failed}", file=sys.stderr, flush=True)
+        failed.reported = True
+        if failed is exc:
+            raise  # no destroy_process_group: its peers may be gone
+        raise failed from exc
     return result
 
 
-def _init_group(backend: str, rank: int, world: int, run, device: torch.device) -> None:
+def failure(exc: BaseException, rank: int) -> BaseException | None:
+    """What ends rank ``rank`` with one line instead of a traceback: ``exc`` itself when it is
+    one of FAILURES; a communication error of any other type (``workers.is_peer_failure``:
+    gloo's RuntimeError at a call the runtime does not wrap, torch's DistError family, a
+    ConnectionError, a TimeoutError) as a CommTimeout naming the rank; None for anything
+    else."""
+    if isinstance(exc, FAILURES):
+        return exc
+    if not (isinstance(exc, Exception) and workers.is_peer_failure(exc)):
+        return None
+    first = (str(exc).strip().splitlines() or [""])[0]
+    detail = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return CommTimeout(f"rank {rank}: communication failed, a peer gone or a wait past "
+                       f"--comm-timeout ({detail})", rank=rank)
+
+
+def _init_group(backend: str, rank: int, world: int, run, device: torch.device,
+                store: int | None = None) -> None:
     """The default group, connected within ``run.rendezvous_timeout`` (the group's first
     barrier included: every rank is there), then given ``run.comm_timeout`` for the steps."""
-    workers.join_group(lambda start: _connect(backend, rank, world, start, device), rank, world,
+    workers.join_group(lambda start: _connect(backend, rank, world, start, device, store), rank, world,
                        run.rendezvous_timeout, run.comm_timeout,
                        device if backend == "nccl" else None, "--rendezvous-timeout")
 
 
 def _connect(backend: str, rank: int, world: int, timeout: datetime.timedelta,
-             device: torch.device) -> None:
+             device: torch.device, store: int | None) -> None:
     # device_id binds the group to this rank's GPU: NCCL creates its communicator now (not
     # inside the first iteration) and barriers know their device
     kw = {"device_id": device} if backend == "nccl" else {}
+    if store is not None:  # spawned here: the launcher hosts the store
+        dist.init_process_group(backend, store=workers.store_client(store, world, timeout),
+                                rank=rank, world_size=world, timeout=timeout, **kw)
+        return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
@@ -279,12 +306,11 @@ def _collect(trainer: Trainer, cfg: TrainConfig, logs, record, result_path) -> d
     return result
 
 
-def _spawn_entry(rank: int, world: int, cfg: TrainConfig, port: int, result_path: str,
+def _spawn_entry(rank: int, world: int, cfg: TrainConfig, store: int, result_path: str,
                  corpus: Corpus | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
-        run_rank(rank, world, cfg, result_path, corpus=corpus)
+        run_rank(rank, world, cfg, result_path, corpus=corpus, store=store)
     except FAILURES as exc:
         if not getattr(exc, "reported", False):
             print(f"chimera train: {exc}", file=sys.stderr, flush=True)
@@ -348,8 +374,9 @@ def launch(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
         else:
             shared = _shared_ids(cfg, corpus, os.path.join(tmp, "ids.bin"))
             corpus = None  # the ranks read their own (or ``shared``): not a copy held all run
-            codes = workers.run(_spawn_entry, (cfg.world, cfg, free_port(), path, shared),
-                                cfg.world, grace=FAILURE_GRACE_S)
+            with workers.hosted_store(cfg.world) as store:
+                codes = workers.run(_spawn_entry, (cfg.world, cfg, store, path, shared),
+                                    cfg.world, grace=FAILURE_GRACE_S)
             if workers.cause(codes) is not None:  # the rank that failed first, not one that noticed
                 raise TrainingFailed(f"{workers.summary(codes)}; the ranks' messages are above")
         with open(path) as f:
