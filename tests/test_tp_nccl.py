@@ -236,3 +236,36 @@ def test_chimera_show_checks_the_order_with_t(monkeypatch, capsys):
     assert err.startswith("chimera show: rendezvous deadlock under NCCL semantics (8 ranks, T=2 "
                           "per pipeline rank"), err
     assert "marked:" in err and "Traceback" not in err
+
+
+# -- evaluation ------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_eval_outputs_under_tp_are_the_whole_logits_on_every_rank(arch):
+    """``eval_step(..., return_outputs=True)`` at D = 2 x T = 2: every rank, each TP position
+    included, returns the whole logits of the mini-batch (the column-parallel head's slices
+    gathered over TP, GPT-2's vocabulary of 37 padded to 38 and stripped again) and the loss,
+    as the HF model gives them in one process (float64). Chimera: both pipes' last stages."""
+    import copy
+
+    import hf_models as hm
+    from chimera import hf
+
+    ref = hm.build(arch)
+    base = copy.deepcopy(ref)
+    inputs, labels = hm.batch(arch, 4, 8)
+    with torch.no_grad():
+        want = ref(**inputs).logits
+    want_loss = float(hm.loss_of(arch, want, labels))
+
+    def rank(_):
+        model = hf.load(copy.deepcopy(base), dtype=torch.float64)
+        pipe = model.pipeline(schedule="chimera", stages=2, tensor_parallel=2, micro_batches=4,
+                              micro_batch_size=2)
+        pipe.eval()
+        return pipe.eval_step(inputs, labels, return_outputs=True)
+
+    said = run_virtual(4, rank)
+    for loss, logits in said:
+        assert logits.shape == want.shape == (8, hm.T, hm.V)
+        torch.testing.assert_close(logits, want, rtol=1e-12, atol=1e-12)
+        assert abs(loss - want_loss) <= 1e-12 * abs(want_loss)

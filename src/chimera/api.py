@@ -717,11 +717,14 @@ class Pipeline:
         return loss, self._gather_outputs(data.outputs)
 
     def _gather_outputs(self, mine: dict):
+        """Every rank's last-stage outputs, merged in row order on every rank. Under TP the T
+        ranks of a last stage hold the same whole outputs once gathered: t = 0's go."""
         w, n = self.grid.w, self.schedule.micro_batches
         # sharded logits gathered whole first: every TP rank of the last stage holds the same
-        # micro-batches, and gathers them in one order
+        # micro-batches, and gathers them in one order; then t = 0's go to the ranks
         whole = {m: pytree.tree_map(_whole, mine[m]) for m in sorted(mine)}
-        local = {w * n + m: pytree.tree_map(lambda t: t.detach().cpu(), y) for m, y in whole.items()}
+        local = {w * n + m: pytree.tree_map(lambda t: t.detach().cpu(), y) for m, y in whole.items()
+                 if self.grid.t == 0}
         parts: list = [None] * self.transport.get_world_size()
         self.transport.all_gather_object(parts, local)
         merged = {k: v for p in parts for k, v in p.items()}
