@@ -25,6 +25,7 @@ from chimera.byo import seeded
 from chimera.check import rendezvous as rv
 from chimera.check.comm_plan import CommPlan, Launch, plan_comm
 from chimera.check.validate import validate
+from chimera.errors import UserError
 from chimera.ir import Action, Op
 from chimera.passes import lower
 from chimera.runtime.context import RunContext, RuntimeOptions
@@ -269,3 +270,67 @@ def test_eval_outputs_under_tp_are_the_whole_logits_on_every_rank(arch):
         assert logits.shape == want.shape == (8, hm.T, hm.V)
         torch.testing.assert_close(logits, want, rtol=1e-12, atol=1e-12)
         assert abs(loss - want_loss) <= 1e-12 * abs(want_loss)
+
+
+# -- the T ranks of a pipeline rank run one program (issue 35, point 5) ------------------------
+class _Narrow(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, x):
+        return x[..., :self.width]
+
+
+def _pipe(layers=_layers, schedule="chimera", **kw):
+    return chimera.Pipeline(layers, nn.functional.mse_loss, schedule, micro_batches=N,
+                            micro_batch_size=B, tensor_parallel=2, model=chimera.ModelOptions(
+                                tp_plan=PLAN, partition=[range(0, 2), range(2, 3)]), **kw)
+
+
+def _refusals(body) -> list[str]:
+    def rank(r):
+        try:
+            body(r)
+        except UserError as exc:  # (ProbeError is a RuntimeError: caught apart)
+            return f"UserError: {exc}"
+        except chimera.ProbeError as exc:
+            return f"ProbeError: {exc}"
+        return "ran"
+    return run_virtual(4, rank)
+
+
+def test_tp_peers_that_run_other_schedules_are_refused_at_start_up():
+    """Same D, W and T, another lowered program on rank 1 (TP position 1 of pipeline rank 0):
+    refused on every rank by the start-up agreement on the program's hash."""
+    said = _refusals(lambda r: _pipe(schedule="1f1b" if r == 1 else "gpipe"))
+    assert all("disagree on the layout or the schedule" in m and "rank 1: D=2 W=1 T=2" in m
+               for m in said), said
+
+
+def test_tp_peers_whose_layers_give_another_boundary_are_refused():
+    """Rank 1 (TP position 1 of stage 0) builds a last layer that narrows the activation:
+    its probe gives another boundary than position 0's, and every rank says so, naming it."""
+    from chimera.runtime.transport import current
+
+    def layers():
+        out = _layers()
+        out[1] = _Narrow(3 if current().get_rank() == 1 else 4)
+        return out
+
+    said = _refusals(lambda r: _pipe(layers, example_input=torch.zeros(B, 4, dtype=torch.float64)))
+    assert all(m.startswith("ProbeError: the tensor-parallel ranks of a stage disagree on its "
+                            "boundary: rank 1 (TP position 1): stage 0's output is (2, 3) float64, "
+                            "at TP position 0 (2, 4) float64") for m in said), said
+
+
+def test_the_batch_fingerprint_covers_tp_peers():
+    """Rank 1 (TP position 1 of stage 0, whose embedding-like first layer reads the inputs) is
+    given another mini-batch: refused on every rank, as between pipeline ranks."""
+    def body(r):
+        pipe = _pipe()
+        x, y = _batch()
+        pipe.step(x + (r == 1), y)
+
+    said = _refusals(body)
+    assert all(m.startswith("UserError: the ranks were given different mini-batches") for m in said), said

@@ -87,12 +87,15 @@ def probe_boundaries(grid: ProcessGrid, modules: dict, example, transport: Trans
 
     Stage s is probed by the rank holding its pipe-0 replica in data replica 0 (by all T of
     its ranks under tensor parallelism: its layers' collectives need them all), on zeros of
-    the previous stage's output spec, and TP position 0 broadcasts the result. A real forward (with grad,
-    to learn which outputs carry gradients) rather than the meta device: meta's first use
-    imports torch's compiler stack (seconds per process).
+    the previous stage's output spec, and TP position 0 broadcasts the result. The other TP
+    positions compare theirs with it (the T ranks of a pipeline rank run one program on
+    boundaries of one layout: a rank whose layers give another would send messages its peer
+    does not expect), and one gather at the end raises the first disagreement on every rank.
+    A real forward (with grad, to learn which outputs carry gradients) rather than the meta
+    device: meta's first use imports torch's compiler stack (seconds per process).
     """
     out: list[BoundarySpec] = []
-    stages = grid.placement.stages
+    stages, differs = grid.placement.stages, None
     for stage in range(stages):
         d = grid.placement.rank_of(0, stage)
         owner = grid.global_rank(d, 0, 0)
@@ -101,14 +104,39 @@ def probe_boundaries(grid: ProcessGrid, modules: dict, example, transport: Trans
             x = example if stage == 0 else out[-1].example(device)
             box = [_probe_stage(modules[(0, stage)], stage, x, stage == stages - 1, loss_fn,
                                 target, device, grid.tensor_parallel > 1)]
+        mine = box[0]
         with warnings.catch_warnings():  # unpickling a TreeSpec warns about an internal isinstance
             warnings.simplefilter("ignore", FutureWarning)
             transport.broadcast_object_list(box, src=owner)
         kind, payload = box[0]
         if kind == "error":
             raise ProbeError(payload)
+        if mine is not None and mine != box[0] and differs is None:
+            differs = (f"rank {grid.rank} (TP position {grid.t}): stage {stage}'s output is "
+                       f"{_layout(mine[1]) if mine[0] == 'ok' else mine[1]}, at TP position 0 "
+                       f"{_layout(payload)}")
         out.append(payload)
+    if grid.tensor_parallel > 1:
+        _agree_over_tp(transport, differs)
     return out
+
+
+def _layout(spec: BoundarySpec) -> str:
+    """A boundary's leaves in words: ``(2, 8, 16) float64, 3``."""
+    return ", ".join(f"{leaf.shape} {str(leaf.dtype).removeprefix('torch.')}" if leaf.shape is not None
+                     else repr(leaf.const) for leaf in spec.leaves)
+
+
+def _agree_over_tp(transport: Transport, differs: str | None) -> None:
+    """ProbeError on every rank when some TP position's probe gave another boundary than
+    position 0's (``differs``: this rank's words for it, or None)."""
+    every: list = [None] * transport.get_world_size()
+    transport.all_gather_object(every, differs)
+    first = next((e for e in every if e is not None), None)
+    if first is not None:
+        raise ProbeError(f"the tensor-parallel ranks of a stage disagree on its boundary: {first}; "
+                         "every TP rank must build the same layers (the same plan, seed and "
+                         "input shapes)")
 
 
 def forward_only(schedule: Schedule) -> Schedule:
