@@ -88,9 +88,10 @@ def probe_boundaries(grid: ProcessGrid, modules: dict, example, transport: Trans
     Stage s is probed by the rank holding its pipe-0 replica in data replica 0 (by all T of
     its ranks under tensor parallelism: its layers' collectives need them all), on zeros of
     the previous stage's output spec, and TP position 0 broadcasts the result. The other TP
-    positions compare theirs with it (the T ranks of a pipeline rank run one program on
-    boundaries of one layout: a rank whose layers give another would send messages its peer
-    does not expect), and one gather at the end raises the first disagreement on every rank.
+    positions compare theirs with it for every stage but the last (the T ranks of a pipeline
+    rank run one program on boundaries of one layout: a rank whose layers give another would
+    send messages its peer does not expect), and one gather at the end raises the first
+    disagreement on every rank.
     A real forward (with grad, to learn which outputs carry gradients) rather than the meta
     device: meta's first use imports torch's compiler stack (seconds per process).
     """
@@ -111,7 +112,9 @@ def probe_boundaries(grid: ProcessGrid, modules: dict, example, transport: Trans
         kind, payload = box[0]
         if kind == "error":
             raise ProbeError(payload)
-        if mine is not None and mine != box[0] and differs is None:
+        # (the last stage's output goes to the loss on its own rank, sharded where the head
+        # keeps its logits sharded: not a boundary)
+        if mine is not None and stage < stages - 1 and mine != box[0] and differs is None:
             differs = (f"rank {grid.rank} (TP position {grid.t}): stage {stage}'s output is "
                        f"{_layout(mine[1]) if mine[0] == 'ok' else mine[1]}, at TP position 0 "
                        f"{_layout(payload)}")
