@@ -334,3 +334,21 @@ def test_the_batch_fingerprint_covers_tp_peers():
 
     said = _refusals(body)
     assert all(m.startswith("UserError: the ranks were given different mini-batches") for m in said), said
+
+
+@pytest.mark.slow  # two trainer runs of 4 virtual ranks under the emulation's threads
+@pytest.mark.parametrize("schedule,mode", [("chimera", "pair"), ("zb-v", "strict")])
+def test_the_trainer_with_tp_under_the_emulation_equals_one_process(schedule, mode):
+    """``chimera train``'s Trainer, gpt2-tiny D = 2 x T = 2 with the device plan (buckets)
+    under ``--emulate-nccl``: gradients, losses and gradient norms of one process; the
+    vocab-parallel loss's and the blocks' TP collectives on the emulation's stream."""
+    from chimera.train.config import TrainConfig
+    from chimera.train.equivalence import check_virtual
+
+    cfg = TrainConfig(model="gpt2-tiny", schedule=schedule, stages=2, tensor_parallel=2,
+                      micro_batches=4, micro_batch_size=2, dtype="float64", steps=2,
+                      emulate_nccl=mode, device_plan=1)
+    r = check_virtual(cfg)
+    assert not r["missing"] and r["replicas_identical"], r
+    assert r["max_grad_rel_err"] < 1e-12 and r["max_loss_rel_err"] < 1e-12, r
+    assert r["max_norm_rel_err"] < 1e-12, r
