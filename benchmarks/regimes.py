@@ -1,11 +1,14 @@
 """When does the bidirectional placement pay? The regime table (issue 36).
 
 Per regime (balanced; head 1.5x and 2x under both cuts; link 0.2 F and 1 F with and without
-a memory cap of D; replica and data-parallel allreduce at 0.5 and 2 F*N/D), every schedule
-of ours and of torch's simulated at the emulated bench's prices (chimera.bench.regimes), the
-best of each side and torch / ours. Simulated columns are deterministic; the realized ones
-run ``chimera bench --emulate`` once per regime, one after another, so only on a quiet
-machine (about 5 minutes a regime with --quick at D=8 N=16, 10 without).
+a memory cap of D; replica and data-parallel allreduce at 0.5 and 2 F*N/D, the 2 F*N/D ones
+also with the optimizer sharded; a head 1.5x in compute and gradients under a data-parallel
+allreduce), every schedule of ours and of torch's simulated at the emulated bench's prices
+(chimera.bench.regimes), the best of each side and torch / ours. Simulated columns are
+deterministic; the realized ones run ``chimera bench --emulate`` once per regime (the W=2
+ones with ``--data-parallel 2``: 2D ranks), one after another, so only on a quiet machine
+(about 5 minutes a regime with --quick at D=8 N=16, 10 without; the W=2 and sharded ones
+longer).
 
 Usage: python benchmarks/regimes.py [-D 8] [-N 16] [--emulate 20:20:20] [--realized [--quick]]
        (writes regimes-D{D}-N{N}.md and .json and prints the README's short table; --out DIR,

@@ -116,6 +116,41 @@ def test_torchs_reduce_grad_starts_the_copies_allreduce_and_the_step_waits_for_i
     assert reduction.pending == []
 
 
+class _Sharded:
+    """A data-parallel group of two, this copy its member 1: records what is issued."""
+
+    def __init__(self):
+        self.calls = []
+
+    def get_rank(self, group=None):
+        return 1
+
+    def reduce_scatter_single(self, output, input, group=None, async_op=False):
+        self.calls.append(("reduce_scatter", output.numel(), input.numel(), async_op))
+        return _Done()
+
+    def all_gather_single(self, output, input, group=None, async_op=False):
+        self.calls.append(("all_gather", output.numel(), input.numel(), async_op))
+        return _Done()
+
+
+def test_torchs_sharded_rows_reduce_scatter_and_gather_before_the_first_forward():
+    stage, transport = _Stage(), _Sharded()
+    stage.submod = nn.Linear(2, 3)  # 9 parameters: padded to 10 for two copies
+    reduction = StageReduction([stage], "dp", transport, copies=2, sharded=True)
+    reduction.gather()  # the step starts
+    assert transport.calls == [("all_gather", 10, 5, True)]
+    assert reduction.gathering
+    stage.submod(torch.zeros(1, 2))  # its first forward waits for it
+    assert not reduction.gathering
+    for p in stage.submod.parameters():
+        p.grad = torch.ones_like(p)
+    stage.perform_reduce_grad(4)
+    assert transport.calls[-1] == ("reduce_scatter", 5, 10, True) and stage.scaled == [4]
+    reduction.wait()
+    assert reduction.pending == []
+
+
 def test_sharded_rows_where_a_stage_has_a_group_and_their_halves_priced():
     from chimera.bench.rows import all_rows
 
@@ -123,7 +158,9 @@ def test_sharded_rows_where_a_stage_has_a_group_and_their_halves_priced():
     assert "chimera:chimera:shard=1" in one and "chimera:1f1b:shard=1" not in one  # W=1: no group
     two = {r.id for r in all_rows(cfg(shard_optimizer=True))}
     assert {"chimera:chimera:shard=1", "chimera:1f1b:shard=1", "chimera:zb-v:shard=1"} <= two
-    assert not any("shard" in r for r in two if r.startswith(("torch", "floor")))
+    assert {"torch:1f1b:shard=1", "torch:zbv:shard=1"} <= two  # torch's FSDP-like rows
+    assert not any("shard" in r for r in one if r.startswith("torch"))  # W=1: no group
+    assert not any("shard" in r for r in two if r.startswith("floor"))
     assert not any("shard" in r.id for r in all_rows(cfg()))  # only when asked
     # ZeRO-1 at W=1 on Chimera's pairs: a reduce-scatter of half the allreduce's time, and
     # the all-gather of the stage a rank runs first before the next step's first forward
@@ -201,10 +238,10 @@ def test_bench_emulate_runs_ours_and_torchs_rows_on_w_copies(run_cli, tmp_path):
     data = json.loads((tmp_path / "bench-emulated-D2-N4-ar5ms-W2-zero1.json").read_text())
     assert data["config"]["data_parallel"] == 2 and "W=2" in r.stdout
     c, lat = cfg(), data["latency"]
-    # chimera's two strategies and ours' 1F1B, each also sharded; torch's 1F1B and ZBV
+    # chimera's two strategies, ours' 1F1B, torch's 1F1B and ZBV, each also sharded
     got = data["results"]
-    assert len(got) == 8 and len({round(x["first_loss"], 6) for x in got}) == 1
-    assert sum(1 for x in got if x["options"].get("shard")) == 3
+    assert len(got) == 10 and len({round(x["first_loss"], 6) for x in got}) == 1
+    assert sum(1 for x in got if x["options"].get("shard")) == 5
     for x in got:
         impl, name = x["impl"], x["schedule"]
         s = (our_schedule(c, Row(impl, name, tuple(x["options"].items()))) if impl == "chimera"

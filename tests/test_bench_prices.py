@@ -213,19 +213,20 @@ def test_the_regime_table_lists_the_issues_rows_and_leaves_realized_cells_unmeas
     from chimera.bench import regimes
 
     rows = regimes.regimes(20.0, 8, 16)
-    assert len(rows) == 13 and rows[0].label == "balanced"
-    assert dict(rows[-1].prices) == {"allreduce_ms": 80.0, "data_parallel": 2}
+    assert len(rows) == 16 and rows[0].label == "balanced"
+    assert dict(rows[12].prices) == {"allreduce_ms": 80.0, "data_parallel": 2}
+    assert dict(rows[14].prices)["shard_optimizer"] and dict(rows[15].prices)["head_params"] == 1.5
     base = BenchConfig(emulate="20:20:20", stages=8, micro_batches=16, layers_per_stage=4)
     words = regimes.bench_command(base, rows[2], quick=True)
     assert words[:2] == ["chimera", "bench"] and "--partition" in words and words[-1] == "--quick"
-    words = regimes.bench_command(base, rows[-1], quick=False)  # W=2: two pipeline copies
-    assert words[words.index("--data-parallel") + 1] == "2"
+    words = regimes.bench_command(base, rows[14], quick=False)  # W=2: two pipeline copies
+    assert words[words.index("--data-parallel") + 1] == "2" and "--shard-optimizer" in words
     fake = [{"regime": r.label, "realized": None,
              "ours": ("chimera-zb", 1.0), "bidirectional": ("chimera-zb", 1.0),
              "torch": ("zbv", 1.1), "simulated_ratio": 1.1, "bidirectional_ratio": 1.1} for r in rows]
     text = regimes.markdown(fake, base)
-    assert text.count(regimes.NOT_MEASURED) == 13 and "1.10x" in text
-    assert regimes.markdown(fake, base, short=True).count("\n") == 14
+    assert text.count(regimes.NOT_MEASURED) == 16 and "1.10x" in text
+    assert regimes.markdown(fake, base, short=True).count("\n") == 17
 
 
 def test_torchs_orders_are_simulated_without_processes():

@@ -191,7 +191,7 @@ class EmulatedTorch(TorchPipeline):
         if dp is not None:
             self.reduction = StageReduction(self.stage_objects, dp[context.rank % cfg.stages],
                                             priced_context(cfg, context).transport,
-                                            cfg.data_parallel)
+                                            cfg.data_parallel, is_sharded(row))
         self.rows = slice(copy * cfg.global_batch // cfg.data_parallel,
                           (copy + 1) * cfg.global_batch // cfg.data_parallel)
 
@@ -199,6 +199,8 @@ class EmulatedTorch(TorchPipeline):
         x, y = emulated_batch(self.cost, self.cfg.global_batch, i, self.cfg.seed)
         for p in self.params:
             p.grad = None
+        if self.reduction is not None:
+            self.reduction.gather()  # sharded: every stage's parameters, before its first forward
         with late_torch_sends(late_sends(self.cfg)):
             return self.run(x[self.rows], y[self.rows])
 

@@ -3,9 +3,9 @@
 A regime is a set of the bench's prices (:mod:`chimera.bench.prices`): balanced stages, a
 heavier LM head (under both cuts), a slow link (with and without a memory cap of D
 micro-batches), Chimera's replica allreduce (W=1) and every schedule's data-parallel one
-(W=2). Per regime, every schedule of ours (each bench row: :func:`chimera.bench.rows.our_schemes`
-with their bench options) and of torch's (each in its own ``pipeline_order``,
-:mod:`chimera.bench.torch_orders`) is simulated at the same prices as the bench's simulated
+(W=2), the large ones also with the optimizer sharded, and a head heavy in gradients too.
+Per regime, every row of the bench, ours and torch's (:func:`chimera.bench.rows.all_rows`;
+torch's each in its own ``pipeline_order``, :mod:`chimera.bench.torch_orders`) is simulated at the same prices as the bench's simulated
 column; the table gives the best of each side, its schedule, and best torch / best ours.
 Realized columns come from ``chimera bench --emulate`` runs of the same prices
 (:func:`realize`; W=2: ``--data-parallel 2``, two copies of every row's pipeline).
@@ -21,9 +21,9 @@ import sys
 from dataclasses import dataclass
 
 from chimera.bench import prices
-from chimera.bench.emulated import our_schedule, simulated
+from chimera.bench.emulated import is_sharded, our_schedule, simulated
 from chimera.bench.report import row_name
-from chimera.bench.rows import TORCH_SCHEDULES, BenchConfig, Row, scheme_rows, our_schemes
+from chimera.bench.rows import BenchConfig, all_rows
 from chimera.bench.torch_orders import torch_order
 
 NOT_MEASURED = "not measured yet"
@@ -57,33 +57,46 @@ def regimes(f_ms: float, stages: int, micro_batches: int) -> list[Regime]:
         for k in (0.5, 2.0):
             out.append(Regime(f"{what} allreduce {k:g} F*N/D",
                               (("allreduce_ms", k * unit), ("data_parallel", w))))
+    # the same large gradients with the optimizer sharded over each stage's group (ours:
+    # ZeRO-1; torch's at W=2: its FSDP-like counterpart), both sides also unsharded
+    for w, what in ((1, "replica"), (2, "data-parallel W=2")):
+        out.append(Regime(f"{what} allreduce 2 F*N/D, sharded optimizer",
+                          (("allreduce_ms", 2.0 * unit), ("data_parallel", w),
+                           ("shard_optimizer", True))))
+    # an LM head heavy in compute and in gradients: its bytes land on the ranks that hold
+    # the last stage (Chimera's two, V's rank 0 beside the embedding)
+    out.append(Regime("head 1.5x with its gradients, data-parallel W=2 allreduce 0.5 F*N/D",
+                      (("head", 1.5), ("head_params", 1.5), ("allreduce_ms", 0.5 * unit),
+                       ("data_parallel", 2))))
     return out
 
 
 def simulate_regime(regime: Regime, base: BenchConfig) -> dict:
-    """Every schedule of both sides at the regime's prices: {side: {name: (step s, peak Ma)}};
-    side ``bidirectional``: ours on two weight copies (Chimera's placement: chimera,
-    chimera-zb, DualPipe), the placement the table is about."""
+    """Every schedule of both sides at the regime's prices, the bench's rows
+    (:func:`chimera.bench.rows.all_rows`: with ``shard_optimizer``, the sharded variants
+    too): {side: {name: (step s, peak Ma)}}; side ``bidirectional``: ours on two weight
+    copies (Chimera's placement: chimera, chimera-zb, DualPipe), the placement the table is
+    about."""
     cfg = regime.config(base)
     sides: dict[str, dict[str, tuple[float, float]]] = {"ours": {}, "bidirectional": {}, "torch": {}}
-    for name in our_schemes():
-        for row in scheme_rows(name):
-            try:
-                schedule = our_schedule(cfg, row)
-            except Exception:  # noqa: BLE001 -- a scheme that does not run at this (D, N)
-                continue
-            name_ = row_name({"impl": "chimera", "schedule": row.schedule, "options": row.opts})
-            sides["ours"][name_] = _priced(schedule, cfg)
-            if len(schedule.placement.replicas(0)) > 1:  # two weight copies: bidirectional
-                sides["bidirectional"][name_] = sides["ours"][name_]
-    for name in TORCH_SCHEDULES:
-        sides["torch"][row_name({"impl": "torch", "schedule": name, "options": {}})] = \
-            _priced(torch_order(name, cfg.stages, cfg.micro_batches), cfg)
+    for row in all_rows(cfg):
+        if row.impl not in ("chimera", "torch"):
+            continue
+        try:
+            schedule = (our_schedule(cfg, row) if row.impl == "chimera"
+                        else torch_order(row.schedule, cfg.stages, cfg.micro_batches))
+        except Exception:  # noqa: BLE001 -- a scheme that does not run at this (D, N)
+            continue
+        name = row_name({"impl": row.impl, "schedule": row.schedule, "options": row.opts})
+        side = sides["ours" if row.impl == "chimera" else "torch"]
+        side[name] = _priced(schedule, cfg, is_sharded(row))
+        if row.impl == "chimera" and len(schedule.placement.replicas(0)) > 1:
+            sides["bidirectional"][name] = side[name]  # two weight copies: bidirectional
     return sides
 
 
-def _priced(schedule, cfg: BenchConfig) -> tuple[float, float]:
-    sim = simulated(schedule, cfg, _NO_LINK)
+def _priced(schedule, cfg: BenchConfig, sharded: bool = False) -> tuple[float, float]:
+    sim = simulated(schedule, cfg, _NO_LINK, sharded=sharded)
     return sim["simulated_step_s"], max(sim["simulated_peak_activations"])
 
 
@@ -126,6 +139,7 @@ def bench_command(base: BenchConfig, regime: Regime, quick: bool) -> list[str]:
         if getattr(cfg, key) != default:
             value = getattr(cfg, key)
             words += [flag, f"{value:g}" if isinstance(default, float) else str(value)]
+    words += ["--shard-optimizer"] if cfg.shard_optimizer else []
     return words + (["--quick"] if quick else [])
 
 

@@ -177,11 +177,13 @@ def all_rows(cfg: BenchConfig) -> list[Row]:
     """Every row the benchmark knows, before filtering."""
     if cfg.emulate:  # no host compute to compare with
         ours = [r for name in our_schemes() for r in scheme_rows(name)]
+        theirs = [Row("torch", name) for name in TORCH_SCHEDULES]
         if cfg.shard_optimizer:  # ZeRO-1 where a stage's gradients are summed over a group
             ours += [sharded(r) for r in ours if cfg.data_parallel > 1 or _replicated(cfg, r)]
+            theirs += [sharded(r) for r in theirs] if cfg.data_parallel > 1 else []
         # each scheme's program again on null-compute stages (bench.emulated.EmulatedFloor)
         floors = [Row("floor", name, scheme_rows(name)[0].options) for name in our_schemes()]
-        return ours + [Row("torch", name) for name in TORCH_SCHEDULES] + floors
+        return ours + theirs + floors
     rows = [Row("single", "none", (("threads", 1),)), Row("single", "none", (("threads", 2),)),
             # the same micro-batches as the pipelines, accumulated: the linear limit without
             # the (cache) cost or benefit of computing the whole mini-batch at once
@@ -196,7 +198,8 @@ def all_rows(cfg: BenchConfig) -> list[Row]:
 
 
 def sharded(row: Row) -> Row:
-    """``row`` with the optimizer sharded over each stage's group (ZeRO-1)."""
+    """``row`` with the optimizer sharded over each stage's group (ZeRO-1; torch's: its
+    FSDP-like counterpart, :mod:`chimera.bench.torch_dp`)."""
     return Row(row.impl, row.schedule, row.options + (("shard", 1),))
 
 

@@ -90,7 +90,8 @@ def add_parsers(sub) -> None:
                         "(ZeRO-1: a reduce-scatter after the stage's last backward, an "
                         "all-gather before its first forward of the next step, each priced at "
                         "half of --allreduce-ms, as a GPU run issues them), where a stage has "
-                        "a group: Chimera's placement, or any with --data-parallel")
+                        "a group: Chimera's placement, or any with --data-parallel, where "
+                        "torch's rows get their FSDP-like counterpart too")
     g.add_argument("--data-parallel", "-W", type=positive_int, default=1, metavar="W",
                    help="W copies of every row's pipeline on W*D ranks, each on its own "
                         "mini-batch share: every schedule reduces its gradients over the "
