@@ -8,7 +8,7 @@ Simulator predictions, not measurements: the ``h100`` preset (989 TFLOP/s bf16 a
 efficiency curve, NVLink 360 GB/s inside a node of 8, 48 GB/s per GPU across) prices every
 configuration, with TP priced as ``chimera.plan.tensor`` says. Models:
 - the paper's GPT-2 1.3B: ``gpt2-paper`` (64 layers, d 1280, 20 heads, sequence 632) with
-  the GPT-2 BPE vocabulary (50,257) and no dropout (``chimera.tp`` refuses dropout), mini-batch
+  the GPT-2 BPE vocabulary (50,257) and no dropout (the planner prices none under TP), mini-batch
   512 (the paper's at 512 nodes); 20 heads: T = 8 is not possible;
 - a 70B Llama: ``llama-70b`` (Llama 2 70B: 80 layers, d 8192, 64 heads, 8 key/value heads,
   SwiGLU 28672, vocabulary 32,000, sequence 4096), mini-batch 1024 sequences (4M tokens).

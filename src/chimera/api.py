@@ -84,7 +84,7 @@ from chimera.runtime.pipeline import PipelineRuntime, ProbeError
 from chimera.runtime.shared import TieSync, counters, sync_buffers
 from chimera.runtime.transport import ReduceOp, Transport
 from chimera.schedules import build, default_micro_batches, require_runnable
-from chimera.tp import (ShardedLogits, TPGroup, accepts_sharded_logits, full_tensor, local_slice,
+from chimera.tp import (ShardedLogits, TPGroup, TPRandom, accepts_sharded_logits, full_tensor, local_slice,
                         parallelize, shard_of)
 from chimera.check.validate import validate
 
@@ -365,7 +365,7 @@ class Pipeline:
         self.ranges = self._partition(source, model.partition)
         self.collective_stream = None  # the NCCL emulation's, made with the TP group
         self.tp, shard = self._tensor_parallel(model.tp_plan, source.num_layers,
-                                               accepts_sharded_logits(loss_fn))
+                                               accepts_sharded_logits(loss_fn), model.seed)
         self.ties = source.ties(self.ranges)
         self.tuning = self._tuning(model)
         trained = [t.names[0] for t in self.ties if self.tuning.trains(t.names[0])]
@@ -385,6 +385,8 @@ class Pipeline:
         if self.tuning.active:
             self._check_tuning_used()
         if self.tp is not None:  # a replicated parameter counts once in a norm: at t = 0
+            for module in self.runtime.modules.values():  # recompute replays TP dropout's masks
+                module.recompute_context = self.tp.random.recompute_context
             self._check_plan_used(model.tp_plan)
             self._equalize_over_tp()
             self.runtime.set_norm_counted(lambda p: self.grid.t == 0 or shard_of(p) is not None)
@@ -432,14 +434,15 @@ class Pipeline:
                             f"{every[0][3]}; {seen}): build the Pipeline with the same arguments "
                             "on every rank")
 
-    def _tensor_parallel(self, plan, num_layers: int, sharded_logits: bool):
+    def _tensor_parallel(self, plan, num_layers: int, sharded_logits: bool, seed: int):
         """(the TP group, the per-layer sharding for the stage builder), or (None, None) at
         T = 1. The groups are created here, before the stages: a stage's TP layers hold theirs.
         Under the NCCL emulation the TP group talks through its collective stream, made here
         and handed to the runtime: the layers' collectives are gated on the stream of the
         stage collectives (strict: of everything), as NCCL's one-order rule for communicators
         used concurrently asks at worst.
-        ``sharded_logits``: the loss takes ``tp.ShardedLogits`` (heads keep them sharded)."""
+        ``sharded_logits``: the loss takes ``tp.ShardedLogits`` (heads keep them sharded);
+        ``seed``: of the TP dropout streams (``tp.TPRandom``)."""
         if self.grid.tensor_parallel == 1:
             return None, None
         if plan is None:
@@ -450,8 +453,10 @@ class Pipeline:
         timed = self.transport.timed_waits  # NCCL: its own timeout and watchdog
         timeout = datetime.timedelta(seconds=self.context.options.comm_timeout) if timed else None
         self.collective_stream = emulation(self.transport, self.context.options)
-        tp = TPGroup(self.collective_stream or self.transport, self.grid.tp_group, self.grid.t,
-                     self.grid.tensor_parallel, timeout)
+        g = self.grid  # dropout's streams: per pipeline rank (w*D + d), the sharded one per t
+        random = TPRandom(seed, g.rank // g.tensor_parallel, g.t, self.context.device)
+        tp = TPGroup(self.collective_stream or self.transport, g.tp_group, g.t, g.tensor_parallel,
+                     timeout, random)
         self._plan_used: set = set()  # the model-wide patterns that named a submodule here
         return tp, functools.partial(_shard, plan, tp, self._plan_used, sharded_logits)
 

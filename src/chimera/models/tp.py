@@ -3,8 +3,8 @@
 GPT-2: the token embedding by vocabulary (the position table stays whole), each block
 Megatron-style (fused qkv and the MLP's first projection column-parallel, the projections
 back row-parallel: one allreduce per sub-block each way), the head column-parallel over the
-vocabulary with its logits gathered (the loss is the one it is without TP). BERT has no plan
-yet and is refused in one line.
+vocabulary (its logits kept sharded for the vocab-parallel loss), the dropouts drawn from the
+TP random streams (``chimera.tp.random``). BERT has no plan yet and is refused in one line.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from torch import nn
 
 from chimera.errors import UserError
 from chimera.models.gpt2 import GPT2Block, GPT2Head, TokenPositionEmbedding
-from chimera.tp import embedding_plan, gpt2_block_plan, head_plan
+from chimera.tp import Dropout, embedding_plan, gpt2_block_plan, head_plan
 
 
 def gpt2_tp_plan(index: int, layer: nn.Module) -> dict | None:
     """The plan of layer ``index`` of a GPT-2 preset (``ModelOptions(tp_plan=gpt2_tp_plan)``)."""
-    if isinstance(layer, TokenPositionEmbedding):
-        return embedding_plan("tok")
+    if isinstance(layer, TokenPositionEmbedding):  # its dropout on the replicated sum
+        return {**embedding_plan("tok"), "drop": Dropout("replicated")}
     if isinstance(layer, GPT2Block):
         return gpt2_block_plan()
     if isinstance(layer, GPT2Head):

@@ -26,8 +26,9 @@ one where a preset has none) in the activation precision; the layer waits for th
 added to its F and B, and under split backward to I (W issues none). A recomputed forward redoes
 its collectives (the runtime's checkpoint may stop one short: priced in full).
 
-Not searched: T > 1 for BERT (``chimera.tp`` refuses it), with dropout (each rank would draw
-its own masks: refused too), or with a measured profile (its layers were timed at T = 1).
+Not searched: T > 1 for BERT (``chimera.tp`` refuses it), with dropout (the runtime runs it,
+but its attention unfused, the probabilities' masks drawn from the TP streams: not priced
+here), or with a measured profile (its layers were timed at T = 1).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def tp_problem(cfg: ModelConfig, t: int) -> str | None:
         return None
     if cfg.kind == "bert":
         return "BERT has no tensor-parallel plan (chimera.tp refuses it)"
-    if cfg.dropout > 0:
-        return f"dropout {cfg.dropout} (chimera.tp refuses dropout: each rank would draw its own masks)"
+    if cfg.dropout > 0:  # the runtime runs it (chimera.tp.random); its attention is not priced
+        return (f"dropout {cfg.dropout} (under TP the attention's dropout runs unfused, its "
+                "masks from the TP streams, which the planner does not price)")
     for what, n in (("heads", cfg.n_head), ("key/value heads", cfg.kv_heads),
                     ("MLP width", cfg.ffn_width)):
         if n % t:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from chimera.check.comm_plan import Launch, Post
 from chimera.ir import Action, Op, Schedule, input_stage, peer_stage, recv_of
@@ -195,7 +195,9 @@ class Executor:
         module = self.modules[(a.pipe, a.stage)]
         with self._autocast():
             if self.recompute and a.stage != self.last and not self.forward_only:
-                y = checkpoint(module, x, use_reentrant=False)
+                # a stage with random streams of its own (TP dropout) replays them too
+                y = checkpoint(module, x, use_reentrant=False,
+                               context_fn=getattr(module, "recompute_context", noop_context_fn))
             else:
                 y = module(x)
             if a.stage == self.last:

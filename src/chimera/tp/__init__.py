@@ -17,6 +17,9 @@ Conventions (said once):
 - An LM head's logits are gathered whole for any loss, or kept sharded over the vocabulary
   for a loss that takes them (``takes_sharded_logits``; ``cross_entropy``: Megatron's
   vocab-parallel cross-entropy, three reductions of (B, S) instead of a gather of (B, S, V)).
+- Dropout draws from explicit generators (``TPRandom``), never torch's global one: a
+  replicated stream (the same on the T ranks) for replicated tensors, a sharded stream (one
+  per t) for sharded ones, replayed by recomputation (Megatron's RNG discipline).
 - ``full_tensor`` / ``local_slice`` go between a slice and the whole (export, checkpoints);
   ``squared_norm_share`` is a rank's share of the gradient norm.
 """
@@ -30,15 +33,16 @@ from chimera.tp.plans import (HF_LLAMA_TP_PLAN, HF_STYLES, embedding_plan, from_
                               style, styles)
 from chimera.tp.shard import (Shard, full_grad, full_state_dict, full_tensor, local_slice, padded_size,
                               replicated_mask, shard_of, squared_norm_share)
-from chimera.tp.styles import (Colwise, EmbeddingRowwise, LocalHeads, Replicated, Rowwise, SharedInput,
-                               VocabHead)
+from chimera.tp.random import TPDropout, TPRandom
+from chimera.tp.styles import (Colwise, Dropout, EmbeddingRowwise, LocalHeads, Replicated, Rowwise,
+                               SharedInput, VocabHead)
 
-__all__ = ["Colwise", "ColumnParallel", "EmbeddingRowwise", "GatheredHead", "HF_LLAMA_TP_PLAN",
-           "HF_STYLES", "LocalHeads", "Replicated", "RowParallel", "Rowwise", "Shard", "ShardedHead",
-           "ShardedLogits", "SharedInput", "TPGroup", "TPModule", "VocabEmbedding", "VocabHead",
-           "accepts_sharded_logits", "copy_to_tp", "cross_entropy", "embedding_plan",
-           "from_hf", "full_grad", "full_state_dict", "full_tensor", "gather_from_tp",
-           "gpt2_block_plan", "head_plan", "hf_gpt2_block_plan", "llama_decoder_plan", "local_slice",
-           "padded_size", "parallelize", "prefixed", "reduce_from_tp", "replicated_mask", "resolve",
-           "shard_of", "shared_input", "split_to_tp", "squared_norm_share", "style", "styles",
-           "takes_sharded_logits"]
+__all__ = ["Colwise", "ColumnParallel", "Dropout", "EmbeddingRowwise", "GatheredHead",
+           "HF_LLAMA_TP_PLAN", "HF_STYLES", "LocalHeads", "Replicated", "RowParallel", "Rowwise",
+           "Shard", "ShardedHead", "ShardedLogits", "SharedInput", "TPDropout", "TPGroup",
+           "TPModule", "TPRandom", "VocabEmbedding", "VocabHead", "accepts_sharded_logits",
+           "copy_to_tp", "cross_entropy", "embedding_plan", "from_hf", "full_grad",
+           "full_state_dict", "full_tensor", "gather_from_tp", "gpt2_block_plan", "head_plan",
+           "hf_gpt2_block_plan", "llama_decoder_plan", "local_slice", "padded_size", "parallelize",
+           "prefixed", "reduce_from_tp", "replicated_mask", "resolve", "shard_of", "shared_input",
+           "split_to_tp", "squared_norm_share", "style", "styles", "takes_sharded_logits"]

@@ -3,9 +3,9 @@
 Every check runs before the first parameter is touched: a plan that fails leaves the layer
 as it was, and says why in one line (``UserError``): a pattern that matches nothing, a
 submodule two patterns claim, an entry for a module it cannot shard, T not dividing what it
-must split (heads, key/value heads, an MLP or projection width), and dropout under T > 1
-(each rank would draw its own masks: not the one process's arithmetic). A vocabulary is
-padded instead.
+must split (heads, key/value heads, an MLP or projection width), and a dropout under T > 1
+that the plan does not draw from the TP random streams (``chimera.tp.random``; it would draw
+from torch's global RNG, each rank its own masks). A vocabulary is padded instead.
 
 Sharding needs no communication: every rank of the TP group built the same whole layer
 (from the same seed), and each keeps its slice of every sharded parameter.
@@ -21,7 +21,7 @@ from chimera.errors import UserError
 from chimera.tp.group import TPGroup
 from chimera.tp.layers import TPModule
 from chimera.tp.plans import Entry, Plan, styles
-from chimera.tp.styles import Colwise, EmbeddingRowwise, Rowwise, SharedInput, VocabHead
+from chimera.tp.styles import Colwise, Dropout, EmbeddingRowwise, LocalHeads, Rowwise, SharedInput, VocabHead
 
 SHARDING = (Colwise, Rowwise, EmbeddingRowwise, VocabHead)  # entries that replace the module
 
@@ -50,9 +50,10 @@ def resolve(layer: nn.Module, plan: Plan, tp: int) -> dict[str, tuple[Entry, ...
         for problem in filter(None, (_problem(modules[name], entries, e, tp) for e in entries)):
             raise UserError(f"tensor parallel: {name} ({type(modules[name]).__name__}): {problem}")
     _refuse_ties(layer, [n for n, (_, entries) in chosen.items() if any(isinstance(e, SHARDING) for e in entries)])
+    resolved = {name: entries for name, (_, entries) in chosen.items()}
     if tp > 1:
-        _refuse_dropout(layer, tp)
-    return {name: entries for name, (_, entries) in chosen.items()}
+        _refuse_dropout(layer, tp, resolved)
+    return resolved
 
 
 def _problem(module: nn.Module, entries: tuple, entry: Entry, tp: int) -> str | None:
@@ -77,16 +78,30 @@ def _refuse_ties(layer: nn.Module, sharded: list[str]) -> None:
                                 f"(tied within one layer), which TP cannot shard; hold them in two layers")
 
 
-def _refuse_dropout(layer: nn.Module, tp: int) -> None:
+def _routed(entries: tuple) -> set[str]:
+    """The dropout rates of a module that its entries draw from the TP streams: an
+    ``nn.Dropout``'s ``p`` (``Dropout``), an attention's rate (``LocalHeads(dropout=...)``)."""
+    return {"p" if isinstance(e, Dropout) else e.dropout for e in entries
+            if isinstance(e, Dropout) or (isinstance(e, LocalHeads) and e.dropout)}
+
+
+def _refuse_dropout(layer: nn.Module, tp: int, resolved: dict) -> None:
+    """A dropout rate above 0 that the plan does not route through the TP streams
+    (``chimera.tp.random``) would draw from torch's global RNG: a replicated tensor's mask
+    would differ across the T ranks (virtual ranks share that RNG in no fixed order)."""
     for name, module in layer.named_modules():
         rates = {key: value for key, value in vars(module).items()
                  if DROPOUT_ATTRIBUTES in key.lower() and isinstance(value, float) and value > 0}
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             rates["p"] = module.p
+        for key in _routed(resolved.get(name, ())):
+            rates.pop(key, None)
         for key, value in rates.items():
             where = f"{name}.{key}" if name else key
             raise UserError(f"tensor parallel: T={tp} with dropout in {type(layer).__name__} "
-                            f"({where}={value}): each rank would draw its own masks; set dropout to 0")
+                            f"({where}={value}), which its plan does not draw from the TP random "
+                            "streams (tp.Dropout, LocalHeads(dropout=...)): each rank would draw "
+                            "its own masks; set dropout to 0")
 
 
 def parallelize(layer: nn.Module, plan: Plan, tp: TPGroup, *, sharded_logits: bool = False) -> nn.Module:

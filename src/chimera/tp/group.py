@@ -32,7 +32,8 @@ from chimera.runtime.transport import ReduceOp, Transport
 @dataclass(frozen=True)
 class TPGroup:
     """Rank ``rank`` (t) of a TP group of ``size`` (T) ranks: ``group`` is the
-    ``transport.new_group`` of its ranks (None when T is 1). ``timeout``: how long a
+    ``transport.new_group`` of its ranks (None when T is 1). ``random``: this rank's
+    dropout streams (``chimera.tp.random``; None: a dropout rate above 0 is refused). ``timeout``: how long a
     collective may wait (the run's ``--comm-timeout`` where waits are timed; None: the
     backend's own, NCCL's watchdog); a peer that died or hangs then ends the wait in a
     ``CommTimeout`` naming this rank and the group's others."""
@@ -42,6 +43,7 @@ class TPGroup:
     rank: int
     size: int
     timeout: datetime.timedelta | None = None
+    random: object = None  # a chimera.tp.random.TPRandom: dropout's streams (None: no dropout)
 
     @functools.cached_property
     def _peers(self) -> tuple[int, list[int], str]:

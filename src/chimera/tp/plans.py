@@ -18,20 +18,21 @@ from __future__ import annotations
 import sys
 from typing import Mapping, Union
 
+import torch
 import torch.nn.functional as F
 
 from chimera.errors import UserError
-from chimera.tp.styles import (Colwise, EmbeddingRowwise, LocalHeads, Replicated, Rowwise,
+from chimera.tp.styles import (Colwise, Dropout, EmbeddingRowwise, LocalHeads, Replicated, Rowwise,
                                SharedInput, VocabHead)
 
-Entry = Union[Colwise, Rowwise, EmbeddingRowwise, VocabHead, Replicated, LocalHeads, SharedInput]
+Entry = Union[Colwise, Rowwise, EmbeddingRowwise, VocabHead, Replicated, LocalHeads, SharedInput, Dropout]
 # A value may also be a tuple of entries, applied in order (an attention module may need a
 # shared input and its local head count both).
 Plan = Mapping[str, Union[Entry, "ParallelStyle", str, tuple]]  # noqa: F821 (torch's, lazily)
 # torch's styles: a plan holds one only once its module is imported, which is not done here (it
 # costs seconds of start-up, chimera generate's among them, and only reads a user's plan)
 TORCH_STYLES = "torch.distributed.tensor.parallel"
-ENTRIES = (Colwise, Rowwise, EmbeddingRowwise, VocabHead, Replicated, LocalHeads, SharedInput)
+ENTRIES = (Colwise, Rowwise, EmbeddingRowwise, VocabHead, Replicated, LocalHeads, SharedInput, Dropout)
 
 # HF's strings (transformers.distributed.tensor_parallel) that keep a block's boundary plain,
 # as entries of ours. Others (sequence_parallel, moe_*, ...) are refused.
@@ -150,18 +151,35 @@ def _local_heads_attention(self, x):
     q, k, v = self.qkv(x).chunk(3, dim=2)                    # 3 x (B, S, C/T)
     q, k, v = (t.view(B, S, self.n_head, -1).transpose(1, 2)
                for t in (q, k, v))                           # (B, H/T, S, C/H)
-    y = F.scaled_dot_product_attention(
-        q, k, v, is_causal=self.causal,
-        dropout_p=self.dropout if self.training else 0.0)    # (B, H/T, S, C/H)
+    if self.training and self.dropout > 0:
+        y = _attention_with_dropout(q, k, v, self.causal, self.dropout, self.tp_random)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (B, H/T, S, C/H)
     y = y.transpose(1, 2).reshape(B, S, -1)                  # (B, S, C/T)
     return self.resid_drop(self.proj(y))                     # (B, S, C): allreduced
 
 
+def _attention_with_dropout(q, k, v, causal: bool, p: float, random) -> "torch.Tensor":
+    """SDPA's arithmetic written out, its probabilities' dropout drawn from this rank's
+    sharded stream (``chimera.tp.random``: these are this rank's heads only)."""
+    S = q.shape[-2]
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5   # (B, H/T, S, S)
+    if causal:
+        future = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    probs = random.dropout(scores.softmax(-1), p, "sharded")
+    return probs @ v                                         # (B, H/T, S, C/H)
+
+
 def gpt2_block_plan() -> dict:
-    """chimera's ``GPT2Block`` (``models.gpt2``): fused qkv split by Q/K/V head blocks."""
+    """chimera's ``GPT2Block`` (``models.gpt2``): fused qkv split by Q/K/V head blocks; its
+    dropouts drawn from the TP streams (the residual ones after row-parallel projections
+    replicated, the attention probabilities of this rank's heads sharded)."""
     return {"attn.qkv": Colwise(parts=3), "attn.proj": Rowwise(),
             "mlp.fc": Colwise(), "mlp.proj": Rowwise(),
-            "attn": LocalHeads(heads="n_head", divide=("n_head",), forward=_local_heads_attention)}
+            "attn.resid_drop": Dropout("replicated"), "mlp.drop": Dropout("replicated"),
+            "attn": LocalHeads(heads="n_head", divide=("n_head",), forward=_local_heads_attention,
+                               dropout="dropout")}
 
 
 # -- HF GPT-2 ------------------------------------------------------------------------------

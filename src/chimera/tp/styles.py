@@ -12,6 +12,9 @@ written with torch's ``ParallelStyle``s or HF's strings is read into these (``pl
 - ``EmbeddingRowwise``, ``VocabHead``: the vocabulary sharded, padded to a multiple of T
   (the head's logits gathered, or kept sharded for a vocab-parallel loss);
 - ``Replicated``: left whole on every rank (HF's ``replicate``);
+- ``Dropout``: an ``nn.Dropout`` drawing its mask from the TP rank's replicated or sharded
+  stream (``chimera.tp.random``); ``LocalHeads(dropout=...)`` does so for attention
+  probabilities;
 - ``LocalHeads``: on an attention module, its head counts divided by T;
 - ``SharedInput``: on a sub-block (attention, MLP) whose input feeds several column-parallel
   projections (q, k, v; gate, up): one allreduce of that input's gradient at the sub-block's
@@ -28,9 +31,11 @@ from typing import Callable
 
 from torch import nn
 
+from chimera.errors import UserError
 from chimera.tp.group import TPGroup, copy_to_tp
 from chimera.tp.layers import (ColumnParallel, GatheredHead, RowParallel, ShardedHead, VocabEmbedding,
                                is_conv1d, widths)
+from chimera.tp.random import STREAMS, TPDropout, TPRandom
 from chimera.tp.shard import padded_size
 
 
@@ -117,6 +122,35 @@ class VocabHead:
 
 
 @dataclass(frozen=True)
+class Dropout:
+    """An ``nn.Dropout`` whose mask comes from the TP rank's ``stream`` (``chimera.tp.random``):
+    ``"replicated"`` on a replicated tensor (after a row-parallel projection or the
+    vocab-parallel embedding: every TP rank draws the same mask), ``"sharded"`` on a sharded
+    one (a column-parallel output: each rank its own)."""
+
+    stream: str = "replicated"
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        if self.stream not in STREAMS:
+            return f"Dropout(stream={self.stream!r}): one of {', '.join(STREAMS)}"
+        return None if type(module) is nn.Dropout else "Dropout takes an nn.Dropout"
+
+    def apply(self, module: nn.Module, tp: TPGroup, shared: bool) -> nn.Module:
+        if module.p == 0:
+            return module
+        out = TPDropout(module.p, _random(tp, "a dropout"), self.stream)
+        out.train(module.training)
+        return out
+
+
+def _random(tp: TPGroup, what: str) -> TPRandom:
+    if tp.random is None:
+        raise UserError(f"tensor parallel: {what} above 0 draws from the TP group's random streams, "
+                        "and this TPGroup has none (TPGroup(random=TPRandom(...)); Pipeline makes them)")
+    return tp.random
+
+
+@dataclass(frozen=True)
 class Replicated:
     """HF's ``replicate``: every rank keeps the whole module."""
 
@@ -151,15 +185,20 @@ class LocalHeads:
     attribute path (``"n_head"``, ``"config.num_key_value_heads"``): read to check that T
     divides them. ``divide``: the attributes its forward reads that count heads (or their
     width), set to value / T. ``forward``: a replacement forward, for a module whose own one
-    takes a width from its input, which stays full-width under TP."""
+    takes a width from its input, which stays full-width under TP. ``dropout``: the
+    attribute holding the attention probabilities' dropout rate, which ``forward`` applies
+    with the TP rank's sharded stream (``module.tp_random``: each rank its own heads)."""
 
     heads: str
     kv_heads: str | None = None
     divide: tuple[str, ...] = ()
     forward: Callable | None = None
+    dropout: str | None = None
 
     def problem(self, module: nn.Module, tp: int) -> str | None:
-        paths = [p for p in (self.heads, self.kv_heads, *self.divide) if p is not None]
+        if self.dropout is not None and self.forward is None:
+            return "LocalHeads(dropout=...) needs the forward that applies it"
+        paths = [p for p in (self.heads, self.kv_heads, *self.divide, self.dropout) if p is not None]
         missing = [p for p in paths if not _has(module, p)]
         if missing:
             return f"LocalHeads: the module has no {', '.join(missing)} (a plan for another model?)"
@@ -170,6 +209,8 @@ class LocalHeads:
         return None
 
     def apply(self, module: nn.Module, tp: TPGroup, shared: bool) -> nn.Module:
+        if self.dropout is not None and getattr(module, self.dropout) > 0:
+            module.tp_random = _random(tp, f"attention dropout ({self.dropout})")
         for name in self.divide:
             setattr(module, name, getattr(module, name) // tp.size)
         if self.forward is not None:
