@@ -30,6 +30,22 @@ def cfg(**kw) -> BenchConfig:
                           "allreduce_ms": 5.0, "data_parallel": 2, **kw})
 
 
+def test_bad_copies_head_params_and_sharding_are_refused_in_one_line(capsys):
+    from chimera.cli import main
+    from chimera.errors import UserError
+
+    for kw in ({"data_parallel": 0}, {"head_params": 0.5}, {"embed_params": "2"},
+               {"shard_optimizer": 1}):
+        with pytest.raises(UserError):
+            cfg(**kw)
+    for kw in ({"data_parallel": 2}, {"head_params": 2.0}, {"shard_optimizer": True}):
+        with pytest.raises(UserError, match="emulated stages only"):
+            BenchConfig(**kw)
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--emulate", "1:1:1", "-W", "0"])
+    assert exit_.value.code == 2 and "data-parallel" in capsys.readouterr().err
+
+
 def test_the_cli_passes_the_copies_and_names_its_files():
     c = config_from_args(build_parser().parse_args(
         ["bench", "--emulate", "1:2:1", "-D", "4", "-W", "2", "--allreduce-ms", "3",
@@ -203,7 +219,8 @@ def _grads_worker(rank, world, port, out):
     context = bench_context(60.0)
     with workers.gloo_group(rank, world, port):
         got = {}
-        for row in (Row("chimera", "1f1b"), Row("torch", "1f1b"), Row("torch", "zbv")):
+        for row in (Row("chimera", "1f1b"), Row("torch", "1f1b"), Row("torch", "zbv"),
+                    Row("torch", "dualpipev"), Row("torch", "interleaved")):
             runner = (EmulatedOurs if row.impl == "chimera" else EmulatedTorch)(c, row, context)
             loss = runner.step(0)
             grads = [p.grad.clone() for p in runner.params]
