@@ -18,7 +18,8 @@ from chimera.train.sections import FLAT, SECTIONS, ConfigError, Optim, Pipeline,
 
 # one value off the default for most fields (a real run would not check files here)
 CHANGED = dict(model="bert-tiny", seq_len=32, partition="0-1,2-3", dtype="float64",
-               wire_dtype="bf16", vocab_size=300, text_field="body", eos_id=5, schedule="chimera", stages=4,
+               wire_dtype="bf16", doc_mask=True, vocab_size=300, text_field="body", eos_id=5,
+               schedule="chimera", stages=4,
                micro_batches=8, micro_batch_size=2, data_parallel=2, tensor_parallel=2, sync="end",
                recompute=True,
                shard_optimizer=True, pipes=4, strategy="doubling", steps=7, lr=1e-3, warmup=2,
@@ -33,7 +34,8 @@ CHANGED = dict(model="bert-tiny", seq_len=32, partition="0-1,2-3", dtype="float6
                checkpoint_every=2, keep_checkpoints=5, resume=True, resume_allow=("data",),
                freeze=("0.*", "*.ln_1.*"), lora_rank=4, lora_alpha=8.0, lora_targets=("*.attn.qkv",))
 ARGV = ["--model", "bert-tiny", "--seq-len", "32", "--partition", "0-1,2-3", "--dtype", "float64",
-        "--wire-dtype", "bf16", "--vocab-size", "300", "--text-field", "body", "--eos-id", "5", "-s", "chimera",
+        "--wire-dtype", "bf16", "--doc-mask", "--vocab-size", "300", "--text-field", "body",
+        "--eos-id", "5", "-s", "chimera",
         "-D", "4", "-N", "8", "-B", "2", "-W", "2", "-T", "2", "--sync", "end", "--recompute",
         "--shard-optimizer", "-Q", "4", "--strategy", "doubling", "--steps", "7", "--lr", "1e-3",
         "--warmup", "2", "--lr-schedule", "wsd", "--min-lr-ratio", "0.05", "--wsd-decay", "0.3",

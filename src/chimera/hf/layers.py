@@ -30,7 +30,11 @@ IGNORE = -100  # HF's label for "no loss here" (padding, unmasked MLM positions)
 
 
 class HFLayer(nn.Module):
-    """Children are HF modules; ``prefixes`` (set by the builder) says where each came from."""
+    """Children are HF modules; ``prefixes`` (set by the builder) says where each came from.
+    ``documents`` (set by the builder, ``HFModel.documents``): position ids that restart mark
+    packed documents, each attending only to itself, whatever ``config.use_cache`` says."""
+
+    documents = False
 
     def __init__(self, config, **children: nn.Module):
         super().__init__()
@@ -47,14 +51,15 @@ def _positions(h: torch.Tensor, position_ids):
     return torch.arange(h.shape[1], device=h.device).unsqueeze(0)
 
 
-def _causal_mask(config, h: torch.Tensor, mask, positions, make=create_causal_mask):
+def _causal_mask(layer: HFLayer, h: torch.Tensor, mask, positions, make=create_causal_mask):
     """HF's causal mask for this batch (``make``: HF's mask function, the sliding-window one
     for a layer that attends to the last ``config.sliding_window`` tokens only). HF's decoder
     ``forward`` makes a KV cache when ``config.use_cache`` (the GPT-2 and Llama default, in
     training too), and with a cache its mask ignores position ids (no packed-sequence
     detection); without one, position ids that restart mark packed sequences (block-diagonal
-    attention). The same here, without a cache."""
-    packed = None if getattr(config, "use_cache", False) else positions
+    attention). The same here, without a cache; ``layer.documents`` always detects them."""
+    config = layer.config
+    packed = positions if layer.documents or not getattr(config, "use_cache", False) else None
     return make(config=config, inputs_embeds=h, attention_mask=mask, cache=None, position_ids=packed)
 
 
@@ -110,7 +115,7 @@ class GPT2Embed(Embed):
 class GPT2Block(HFLayer):
     def forward(self, h, mask, pos):
         p = _positions(h, pos)
-        causal = _causal_mask(self.config, h, mask, p)
+        causal = _causal_mask(self, h, mask, p)
         return self.block(h, None, causal, None, use_cache=False, position_ids=p), mask, pos
 
 
@@ -147,7 +152,7 @@ class LlamaBlock(HFLayer):
 
     def forward(self, h, mask, pos):
         p = _positions(h, pos)
-        causal = _causal_mask(self.config, h, mask, p, self.make_mask)
+        causal = _causal_mask(self, h, mask, p, self.make_mask)
         rope = self.rotary_emb(h, position_ids=p)
         h = self.layer(h, attention_mask=causal, position_ids=p, cache=None, use_cache=False,
                        position_embeddings=rope)

@@ -115,6 +115,9 @@ class HFModel:
                              f"(use one of {ATTENTION})")
         self.plan = plan(self.config)
         self.num_layers = len(self.plan)
+        # packed documents kept apart: position ids that restart start a document (the
+        # layers' ``documents``); set before the layers are made
+        self.documents = False
         self.hf_ties = dict(self.source.all_tied_weights_keys)  # HF target -> HF source
         self.ties, self.within = self._split_ties()
 
@@ -173,6 +176,7 @@ class HFModel:
         parts = copy.deepcopy({c: source.get_submodule(path) for c, path in children.items()})
         layer = cls(self.config, **parts)
         layer.prefixes = dict(children)
+        layer.documents = self.documents
         clear_init_flags(layer)
         if self.dtype is not None:
             cast_parameters(layer, self.dtype)

@@ -27,6 +27,7 @@ from chimera.byo import layer_seed, merge_ties, seeded
 from chimera.data import model_vocab
 from chimera.errors import UserError
 from chimera.hf.model import NO_TP, TP_ARCHS, HFModel, check_config, load
+from chimera.models.packing import document_positions
 from chimera.models.source import HF_PREFIX, HF_PRESETS, ModelSource
 from chimera.tp import takes_sharded_logits
 
@@ -117,8 +118,19 @@ class HFSource(ModelSource):
     @cached_property
     def model(self) -> HFModel:
         """The HF model split into layers (built lazily: a spawned rank rebuilds it)."""
-        return load(self.weights or self.config, dtype=self.dtype, architecture=self.arch,
-                    labels_shifted=True)
+        model = load(self.weights or self.config, dtype=self.dtype, architecture=self.arch,
+                     labels_shifted=True)
+        model.documents = self.eos_id is not None
+        return model
+
+    def keep_documents_apart(self, eos_id: int | None) -> None:
+        super().keep_documents_apart(eos_id)
+        self.model.documents = True
+
+    def packed(self, ids, segments):
+        """HF's packed format: position ids that restart at each document, no attention mask
+        (the layers' masks keep documents apart: ``HFModel.documents``)."""
+        return {"input_ids": ids, "position_ids": document_positions(segments)}
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "model"}

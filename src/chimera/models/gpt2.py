@@ -2,7 +2,10 @@
 
 Conventions (said once):
 - A model is ``[Embedding, Block x n_layer, Head]``; layer ``i`` of that list is the unit
-  a pipeline stage is cut from. Every layer maps one tensor to one tensor.
+  a pipeline stage is cut from. Every layer maps one tensor to one tensor; with packed
+  documents kept apart (``chimera.models.packing``) the embedding takes ``(ids, segments)``
+  and every layer but the head hands ``(hidden, segments)`` on, so the segments travel with
+  the micro-batch to every stage (an int64 leaf of the boundary, no gradient).
 - Shapes: B batch, T sequence length, C ``d_model``, H heads, V vocabulary.
 - Tokens are bytes (V = 256) unless ``vocab_size`` is overridden.
 - The embedding and the output projection are **not tied**: tied weights would live on
@@ -46,14 +49,14 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        """``segments`` (B, T): packed documents, each attending only to itself
-        (``chimera.models.packing``; causal models only)."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` (B, 1, T, T) bool: what each query sees (packed documents kept apart:
+        ``chimera.models.packing.document_mask``); None: causal for GPT-2, all for BERT. A
+        tensor-parallel rank runs ``chimera.tp``'s copy of this on its heads."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)                  # 3 x (B, T, C)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for t in (q, k, v))                          # (B, H, T, C/H)
-        mask = None if segments is None else packing.document_mask(segments)  # (B, 1, T, T)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
             dropout_p=self.dropout if self.training else 0.0)   # (B, H, T, C/H)
@@ -95,8 +98,10 @@ class TokenPositionEmbedding(nn.Module):
             packing.document_positions(segments)                # (T,) or (B, T)
         return self.tok(idx) + self.pos(pos)                    # (B, T, C)
 
-    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        return self.drop(self.embed(idx, segments))
+    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None):
+        """(B, T) ids -> (B, T, C); with ``segments``: ``(hidden, segments)``."""
+        h = self.drop(self.embed(idx, segments))                # (B, T, C)
+        return h if segments is None else (h, segments)
 
 
 # ---------------------------------------------------------------------------------------
@@ -112,10 +117,12 @@ class GPT2Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg, approximate="tanh")
 
-    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.ln1(x)  # a tensor-parallel attention (chimera.tp) takes no segments
-        x = x + (self.attn(h) if segments is None else self.attn(h, segments))  # (B, T, C)
-        return x + self.mlp(self.ln2(x))                        # (B, T, C)
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None):
+        """(B, T, C) -> (B, T, C); with ``segments``: ``(hidden, segments)``."""
+        mask = None if segments is None else packing.document_mask(segments)  # (B, 1, T, T)
+        x = x + self.attn(self.ln1(x), mask)                    # (B, T, C)
+        x = x + self.mlp(self.ln2(x))                           # (B, T, C)
+        return x if segments is None else (x, segments)
 
 
 class GPT2Head(nn.Module):
@@ -126,7 +133,7 @@ class GPT2Head(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))                       # (B, T, V)
 
 

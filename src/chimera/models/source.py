@@ -13,6 +13,7 @@ from torch import nn
 from chimera.byo import retie
 from chimera.data import IGNORE_INDEX
 from chimera.errors import UserError
+from chimera.models import packing
 from chimera.runtime.boundary import Stage
 from chimera.runtime.shared import Tie
 
@@ -59,6 +60,7 @@ class ModelSource:
     num_layers: int
     sums: bool = False  # loss_fn sums over target tokens (divided by their count), else a mean
     ties: tuple[tuple[str, ...], ...] = ()  # names of one weight in several layers, first: its name
+    eos_id: int | None = None  # --doc-mask: the id that ends each packed document (None: off)
 
     def layer_costs(self) -> list[float]:
         raise NotImplementedError
@@ -86,7 +88,33 @@ class ModelSource:
         function of the layer index and the layer), or a UserError naming why there is none."""
         raise UserError(f"--tensor-parallel: {self.name} has no tensor-parallel plan")
 
+    def packed(self, ids: torch.Tensor, segments: torch.Tensor):
+        """The first layer's input for (B, T) ids whose documents (``segments``, B x T) are
+        kept apart: each attends only to itself, its positions counted from 0."""
+        raise NotImplementedError
+
     # -- shared -------------------------------------------------------------------------
+    def keep_documents_apart(self, eos_id: int | None) -> None:
+        """``--doc-mask``: from now on ``inputs`` cuts every row into its documents, each
+        ending with ``eos_id``. A causal decoder only; UserError otherwise, or without an id."""
+        if self.kind != "gpt2":
+            raise UserError(f"--doc-mask: {self.name} is not a causal decoder (it attends both "
+                            "ways); packed documents are kept apart in GPT-2 and the Hugging Face "
+                            "decoders")
+        if eos_id is None:
+            raise UserError("--doc-mask needs the end-of-text id that ends each document: "
+                            "tokenized data (a tokenizer's, meta.json's) or --eos-id ID for raw "
+                            "token files; text read as bytes has none")
+        self.eos_id = eos_id
+
+    def inputs(self, ids: torch.Tensor):
+        """What the first layer takes for a (B, T) batch of ids: the ids, or with
+        ``keep_documents_apart`` what keeps their documents apart (``packed``), computed
+        from the ids alone, so every rank and layout sees the same."""
+        if self.eos_id is None:
+            return ids
+        return self.packed(ids, packing.document_segments(ids, self.eos_id))
+
     def key(self, name: str) -> str:
         """The checkpoint key of a parameter: every copy of a tie under its first name, so a
         checkpoint holds it once and any layout reads it back."""

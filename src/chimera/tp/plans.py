@@ -143,28 +143,32 @@ def llama_decoder_plan() -> dict:
 
 
 # -- chimera's GPT-2 -----------------------------------------------------------------------
-def _local_heads_attention(self, x):
-    """chimera's ``SelfAttention.forward`` on this rank's heads: its own forward splits the
-    fused qkv at the input's width C, which stays full under TP; here q, k, v are the three
-    equal blocks of the sharded output, C/T wide each, with n_head/T heads."""
+def _local_heads_attention(self, x, mask=None):
+    """chimera's ``SelfAttention.forward`` on this rank's heads: q, k, v are the three equal
+    blocks of the sharded qkv output, C/T wide each, with n_head/T heads; ``mask``: (B, 1, S,
+    S) bool, packed documents kept apart (``chimera.models.packing``), else causal."""
     B, S, _ = x.shape
     q, k, v = self.qkv(x).chunk(3, dim=2)                    # 3 x (B, S, C/T)
     q, k, v = (t.view(B, S, self.n_head, -1).transpose(1, 2)
                for t in (q, k, v))                           # (B, H/T, S, C/H)
     if self.training and self.dropout > 0:
-        y = _attention_with_dropout(q, k, v, self.causal, self.dropout, self.tp_random)
+        y = _attention_with_dropout(q, k, v, self.causal, self.dropout, self.tp_random, mask)
     else:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (B, H/T, S, C/H)
+        y = F.scaled_dot_product_attention(                  # (B, H/T, S, C/H)
+            q, k, v, attn_mask=mask, is_causal=self.causal and mask is None)
     y = y.transpose(1, 2).reshape(B, S, -1)                  # (B, S, C/T)
     return self.resid_drop(self.proj(y))                     # (B, S, C): allreduced
 
 
-def _attention_with_dropout(q, k, v, causal: bool, p: float, random) -> "torch.Tensor":
+def _attention_with_dropout(q, k, v, causal: bool, p: float, random, mask=None) -> "torch.Tensor":
     """SDPA's arithmetic written out, its probabilities' dropout drawn from this rank's
-    sharded stream (``chimera.tp.random``: these are this rank's heads only)."""
+    sharded stream (``chimera.tp.random``: these are this rank's heads only); ``mask``: what
+    a query sees (True), else causal."""
     S = q.shape[-2]
     scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5   # (B, H/T, S, S)
-    if causal:
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif causal:
         future = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
     probs = random.dropout(scores.softmax(-1), p, "sharded")

@@ -81,7 +81,10 @@ def _open_source(cfg):
     net = cfg.net
     dtype = torch.float64 if net.dtype == "float64" else torch.float32  # bf16: autocast
     try:
-        return open_source(net.model, data_info(cfg), net.seq_len, dtype)
+        source = open_source(net.model, data_info(cfg), net.seq_len, dtype)
+        if net.doc_mask:
+            source.keep_documents_apart(_documents_end(cfg))
+        return source
     except ImportError as exc:  # the hf extra is missing
         raise ConfigError(f"--model {net.model}: {exc}") from None
     except UserError as exc:
@@ -89,6 +92,20 @@ def _open_source(cfg):
         if not line.startswith("--"):
             line = f"--model {net.model}: {line}" if is_hf(net.model) else f"--model: {line}"
         raise ConfigError(line) from None
+
+
+def _documents_end(cfg) -> int | None:
+    """The end-of-text id of --data, or of every --data-mix source (which must agree)."""
+    from chimera.data.formats import describe  # lazy: chimera.data imports torch
+
+    spec = data_spec(cfg)
+    if not spec.mix:
+        return data_info(cfg).eos_id
+    ends = {part.path: describe(part).eos_id for part, _ in spec.parts()}
+    if len(set(ends.values())) > 1:
+        raise UserError("--doc-mask: the --data-mix sources end their documents with different "
+                        "ids (" + ", ".join(f"{p}: {e}" for p, e in ends.items()) + ")")
+    return next(iter(ends.values()))
 
 
 def mask_id(cfg) -> int | None:

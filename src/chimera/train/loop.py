@@ -171,7 +171,8 @@ class Trainer:
                                 wire_dtype=getattr(torch, WIRE_DTYPES[wire]) if wire else None,
                                 shard_optimizer=cfg.pipeline.shard_optimizer,
                                 sync_buffers=False, check_batch=False),
-            example_input=torch.zeros((1, source.seq_len), dtype=torch.long), context=self.context)
+            example_input=source.inputs(torch.zeros((1, source.seq_len), dtype=torch.long)),
+            context=self.context)
         # unchanged unless a drill
         self.runtime.program = faults.program_for(self.runtime.program, schedule, self.rank,
                                                   self.context.options.fault)
@@ -262,9 +263,11 @@ class Trainer:
     def _minibatches(self, inputs, targets) -> tuple[list, dict]:
         """A batch of whole mini-batches (``global_batch`` rows each) as a list of them, and
         the loss weights that make the sum of their losses the batch's mean (over its rows,
-        or over all its target tokens for a summed loss)."""
+        or over all its target tokens for a summed loss). Each mini-batch's inputs are what the
+        first layer takes (``ModelSource.inputs``: with --doc-mask, its documents kept apart)."""
         rows = self.cfg.global_batch
-        parts = [(inputs[i:i + rows], targets[i:i + rows]) for i in range(0, inputs.shape[0], rows)]
+        parts = [(self.source.inputs(inputs[i:i + rows]), targets[i:i + rows])
+                 for i in range(0, inputs.shape[0], rows)]
         if self.source.sums:
             return parts, {"total_tokens": self.source.token_count(targets), "loss_scale": 1.0}
         return parts, {"loss_scale": 1.0 / len(parts)}
@@ -286,7 +289,7 @@ class Trainer:
 
     def _micro_data(self, inputs, targets) -> MicroData:
         """This rank's micro-batches of one mini-batch, for running the runtime directly."""
-        return self.pipe._micro_data(inputs, targets, 1.0)[0]
+        return self.pipe._micro_data(self.source.inputs(inputs), targets, 1.0)[0]
 
     # -- held-out loss ------------------------------------------------------------------
     def evaluate(self) -> float:

@@ -136,6 +136,11 @@ class Net:
                                    "'<layer>.<name in the layer>' (e.g. '0.*' the embedding, "
                                    "'*.ln_*'); no gradient, no optimizer state, no allreduce",
                                    metavar="PATTERN")
+    doc_mask: bool = knob(False, "keep the documents packed into each sequence apart: every "
+                          "token attends only to its own document (a block-diagonal causal mask) "
+                          "and positions restart at each document, as if each ran alone; "
+                          "documents end with the data's end-of-text id (--eos-id); causal "
+                          "models only")
     lora_rank: int = knob(0, "LoRA adapters of rank R on --lora-targets, every base weight frozen "
                           "(0: no adapters)", metavar="R")
     lora_alpha: float = knob(16.0, "LoRA's alpha: the adapters' update is scaled by alpha / R",

@@ -75,6 +75,9 @@ class PresetSource(ModelSource):
     def tp_plan(self):
         return preset_tp_plan(self.kind, self.name)
 
+    def packed(self, ids, segments):
+        return ids, segments  # chimera's GPT-2 layers hand the segments on (models.gpt2)
+
 
 def is_hf(model: str) -> bool:
     return model.startswith(HF_PREFIX) or model in HF_PRESETS
