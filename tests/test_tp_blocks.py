@@ -65,7 +65,14 @@ def _gpt2(attn: str):
     return make_layer(GPT2Block, cfg, seed=0, index=1), tp.gpt2_block_plan()
 
 
-BLOCKS = {"llama": _llama, "hf-gpt2": _hf_gpt2, "gpt2": _gpt2}
+def _bert(attn: str):
+    from chimera.models.bert import BertBlock
+    from chimera.models.gpt2 import ModelConfig, make_layer
+    cfg = ModelConfig("bert", n_layer=2, d_model=16, n_head=4, seq_len=S)
+    return make_layer(BertBlock, cfg, seed=0, index=1), tp.gpt2_block_plan()  # post-LN, bidirectional
+
+
+BLOCKS = {"llama": _llama, "hf-gpt2": _hf_gpt2, "gpt2": _gpt2, "bert": _bert}
 
 
 def built(name: str, attn: str) -> tuple[nn.Module, dict]:
@@ -192,6 +199,7 @@ SHARDED = {  # the parameters each plan shards (the rest, norms and row biases, 
     "hf-gpt2": {f"block.{n}" for n in _HF_GPT2},
     "gpt2": {"attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "mlp.fc.weight", "mlp.fc.bias",
              "mlp.proj.weight"}}
+SHARDED["bert"] = SHARDED["gpt2"]
 
 
 @pytest.mark.parametrize("name, attn, t, heads", [
@@ -200,7 +208,8 @@ SHARDED = {  # the parameters each plan shards (the rest, norms and row biases, 
     ("hf-gpt2", "sdpa", 2, {"block.attn.num_heads": 2, "block.attn.split_size": 8}),
     ("hf-gpt2", "eager", 4, {"block.attn.num_heads": 1, "block.attn.split_size": 4}),
     ("gpt2", "", 2, {"attn.n_head": 2}),
-    ("gpt2", "", 4, {"attn.n_head": 1})])
+    ("gpt2", "", 4, {"attn.n_head": 1}),
+    ("bert", "", 2, {"attn.n_head": 2})])
 def test_a_tp_block_equals_one_process(name, attn, t, heads):
     block, plan = built(name, attn)
     results = run_ranks(functools.partial(block_worker, block=block, plan=plan), t)

@@ -26,7 +26,8 @@ one where a preset has none) in the activation precision; the layer waits for th
 added to its F and B, and under split backward to I (W issues none). A recomputed forward redoes
 its collectives (the runtime's checkpoint may stop one short: priced in full).
 
-Not searched: T > 1 for BERT (``chimera.tp`` refuses it), with dropout (the runtime runs it,
+Not searched: T > 1 for BERT (the runtime shards it, its MLM head's transform whole: not
+priced here), with dropout (the runtime runs it,
 but its attention unfused, the probabilities' masks drawn from the TP streams: not priced
 here), or with a measured profile (its layers were timed at T = 1).
 """
@@ -43,7 +44,7 @@ def tp_problem(cfg: ModelConfig, t: int) -> str | None:
     if t == 1:
         return None
     if cfg.kind == "bert":
-        return "BERT has no tensor-parallel plan (chimera.tp refuses it)"
+        return "BERT under TP is not priced (its MLM head's dense transform and norms stay whole)"
     if cfg.dropout > 0:  # the runtime runs it (chimera.tp.random); its attention is not priced
         return (f"dropout {cfg.dropout} (under TP the attention's dropout runs unfused, its "
                 "masks from the TP streams, which the planner does not price)")
