@@ -121,3 +121,16 @@ def test_a_checkpoint_from_before_the_record_is_still_compared(data, tmp_path):
         _resume(tmp_path, data, seed=5)
     assert build.resume_changes(_resume(tmp_path, data, stages=1, dtype="fp16")) == [
         "  dtype: 'float32' in the checkpoint, 'fp16' now (--dtype)"]
+
+
+def test_doc_mask_is_recorded_and_a_change_announced():
+    """--doc-mask changes what attends to what, not the weights: accepted and announced (a
+    checkpoint from before it was recorded says nothing)."""
+    from chimera.train import resume
+
+    cfg = TrainConfig(**BASE, doc_mask=True)
+    meta = {"model": cfg.net.model, "run": {**resume.record(cfg), "doc_mask": False}}
+    refused, accepted = resume.compare(meta, cfg, {})
+    assert refused == [] and accepted == ["  doc_mask: False in the checkpoint, True now (--doc-mask)"]
+    del meta["run"]["doc_mask"]
+    assert resume.compare(meta, cfg, {}) == ([], [])

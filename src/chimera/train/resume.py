@@ -9,7 +9,7 @@ field by field (``compare``) and sorts each difference into
   position is a function of the step and the batch), --seed (the order of the data) and
   --data (unless ``--resume-allow data``: fine-tuning on new data from a checkpoint);
 - accepted, and announced: --steps, the learning rate and its schedule, AdamW's settings,
-  clipping, the precision, and the layout (schedule, D, W, N, B, K) where the step's batch
+  clipping, the precision, --doc-mask (what attends to what, not the weights), and the layout (schedule, D, W, N, B, K) where the step's batch
   stays the same. Logging and checkpointing flags are not recorded: they change freely.
 
 Imports no torch (``TrainConfig`` checks before torch loads).
@@ -26,13 +26,14 @@ ACCEPTED = {
     "adam_beta1": "--adam-beta1", "adam_beta2": "--adam-beta2", "adam_eps": "--adam-eps",
     "clip": "--clip", "dtype": "--dtype", "schedule": "--schedule", "stages": "-D",
     "data_parallel": "-W", "micro_batches": "-N", "micro_batch_size": "-B", "grad_accum": "--grad-accum",
+    "doc_mask": "--doc-mask",
 }
 REFUSES = ("a resume refuses a change of the model, --seq-len, the vocabulary, the batch "
            "W*N*B*K, what trains (--freeze, --lora-*), --seed or --data (chimera train --help, "
            "--resume)")
 MODEL_FLAGS = {"seq_len": "--seq-len", "vocab_size": "--vocab-size (the data's vocabulary)"}
 SUMMARY = ("a resume accepts, and announces, changes to --steps, the learning rate and its "
-           "schedule, AdamW's settings, --clip, --dtype and the layout (same W*N*B*K); it refuses "
+           "schedule, AdamW's settings, --clip, --dtype, --doc-mask and the layout (same W*N*B*K); it refuses "
            "the model, --seq-len, the vocabulary, the batch W*N*B*K, --seed and --data "
            "(--resume-allow data accepts new data)")
 
