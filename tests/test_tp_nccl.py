@@ -402,3 +402,39 @@ def test_the_model_of_a_tp_rank_is_what_the_runtime_issues(schedule):
         assert all(w == "tp" for w in it), (r, got, want)
         forwards = sum(1 for a in plan.schedule.programs[r // 2] if a.op is Op.F)
         assert got.count("tp") >= forwards, (r, got)  # every forward sums a row-parallel output
+
+
+@pytest.mark.slow  # 4 gloo processes, and one for the reference
+def test_cli_tp2_under_strict_emulation_on_gloo_processes_equals_one_process(tmp_path):
+    """`chimera train -T 2 --emulate-nccl strict --device-plan 1` on 4 gloo processes: the
+    losses and gradient norms of the single-process run of the same mini-batches."""
+    from test_tp_pipeline import _close, _train
+
+    ref = _train(tmp_path, "ref", "--model", "hf-llama-tiny", "--schedule", "none", "--stages", "1",
+                 "-B", "16", "--steps", "3")
+    got = _train(tmp_path, "tp", "--model", "hf-llama-tiny", "-D", "2", "-T", "2", "-N", "4",
+                 "-B", "4", "--steps", "3", "--emulate-nccl", "strict", "--device-plan", "1")
+    _close(got, ref)
+
+
+def test_the_probed_boundaries_pickle_with_a_sharded_head():
+    """The probe broadcasts each stage's output spec between processes: the last stage's,
+    whose output is a TP head's ShardedLogits (holding its group, and so the transport),
+    goes as the type's name (a gloo run died in that broadcast: cannot pickle 'module')."""
+    import copy
+    import pickle
+
+    import hf_models as hm
+    from chimera import hf
+
+    base = hm.build("gpt2")
+    inputs, _ = hm.batch("gpt2", 4, 8)
+
+    def rank(_):
+        model = hf.load(copy.deepcopy(base), dtype=torch.float64)
+        pipe = model.pipeline(schedule="1f1b", stages=2, tensor_parallel=2, micro_batches=4,
+                              micro_batch_size=2, example_input={k: v[:2] for k, v in inputs.items()})
+        return pickle.loads(pickle.dumps(pipe.runtime.shapes))[-1].leaves
+
+    for leaves in run_virtual(4, rank):
+        assert [leaf.const for leaf in leaves] == ["<ShardedLogits>"], leaves

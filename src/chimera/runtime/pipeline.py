@@ -76,7 +76,19 @@ def _probe_stage(module: nn.Module, stage: int, x, last: bool, loss_fn, target, 
             except Exception as exc:  # noqa: BLE001
                 return "error", (f"stage {stage}: loss_fn failed on output {describe(x)} and target "
                                  f"{describe(target)}: {type(exc).__name__}: {exc}")
-        return "ok", BoundarySpec.of(x)
+        spec = BoundarySpec.of(x)
+        return "ok", _sent_nowhere(spec) if last else spec
+
+
+def _sent_nowhere(spec: BoundarySpec) -> BoundarySpec:
+    """The last stage's output spec as it is broadcast: it reaches the loss on its own rank and
+    is never sent, and an object leaf (a TP head's ``tp.ShardedLogits``, holding its group and
+    so the process group) does not pickle: such a leaf is named by its type."""
+    plain = (type(None), bool, int, float, str)
+    leaves = tuple(leaf if leaf.shape is not None or isinstance(leaf.const, plain) else
+                   dataclasses.replace(leaf, const=f"<{type(leaf.const).__name__}>")
+                   for leaf in spec.leaves)
+    return dataclasses.replace(spec, leaves=leaves)
 
 
 def probe_boundaries(grid: ProcessGrid, modules: dict, example, transport: Transport,
