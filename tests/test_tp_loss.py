@@ -168,3 +168,30 @@ def test_a_head_gathers_its_logits_unless_the_loss_takes_them_sharded():
     assert not tp.accepts_sharded_logits(F.cross_entropy)
     with pytest.raises(Exception, match="VocabHead.logits='whole'.: one of auto, gathered, sharded"):
         tp.resolve(nn.Sequential(nn.Linear(4, 6)), tp.head_plan("0", "whole"), 2)
+
+
+class _Sharding(nn.Module):
+    """A last layer returning sharded logits whose group holds what does not pickle (a lock
+    stands in for a communicator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 6)
+        import threading
+        self.group = tp.TPGroup(threading.Lock(), None, 0, 1)
+
+    def forward(self, x):
+        return tp.ShardedLogits(self.head(x), self.group, 5)
+
+
+def test_the_probe_of_a_last_stage_with_sharded_logits_sends_a_spec_that_pickles():
+    """Processes broadcast the probe's result (pickled): the last stage's output is no
+    boundary, so its sharded logits travel as their type's name (a gloo run failed with
+    "cannot pickle" before)."""
+    import pickle
+
+    from chimera.runtime.pipeline import _probe_stage
+    x, y = torch.randn(2, 3, 4), torch.randint(0, 5, (2, 3))
+    kind, spec = _probe_stage(_Sharding(), 1, x, True, tp.cross_entropy, y, torch.device("cpu"))
+    assert kind == "ok", spec
+    assert "ShardedLogits" in pickle.loads(pickle.dumps(spec)).leaves[0].const
