@@ -195,3 +195,22 @@ def test_the_probe_of_a_last_stage_with_sharded_logits_sends_a_spec_that_pickles
     kind, spec = _probe_stage(_Sharding(), 1, x, True, tp.cross_entropy, y, torch.device("cpu"))
     assert kind == "ok", spec
     assert "ShardedLogits" in pickle.loads(pickle.dumps(spec)).leaves[0].const
+
+
+def test_half_precision_sharded_logits_are_computed_on_in_float32():
+    """bf16 logits: the loss equals ``F.cross_entropy`` of the same values in float32 (a bf16
+    sum of exponentials would be off by about 1e-2), its gradient bf16 like the logits."""
+    gen = torch.Generator().manual_seed(0)
+    whole = (4 * torch.randn(2, 3, 37, generator=gen)).bfloat16()
+    y = torch.randint(0, 37, (2, 3), generator=gen)
+    want = F.cross_entropy(whole.float().flatten(0, 1), y.flatten(), reduction="sum")
+
+    def body(rank: int) -> tuple[float, torch.dtype]:
+        padded = torch.cat([whole, whole.new_zeros(2, 3, 1)], -1)  # 37 -> 38
+        local = padded.chunk(2, -1)[rank].contiguous().requires_grad_()
+        loss = tp.cross_entropy(tp.ShardedLogits(local, tp_group(rank, 2), 37), y, reduction="sum")
+        loss.backward()
+        return loss.item(), local.grad.dtype
+
+    for loss, dtype in run_virtual(2, body):
+        assert abs(loss - want.item()) <= 1e-5 * abs(want.item()) and dtype == torch.bfloat16

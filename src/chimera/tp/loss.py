@@ -16,7 +16,8 @@ would get (the allreduce's backward is the identity: every rank computes the sam
 each differentiates it with respect to its own columns). The padding columns (a vocabulary
 that T does not divide) are cut off before the maximum: they never win, never count and
 get no gradient. Targets equal to ``ignore_index`` add 0 and get no gradient, as in
-``F.cross_entropy``.
+``F.cross_entropy``. Half-precision logits are computed on in float32 (this rank's columns
+only: 1/T of the copy a whole-logits loss makes).
 
 A loss function that takes :class:`ShardedLogits` says so with :func:`takes_sharded_logits`;
 ``Pipeline`` then lets the heads whose plan entry is ``VocabHead()`` (``logits="auto"``) keep
@@ -123,6 +124,7 @@ def _vocab_parallel(logits: ShardedLogits, targets: torch.Tensor,
     """(per-row losses, 0 where ignored; the rows that count): the three reductions."""
     tp, real, start = logits.tp, logits.real, logits.start
     x = logits.local.reshape(-1, logits.local.shape[-1])[:, :real]   # (N, real): padding cut
+    x = x.float() if x.dtype.itemsize < 4 else x  # as F.cross_entropy accumulates half precision
     rows = x.shape[0]
     peak = x.detach().amax(-1) if real else x.new_full((rows,), float("-inf"))
     tp.all_reduce(peak, op=ReduceOp.MAX)                             # (N,), the row's max
