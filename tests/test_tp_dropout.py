@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from chimera import tp
 from chimera.errors import UserError
 from ranks import run_ranks
-from test_tp_blocks import B, S, diff, inputs, randomized, tp_group
+from test_tp_blocks import B, S, call, diff, inputs, randomized, tp_group
 
 P = 0.25
 
@@ -40,34 +40,53 @@ def _block(dropout: float = P) -> nn.Module:
         return randomized(make_layer(GPT2Block, cfg, seed=0, index=1), seed=7)
 
 
-def _run(block: nn.Module, group: tp.TPGroup, recompute: bool, context: bool = True) -> dict:
+def _hf_block() -> nn.Module:
+    """HF's GPT-2 block with residual dropout (its attention's stays 0: not routed)."""
+    import hf_models as hm
+    from chimera import rng
+    from chimera.hf.layers import GPT2Block
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block as HFBlock
+    config = hm.config("gpt2", "eager")
+    config.resid_pdrop = P
+    with rng.seeded(0):
+        return randomized(GPT2Block(config, block=HFBlock(config, layer_idx=0)), seed=7)
+
+
+BLOCKS = {"gpt2": (_block, tp.gpt2_block_plan),
+          "hf-gpt2": (_hf_block, lambda: tp.prefixed(tp.hf_gpt2_block_plan(), "block."))}
+
+
+def _run(block: nn.Module, plan: dict, group: tp.TPGroup, recompute: bool,
+         context: bool = True) -> dict:
     """One training forward and backward of a fresh copy of the sharded ``block``, its
     streams seeded anew (a rerun): output, input gradient, every gathered gradient."""
     random = tp.TPRandom(seed=3, pipe_rank=0, t=group.rank)
     group = tp.TPGroup(group.transport, group.group, group.rank, group.size, random=random)
-    sharded = tp.parallelize(copy.deepcopy(block), tp.gpt2_block_plan(), group).train()
-    x, _, g = inputs(seed=3)
+    sharded = tp.parallelize(copy.deepcopy(block), plan, group).train()
+    x, mask, g = inputs(seed=3)
     x.requires_grad_()
     if recompute:
         kw = {"context_fn": random.recompute_context} if context else {}
-        y = checkpoint(sharded, x, use_reentrant=False, **kw)
+        y = checkpoint(call, sharded, x, mask, use_reentrant=False, **kw)
     else:
-        y = sharded(x)
+        y = call(sharded, x, mask)
     y.backward(g)
     grads = {n: tp.full_grad(p, group) for n, p in sharded.named_parameters()}
     return {"y": y.detach(), "dx": x.grad, "grads": grads,
-            "types": sorted({type(m).__name__ for m in sharded.modules() if "Dropout" in type(m).__name__})}
+            "types": sorted({type(m).__name__ for m in sharded.modules()
+                             if "Dropout" in type(m).__name__ and m.p > 0})}
 
 
-def _worker(rank: int, world: int, block: nn.Module) -> dict:
+def _worker(rank: int, world: int, block: nn.Module, plan: dict) -> dict:
     group = tp_group(rank, world)
-    runs = {"first": _run(block, group, False), "rerun": _run(block, group, False),
-            "recomputed": _run(block, group, True),
-            "recomputed, streams not replayed": _run(block, group, True, False)}
+    runs = {"first": _run(block, plan, group, False), "rerun": _run(block, plan, group, False),
+            "recomputed": _run(block, plan, group, True),
+            "recomputed, streams not replayed": _run(block, plan, group, True, False)}
     random = tp.TPRandom(seed=3, pipe_rank=0, t=rank)
     draws = {s: torch.rand(4, generator=random.generator(s)) for s in tp.random.STREAMS}
+    x, mask, _ = inputs(seed=3)
     ref = copy.deepcopy(block).eval()  # no dropout: what the masks change
-    return {**runs, "draws": draws, "eval": ref(inputs(seed=3)[0]).detach()}
+    return {**runs, "draws": draws, "eval": call(ref, x, mask).detach()}
 
 
 def _same(a: dict, b: dict) -> float:
@@ -76,10 +95,12 @@ def _same(a: dict, b: dict) -> float:
     return max([diff(a["y"], b["y"]), diff(a["dx"], b["dx"]), *grads])
 
 
-def test_tp_dropout_is_deterministic_replicated_where_the_tensor_is_and_replayed_by_recompute():
-    results = run_ranks(functools.partial(_worker, block=_block()), 2)
+@pytest.mark.parametrize("name", BLOCKS)
+def test_tp_dropout_is_deterministic_replicated_where_the_tensor_is_and_replayed_by_recompute(name):
+    build, plan = BLOCKS[name]
+    results = run_ranks(functools.partial(_worker, block=build(), plan=plan()), 2)
     for rank, r in enumerate(results):
-        assert r["first"]["types"] == ["TPDropout"], r["first"]["types"]  # resid_drop, mlp.drop
+        assert r["first"]["types"] == ["TPDropout"], r["first"]["types"]  # every rate above 0
         assert diff(r["first"]["y"], r["eval"]) > 1e-3, rank  # the masks did something
         assert _same(r["first"], r["rerun"]) == 0.0, rank  # the same masks on a rerun
         assert _same(r["first"], r["recomputed"]) == 0.0, rank  # recompute replays them
@@ -93,15 +114,16 @@ def test_tp_dropout_is_deterministic_replicated_where_the_tensor_is_and_replayed
 
 
 def test_a_dropout_the_plan_does_not_route_is_refused_and_one_without_streams_too():
-    """HF GPT-2's dropouts are not in its plan: refused in one line; a routed dropout with a
-    TPGroup that has no streams: refused when sharded."""
+    """HF GPT-2's attention dropout is not in its plan (HF's attention draws it from torch's
+    global RNG): refused in one line; a routed dropout with a TPGroup that has no streams:
+    refused when sharded."""
     import hf_models as hm
     from chimera.hf.layers import GPT2Block
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block as HFBlock
     config = hm.config("gpt2", "eager")
-    config.resid_pdrop = 0.1
+    config.attn_pdrop = 0.1
     block = GPT2Block(config, block=HFBlock(config, layer_idx=0))
-    with pytest.raises(UserError, match=r"resid_dropout.p=0.1\), which its plan does not draw from "
+    with pytest.raises(UserError, match=r"attn_dropout.p=0.1\), which its plan does not draw from "
                                         r"the TP random streams"):
         tp.resolve(block, tp.prefixed(tp.hf_gpt2_block_plan(), "block."), 2)
     group = tp.TPGroup(None, None, 0, 2)  # no streams

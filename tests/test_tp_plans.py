@@ -147,16 +147,18 @@ def test_what_t_cannot_split_is_refused(build, plan, t, says):
 
 
 @pytest.mark.parametrize("build, plan, says", [
-    (lambda: _hf_gpt2_block(resid_pdrop=0.1), tp.hf_gpt2_block_plan, "(attn.resid_dropout.p=0.1)"),
+    (lambda: _hf_gpt2_block(attn_pdrop=0.1), tp.hf_gpt2_block_plan, "(attn.attn_dropout.p=0.1)"),
     (lambda: _llama_layer(attention_dropout=0.2), tp.llama_decoder_plan, "(self_attn.attention_dropout=0.2)"),
 ])
 def test_a_dropout_its_plan_does_not_route_is_refused_under_tp(build, plan, says):
-    """HF's plans do not draw their dropouts from the TP streams (chimera.tp.random): refused;
-    chimera's GPT-2 plan does (tests/test_tp_dropout.py)."""
+    """HF's attention dropouts are not drawn from the TP streams (chimera.tp.random): refused;
+    chimera's GPT-2 plan draws all of its own, HF GPT-2's its residual ones
+    (tests/test_tp_dropout.py)."""
     message = _refused(build(), plan(), 2)
     assert says in message and "which its plan does not draw from the TP random streams" in message
     tp.resolve(build(), plan(), 1)  # one rank: the one process's arithmetic
     tp.resolve(_gpt2_block(dropout=0.1), tp.gpt2_block_plan(), 2)  # routed: taken
+    tp.resolve(_hf_gpt2_block(resid_pdrop=0.1), tp.hf_gpt2_block_plan(), 2)
 
 
 def _never(*args, **kwargs):

@@ -45,7 +45,7 @@ SLIDING = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3Fo
 # columns) and Mistral (the same module names; the window is in the mask).
 _DECODER_TP = lambda: tp.prefixed(tp.llama_decoder_plan(), "layer.")  # noqa: E731
 TP_PLANS = {
-    L.GPT2Embed: lambda: tp.embedding_plan("wte"),
+    L.GPT2Embed: lambda: {**tp.embedding_plan("wte"), "drop": tp.Dropout("replicated")},
     L.GPT2Block: lambda: tp.prefixed(tp.hf_gpt2_block_plan(), "block."),
     L.GPT2Head: lambda: tp.head_plan("lm_head"),
     L.LlamaEmbed: lambda: tp.embedding_plan("embed_tokens"),

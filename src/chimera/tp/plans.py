@@ -189,9 +189,13 @@ def gpt2_block_plan() -> dict:
 # -- HF GPT-2 ------------------------------------------------------------------------------
 def hf_gpt2_block_plan() -> dict:
     """HF's ``GPT2Block``: Conv1D projections, fused ``c_attn`` split by Q/K/V head blocks;
-    its attention splits c_attn's output at ``split_size`` and counts ``num_heads``."""
+    its attention splits c_attn's output at ``split_size`` and counts ``num_heads``. Its
+    residual dropouts (after the row-parallel projections) draw from the replicated stream;
+    the attention probabilities' (``attn_pdrop``, HF's attention functions draw it from
+    torch's global RNG) is not routed: refused above 0."""
     return {"attn.c_attn": Colwise(parts=3), "attn.c_proj": Rowwise(),
             "mlp.c_fc": Colwise(), "mlp.c_proj": Rowwise(),
+            "attn.resid_dropout": Dropout("replicated"), "mlp.dropout": Dropout("replicated"),
             "attn": LocalHeads(heads="num_heads", divide=("num_heads", "split_size"))}
 
 
