@@ -7,9 +7,13 @@
   the other replica waits for) trains at T = 1 under the emulation and at T = 2 on plain
   transports, and the emulation stops it at T = 2: the forward's TP allreduce waits behind
   the launched allreduce. The static rendezvous check, given T, finds the same deadlock,
-  and passes the real plans of every schedule with T = 2.
+  and passes the real plans of every runnable schedule with T = 2; a recorded step issues
+  what its model says.
+- The T ranks of a pipeline rank run one program: another schedule, layers that give
+  another boundary, or another mini-batch on a TP peer is refused on every rank.
+- Evaluation returns the whole outputs on every TP rank.
 
-Virtual ranks (threads), float64.
+Virtual ranks (threads), float64; the slow tests also run gloo processes.
 """
 
 from __future__ import annotations
