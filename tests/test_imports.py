@@ -13,9 +13,8 @@ import sys
 import pytest
 
 from limits import limit
+from sources import PACKAGE, SRC, package_files, tree
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
-PACKAGE = SRC / "chimera"
 
 # Cycles allowed to stay: none (the last two went in issue 24). A cycle not listed here fails.
 KNOWN_CYCLES: set[frozenset[str]] = set()
@@ -53,7 +52,7 @@ LAYERS = [
 
 def modules() -> dict[str, pathlib.Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in package_files():
         parts = list(path.relative_to(SRC).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -85,7 +84,7 @@ def import_graph() -> dict[str, dict[str, int]]:
     known = modules()
     graph: dict[str, dict[str, int]] = {m: {} for m in known}
     for module, path in known.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree(path)):
             for target in _imported(node, known):
                 if target != module:
                     graph[module].setdefault(target, node.lineno)
@@ -212,7 +211,7 @@ def _function_imports(path: pathlib.Path):
     """(line, text) of each import inside a function with no comment saying why: on its line,
     on the line above it, or on or above an earlier import of the same function."""
     lines = path.read_text().splitlines()
-    for fn in ast.walk(ast.parse("\n".join(lines))):
+    for fn in ast.walk(tree(path)):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         said = False
@@ -225,7 +224,7 @@ def _function_imports(path: pathlib.Path):
 
 def test_imports_inside_functions_say_why():
     missing = [f"{path.relative_to(PACKAGE)}:{line}: {text}"
-               for path in sorted(PACKAGE.rglob("*.py"))
+               for path in package_files()
                if str(path.relative_to(PACKAGE)) not in NOT_YET_COMMENTED
                for line, text in _function_imports(path)]
     assert not missing, "imports inside functions without a comment saying why:\n" + "\n".join(missing)

@@ -4,15 +4,14 @@ and the NCCL emulation over another transport (here: virtual ranks, in process).
 
 import ast
 import datetime
-import pathlib
 import threading
 
 import pytest
 import torch
 
+from sources import PACKAGE, package_files, tree
 from chimera.runtime.transport import OneRank, ReduceOp, TorchDist, Transport, Wrapping, current, using
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "src" / "chimera"
 
 # Modules that may call torch.distributed directly, and why. Everything else asks its transport.
 ALLOWED = {
@@ -50,10 +49,10 @@ def direct_uses(tree: ast.AST) -> list[tuple[int, str]]:
 
 def test_only_the_allowed_modules_call_torch_distributed():
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in package_files():
         rel = path.relative_to(PACKAGE).as_posix()
         if rel not in ALLOWED:
-            found += [f"{rel}:{line}: {text}" for line, text in direct_uses(ast.parse(path.read_text()))]
+            found += [f"{rel}:{line}: {text}" for line, text in direct_uses(tree(path))]
     assert not found, ("torch.distributed used directly (take a transport: the run context's):\n"
                        + "\n".join(found))
 
@@ -66,11 +65,11 @@ AMBIENT = {"runtime/transport.py", "runtime/context.py", "runtime/virtual.py"}
 
 def test_only_launchers_look_the_transport_up():
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in package_files():
         rel = path.relative_to(PACKAGE).as_posix()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if rel in AMBIENT:
-                break
+        if rel in AMBIENT:
+            continue
+        for node in ast.walk(tree(path)):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("current", "using"):
                 found.append(f"{rel}:{node.lineno}: {node.func.id}()")
             if isinstance(node, ast.ImportFrom) and node.module == "chimera.runtime.transport":
@@ -80,7 +79,7 @@ def test_only_launchers_look_the_transport_up():
 
 
 def test_every_allowed_module_still_needs_it():
-    stale = [rel for rel in ALLOWED if not direct_uses(ast.parse((PACKAGE / rel).read_text()))]
+    stale = [rel for rel in ALLOWED if not direct_uses(tree(PACKAGE / rel))]
     assert not stale, f"take these off ALLOWED: {stale}"
 
 
