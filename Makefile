@@ -31,9 +31,10 @@ demo-hf: setup
 # every test that stays in this process (virtual ranks, the CLI called in process), plus one
 # `python -m chimera schedules` smoke run; tests that start processes and the largest cases of
 # the schedule sweeps (D >= 8 or 16) are marked slow.
-# CI runs both targets (.ci/run)
+# Two pytest-xdist workers, a test file to a worker (its module fixtures built once); each
+# test keeps its own tmp_path and writes nothing outside it. CI runs both targets (.ci/run)
 test: setup
-	$(BIN)/python -m pytest -q -x -m "not slow" --durations=10
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile -m "not slow" --durations=10
 
 # the tests marked slow: every test that starts processes (spawned gloo ranks, `python -m
 # chimera` and `python -c` subprocesses, fresh-interpreter import checks, signals)

@@ -14,6 +14,10 @@ or spawned gloo processes where the transport or the processes are the subject).
 that starts processes (spawned ranks, ``run_cli``, ``python -c``) carries
 ``@pytest.mark.slow``: ``make test`` leaves them out (but for one ``chimera schedules``
 smoke run), ``make test-slow`` runs them.
+
+``make test`` runs on two pytest-xdist workers (``-n 2 --dist loadfile``: a module's tests,
+and so its module fixtures, stay in one worker); a worker then takes its share of the cores
+for torch's intra-op threads (``pytest_configure``) instead of every worker taking them all.
 """
 
 import argparse
@@ -28,6 +32,15 @@ from limits import limit
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
+
+
+def pytest_configure(config):
+    """Under xdist, torch's intra-op threads per worker: the cores over the workers (at least
+    one), so two workers on two cores do not each spin two threads."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def pytest_addoption(parser):
