@@ -37,9 +37,12 @@ test: setup
 	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile -m "not slow" --durations=10
 
 # the tests marked slow: every test that starts processes (spawned gloo ranks, `python -m
-# chimera` and `python -c` subprocesses, fresh-interpreter import checks, signals)
+# chimera` and `python -c` subprocesses, fresh-interpreter import checks, signals), run
+# serially (their time limits assume no second test beside them); first the slow ones that
+# start no process (marked sweep: the sweeps' largest cases) on two xdist workers
 test-slow: setup
-	$(BIN)/python -m pytest -q -x -m slow --durations=10
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile -m "slow and sweep" --durations=10
+	$(BIN)/python -m pytest -q -x -m "slow and not sweep" --durations=10
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -13,7 +13,9 @@ Ranks for a test come from ``tests/ranks.py`` (``run_ranks``: virtual ranks in t
 or spawned gloo processes where the transport or the processes are the subject). Every test
 that starts processes (spawned ranks, ``run_cli``, ``python -c``) carries
 ``@pytest.mark.slow``: ``make test`` leaves them out (but for one ``chimera schedules``
-smoke run), ``make test-slow`` runs them.
+smoke run), ``make test-slow`` runs them. A slow test that starts no process (a sweep's
+largest cases) carries ``@pytest.mark.sweep`` too: ``make test-slow`` runs those first, on two
+workers, and the process-starting rest serially (their time limits assume no test beside them).
 
 ``make test`` runs on two pytest-xdist workers (``-n 2 --dist loadfile``: a module's tests,
 and so its module fixtures, stay in one worker); a worker then takes its share of the cores

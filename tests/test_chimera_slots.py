@@ -16,7 +16,9 @@ from chimera.sim import CostModel, simulate
 from chimera.check.validate import validate
 
 HEAVY = CostModel.unit(1, 2)  # B = 2F, the case forward doubling is for
-SLOW = pytest.mark.slow  # the sweeps' largest shapes: make test-slow runs them, make test the rest
+# the sweeps' largest shapes, in this process: make test-slow runs them (on two workers),
+# make test the rest
+SLOW = [pytest.mark.slow, pytest.mark.sweep]
 
 
 class _Runner:

@@ -54,6 +54,7 @@ def test_every_runnable_plan_passes(name, options):
 
 
 @pytest.mark.slow  # D=8 (N up to 32) is four fifths of the sweep's time: make test-slow runs it
+@pytest.mark.sweep
 @pytest.mark.parametrize("name,options", VARIANTS, ids=[f"{n}-{o}" for n, o in VARIANTS])
 def test_every_runnable_plan_passes_at_d8(name, options):
     _every_plan_passes(name, options, (8,))

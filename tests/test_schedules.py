@@ -11,7 +11,9 @@ from chimera.sim import CostModel, simulate
 from chimera.check.validate import ValidationError, validate
 
 EQUAL = CostModel.unit(1, 1)
-SLOW = pytest.mark.slow  # the sweeps' largest shapes: make test-slow runs them, make test the rest
+# the sweeps' largest shapes, in this process: make test-slow runs them (on two workers),
+# make test the rest
+SLOW = [pytest.mark.slow, pytest.mark.sweep]
 
 
 def big(*values):

@@ -58,6 +58,7 @@ def test_strict_replay_small_depths(name):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_strict_replay_every_depth(name):
     _replay_all(name, range(2, 9))

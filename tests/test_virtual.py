@@ -15,12 +15,13 @@ from limits import limit
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 VARIANTS = {"chimera": [{}, {"strategy": "doubling"}, {"strategy": "halving"}, {"pipes": 4}],
             "interleaved": [{"chunks": 2}]}
+SWEEP = [pytest.mark.slow, pytest.mark.sweep]  # in this process: make test-slow runs them on two workers
 CASES = [(s.name, kw) for s in schemes(runnable=True) for kw in VARIANTS.get(s.name, [{}])]
 
 
 @pytest.mark.parametrize("schedule,options", CASES, ids=[f"{s}-{o}" for s, o in CASES])
 @pytest.mark.parametrize("stages,data_parallel", [  # every schedule at D=2 in the default run
-    (2, 1), pytest.param(4, 1, marks=pytest.mark.slow), pytest.param(2, 2, marks=pytest.mark.slow)])
+    (2, 1), pytest.param(4, 1, marks=SWEEP), pytest.param(2, 2, marks=SWEEP)])
 def test_every_schedule_on_virtual_ranks_equals_one_process(schedule, options, stages, data_parallel):
     if options.get("pipes") == 4 and stages < 4:
         pytest.skip("four pipes need D >= 4")

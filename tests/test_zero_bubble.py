@@ -16,7 +16,9 @@ from chimera.check.validate import validate
 
 UNIT = CostModel.unit(1, i=1, w=1)  # F = I = W = 1, no communication
 NEW = ["zb-v", "dualpipev", "dualpipe", "chimera-zb"]
-SLOW = pytest.mark.slow  # the sweeps' largest shapes: make test-slow runs them, make test the rest
+# the sweeps' largest shapes, in this process: make test-slow runs them (on two workers),
+# make test the rest
+SLOW = [pytest.mark.slow, pytest.mark.sweep]
 
 
 def big(*values):
