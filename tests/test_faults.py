@@ -417,3 +417,29 @@ def test_spawn_s_store_outlives_rank_0(capfd):
     assert errors[1] == "RuntimeError: the store answered: rank 0 died", errors
     err = capfd.readouterr().err
     assert not [l for l in err.splitlines() if any(w in l for w in STORE_WARNING)], err
+
+
+def test_a_spawned_rank_that_cannot_join_the_group_is_reported_not_a_traceback(monkeypatch, tmp_path):
+    """chimera.spawn's rank whose ``init_process_group`` raises (a store gone, a port taken)
+    writes its report for the launcher (one line there) and exits 1, as its function's own
+    failure does; the function never runs."""
+    import pickle
+    from chimera.runtime import launch_local
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("connect() timed out")
+
+    monkeypatch.setattr(launch_local.dist, "init_process_group", refused)
+    monkeypatch.setattr(launch_local.workers, "store_client", lambda *a: None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "0")  # _entry sets them: restored after the test
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as ended:
+            launch_local._entry(1, 2, pickle.dumps(print), 0, "gloo", str(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+    assert ended.value.code == 1
+    report = json.loads((tmp_path / "1.json").read_text())
+    assert "connect() timed out" in report["error"]
+    assert "rank 1 could not join the process group (gloo, 2 ranks)" in report["error"]

@@ -52,8 +52,13 @@ def _entry(rank: int, world: int, blob: bytes, store: int, backend: str, errdir:
         torch.cuda.set_device(rank)
         kw["device_id"] = torch.device("cuda", rank)
     timeout = dist.default_pg_timeout
-    dist.init_process_group(backend, store=workers.store_client(store, world, timeout), rank=rank,
-                            world_size=world, timeout=timeout, **kw)
+    try:  # reported like the function's own failure: one line from the launcher, no traceback
+        dist.init_process_group(backend, store=workers.store_client(store, world, timeout),
+                                rank=rank, world_size=world, timeout=timeout, **kw)
+    except BaseException as exc:
+        exc.add_note(f"rank {rank} could not join the process group ({backend}, {world} ranks)")
+        _report(errdir, rank, exc)
+        raise SystemExit(1) from None
     try:
         fn(rank, world)
     except BaseException as exc:
