@@ -460,6 +460,7 @@ def test_every_plan_replays_with_t2_small_depths(name):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # starts no process: on make test-slow's two workers
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_every_plan_replays_with_t2_every_depth(name):
     _replay_with_t2(name, range(2, 9))
